@@ -1,0 +1,177 @@
+"""The contract every attention backend follows.
+
+Layout everywhere: ``q, k, v`` are ``[B, S, H, D]`` (batch, sequence, heads, head dim); the output has the
+shape of ``q``. A backend declares what it can run as data (:class:`Capabilities`); :func:`reasons_cannot_run`
+turns that data plus the actual tensors into a list of human-readable reasons. An empty list means "can run".
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from fastwan.attention.layout import TokenLayout
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports. ``None`` means "no restriction"."""
+
+    device_types: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+    head_dims: tuple[int, ...] | None = None  # exact allowed head dims
+    max_head_dim: int | None = None
+    head_dim_multiple: int | None = None
+    min_compute_capability: tuple[int, int] | None = None  # CUDA only
+    max_compute_capability: tuple[int, int] | None = None  # CUDA only (inclusive)
+    compute_capabilities: tuple[tuple[int, int], ...] | None = None  # exact list, CUDA only
+    packages: tuple[tuple[str, str], ...] = ()  # (import name, pip install hint)
+    supports_cross_attention: bool = True  # q and k/v sequence lengths may differ
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-call context for self-attention inside the DiT.
+
+    ``grid`` is the (T, H, W) token grid of the video after patchify; ``layout`` is set when the tokens were
+    reordered for a sparse backend; ``step_index``/``num_steps`` are the denoising step (None outside a loop);
+    ``layer_index`` is the DiT block index.
+    """
+
+    grid: tuple[int, int, int] | None = None
+    step_index: int | None = None
+    num_steps: int | None = None
+    layer_index: int = 0
+    layout: TokenLayout | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def package_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def reasons_cannot_run(
+    caps: Capabilities,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    seq_q: int | None = None,
+    seq_kv: int | None = None,
+) -> list[str]:
+    """Turn a backend's declared capabilities into the list of reasons it cannot run this problem."""
+    device = torch.device(device)
+    reasons: list[str] = []
+    for module, hint in caps.packages:
+        if not package_available(module):
+            reasons.append(f"package '{module}' is not installed ({hint})")
+    if device.type not in caps.device_types:
+        reasons.append(f"device type '{device.type}' is not supported (needs {', '.join(caps.device_types)})")
+    elif device.type == "cuda":
+        if not torch.cuda.is_available():
+            reasons.append("CUDA is not available")
+        else:
+            cc = torch.cuda.get_device_capability(device)
+            sm = f"sm{cc[0]}{cc[1]}"
+            if caps.min_compute_capability and cc < caps.min_compute_capability:
+                need = caps.min_compute_capability
+                reasons.append(f"compute capability {sm} is below the minimum sm{need[0]}{need[1]}")
+            if caps.max_compute_capability and cc > caps.max_compute_capability:
+                top = caps.max_compute_capability
+                reasons.append(f"compute capability {sm} is above the supported maximum sm{top[0]}{top[1]}")
+            if caps.compute_capabilities and cc not in caps.compute_capabilities:
+                ok = ", ".join(f"sm{a}{b}" for a, b in caps.compute_capabilities)
+                reasons.append(f"compute capability {sm} is not one of {ok}")
+    if dtype not in caps.dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
+        reasons.append(f"dtype {str(dtype).replace('torch.', '')} is not supported (needs one of {names})")
+    if caps.head_dims is not None and head_dim not in caps.head_dims:
+        reasons.append(f"head dim {head_dim} is not supported (needs one of {list(caps.head_dims)})")
+    if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
+        reasons.append(f"head dim {head_dim} exceeds the maximum {caps.max_head_dim}")
+    if caps.head_dim_multiple is not None and head_dim % caps.head_dim_multiple:
+        reasons.append(f"head dim {head_dim} is not a multiple of {caps.head_dim_multiple}")
+    if (
+        not caps.supports_cross_attention
+        and seq_q is not None
+        and seq_kv is not None
+        and seq_q != seq_kv
+    ):
+        reasons.append(f"query length {seq_q} != key length {seq_kv} (self-attention only)")
+    return reasons
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Validate shapes/dtypes/devices of a [B, S, H, D] attention call; raises ValueError/TypeError."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [B, S, H, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has rank {t.dim()} (shape {tuple(t.shape)}); attention takes [B, S, H, D] tensors. "
+                "Reshape with x.unflatten(-1, (heads, head_dim))."
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype first.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one.")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}; they must match.")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, heads and head dim ([B, S, H, D])."
+        )
+
+
+class AttentionBackend:
+    """Base class. Subclasses set ``name``, ``capabilities`` and implement :meth:`forward`.
+
+    Instances may hold configuration (a pinned kernel, a sparse window ...) but no per-call state, so one
+    instance can serve every layer of a model.
+    """
+
+    name: ClassVar[str] = "BASE"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    sparse: ClassVar[bool] = False  # sparse backends need a TokenLayout and only serve self-attention
+
+    def reasons(
+        self,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        head_dim: int,
+        seq_q: int | None = None,
+        seq_kv: int | None = None,
+    ) -> list[str]:
+        """Why this backend cannot run the described problem (empty list: it can)."""
+        return reasons_cannot_run(
+            self.capabilities, device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv
+        )
+
+    def kernel_name(self, device: torch.device | str | None = None) -> str:
+        """The concrete kernel this backend runs (e.g. 'flash_attn.cute (FA4, sm90)')."""
+        return self.name
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """q: [B, Sq, H, D], k/v: [B, Skv, H, D] -> [B, Sq, H, D]."""
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, *, scale=None, meta=None):
+        return self.forward(q, k, v, scale=scale, meta=meta)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

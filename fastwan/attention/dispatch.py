@@ -1,0 +1,94 @@
+"""The one seam between the DiT and the attention backends.
+
+A DiT holds one :class:`AttentionDispatch`. Self-attention goes to ``self_backend`` (dense or sparse);
+cross-attention (video queries vs. text keys) always goes to a dense backend. A sparse backend also supplies
+the :class:`~fastwan.attention.layout.TokenLayout` that the DiT applies once per forward.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fastwan.attention.base import AttentionBackend, AttentionMetadata, check_qkv
+from fastwan.attention.registry import auto_backend, resolve_backend
+
+
+class AttentionDispatch:
+    def __init__(self, self_backend: AttentionBackend, cross_backend: AttentionBackend | None = None):
+        if cross_backend is None:
+            cross_backend = self_backend
+        if cross_backend.sparse:
+            raise ValueError(f"cross-attention needs a dense backend, got sparse {cross_backend.name}")
+        self.self_backend = self_backend
+        self.cross_backend = cross_backend
+
+    @classmethod
+    def resolve(
+        cls,
+        requested: AttentionBackend | str | None,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        head_dim: int,
+        config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> AttentionDispatch:
+        backend = resolve_backend(requested, device=device, dtype=dtype, head_dim=head_dim, config=config, env=env)
+        cross = None
+        if backend.sparse:
+            # sparse backends serve self-attention only; text cross-attention picks the best dense kernel
+            cross = auto_backend(device=device, dtype=dtype, head_dim=head_dim)
+        return cls(backend, cross)
+
+    @property
+    def sparse(self) -> bool:
+        return self.self_backend.sparse
+
+    def describe(self, device: torch.device | str | None = None) -> str:
+        """Human-readable name of the kernels that run, e.g. 'FLASH_ATTN (flash_attn.cute FA4 sm90)'."""
+        s = f"{self.self_backend.name} ({self.self_backend.kernel_name(device)})"
+        if self.cross_backend is not self.self_backend:
+            s += f"; cross-attention {self.cross_backend.name} ({self.cross_backend.kernel_name(device)})"
+        return s
+
+    def layout_for(self, grid: tuple[int, int, int], device: torch.device):
+        """TokenLayout for a sparse backend (built once per grid, cached by the backend), else None."""
+        if not self.sparse:
+            return None
+        return self.self_backend.layout(grid, device)
+
+    def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """q, k, v: [B, S, H, D] -> [B, S, H, D]."""
+        return self.self_backend(q, k, v, meta=meta if self.sparse else None)
+
+    def cross_attention(self, q, k, v) -> torch.Tensor:
+        """q: [B, S, H, D]; k, v: [B, L, H, D] -> [B, S, H, D]."""
+        return self.cross_backend(q, k, v)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: AttentionBackend | str | None = None,
+    scale: float | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Standalone attention: q [B, Sq, H, D], k/v [B, Skv, H, D] -> [B, Sq, H, D].
+
+    ``backend`` (name or instance) > ``attention_backend()`` context > env var > automatic.
+    """
+    check_qkv(q, k, v)
+    b = resolve_backend(
+        backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], config=config,
+        seq_q=q.shape[1], seq_kv=k.shape[1],
+    )
+    if b.sparse:
+        raise ValueError(
+            f"{b.name} is a sparse video backend: call it inside the DiT (it needs a token layout), "
+            "or build its layout and call backend(q, k, v, meta=...) directly."
+        )
+    return b(q, k, v, scale=scale)

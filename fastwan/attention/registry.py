@@ -1,0 +1,150 @@
+"""Backend registry: names, the automatic order, and resolution (explicit raises, automatic logs).
+
+Choice order: an explicit name (argument) > ``FASTVIDEO_ATTENTION_BACKEND`` / ``FASTWAN_ATTENTION_BACKEND``
+> automatic. Automatic mode walks :data:`AUTO_ORDER` (fastest first for the device), skips backends that
+cannot run (debug log with the reasons) and logs the one it picked at info level. An explicitly requested
+backend that cannot run raises :class:`BackendUnavailableError` listing every reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fastwan import envs
+from fastwan.attention.base import AttentionBackend
+
+logger = logging.getLogger("fastwan.attention")
+
+# name -> "module:Class". One module per backend; modules are imported lazily.
+BACKENDS: dict[str, str] = {
+    "TORCH_SDPA": "fastwan.attention.sdpa:TorchSDPABackend",
+}
+
+# Automatic choice, fastest first. Only lossless dense backends are picked automatically: INT8/FP4 and
+# sparse backends change the result and must be asked for by name.
+AUTO_ORDER: tuple[str, ...] = ("TORCH_SDPA",)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run; the message lists every reason."""
+
+
+def backend_names() -> list[str]:
+    return list(BACKENDS)
+
+
+def _check_name(name: str, source: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"{source}={name!r} must be a backend name string; valid names: {', '.join(BACKENDS)}.")
+    key = name.strip().upper()
+    if key not in BACKENDS:
+        raise ValueError(
+            f"Unknown attention backend {name!r} (from {source}); valid names: {', '.join(BACKENDS)}."
+        )
+    return key
+
+
+def create_backend(name: str, config: Mapping[str, Any] | None = None, *, source: str = "attention_backend"):
+    """Instantiate a backend by name (case-insensitive); ``config`` goes to its constructor."""
+    key = _check_name(name, source)
+    module, cls = BACKENDS[key].split(":")
+    klass = getattr(importlib.import_module(module), cls)
+    return klass(**dict(config or {}))
+
+
+_CURRENT: contextvars.ContextVar[AttentionBackend | str | None] = contextvars.ContextVar(
+    "fastwan_attention_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def attention_backend(backend: AttentionBackend | str | None) -> Iterator[None]:
+    """Scope a backend choice to a ``with`` block (context-local, not process-global)."""
+    if isinstance(backend, str):
+        _check_name(backend, "attention_backend")
+    token = _CURRENT.set(backend)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def requested_backend(
+    explicit: AttentionBackend | str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[AttentionBackend | str | None, str]:
+    """Which backend was asked for, and by whom: (argument | context | env var | None)."""
+    if explicit is not None:
+        return explicit, "argument attention_backend"
+    scoped = _CURRENT.get()
+    if scoped is not None:
+        return scoped, "attention_backend() context"
+    name = envs.attention_backend(env)
+    if name is not None:
+        return name, "FASTVIDEO_ATTENTION_BACKEND"
+    return None, "automatic"
+
+
+def resolve_backend(
+    requested: AttentionBackend | str | None = None,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    seq_q: int | None = None,
+    seq_kv: int | None = None,
+) -> AttentionBackend:
+    """Return a backend that can run (device, dtype, head_dim); raise if an explicit one cannot."""
+    choice, source = requested_backend(requested, env)
+    if choice is not None:
+        backend = (
+            choice if isinstance(choice, AttentionBackend) else create_backend(choice, config, source=source)
+        )
+        reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        if reasons:
+            raise BackendUnavailableError(
+                f"Attention backend {backend.name} (requested by {source}) cannot run on "
+                f"device={torch.device(device)}, dtype={dtype}, head_dim={head_dim}:\n  - "
+                + "\n  - ".join(reasons)
+                + f"\nPick another backend ({', '.join(BACKENDS)}) or unset it for automatic selection."
+            )
+        logger.info("attention backend %s (%s), requested by %s", backend.name, backend.kernel_name(device), source)
+        return backend
+    return auto_backend(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+
+
+def auto_backend(
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    seq_q: int | None = None,
+    seq_kv: int | None = None,
+) -> AttentionBackend:
+    """The first backend of :data:`AUTO_ORDER` that can run; skips are logged at debug level."""
+    skipped = []
+    for name in AUTO_ORDER:
+        try:
+            backend = create_backend(name)
+        except Exception as exc:  # a backend whose constructor fails is simply not available
+            skipped.append(f"{name}: {exc}")
+            logger.debug("auto attention: skip %s (%s)", name, exc)
+            continue
+        reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        if reasons:
+            skipped.append(f"{name}: {'; '.join(reasons)}")
+            logger.debug("auto attention: skip %s (%s)", name, "; ".join(reasons))
+            continue
+        logger.info("attention backend %s (%s), chosen automatically", backend.name, backend.kernel_name(device))
+        return backend
+    raise BackendUnavailableError(
+        "No attention backend can run device=%s dtype=%s head_dim=%d:\n  - %s"
+        % (torch.device(device), dtype, head_dim, "\n  - ".join(skipped))
+    )

@@ -1,0 +1,99 @@
+"""Every environment variable fastwan reads is parsed here, and only here.
+
+FastVideo's names are honoured so existing launch scripts keep working; the ``FASTWAN_`` spelling of the
+backend variable is accepted too; when both are set they must agree.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+
+def _get(env: Mapping[str, str] | None, name: str) -> str | None:
+    env = os.environ if env is None else env
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def attention_backend(env: Mapping[str, str] | None = None) -> str | None:
+    """``FASTVIDEO_ATTENTION_BACKEND`` or ``FASTWAN_ATTENTION_BACKEND`` (upper-cased), or None."""
+    a = _get(env, "FASTVIDEO_ATTENTION_BACKEND")
+    b = _get(env, "FASTWAN_ATTENTION_BACKEND")
+    if a and b and a.upper() != b.upper():
+        raise ValueError(
+            f"FASTVIDEO_ATTENTION_BACKEND={a!r} and FASTWAN_ATTENTION_BACKEND={b!r} disagree; "
+            "set only one of them (or set both to the same backend name)."
+        )
+    value = a or b
+    return value.upper() if value else None
+
+
+def attention_config(env: Mapping[str, str] | None = None) -> str | None:
+    """``FASTWAN_ATTENTION_CONFIG`` (or FastVideo's ``FASTVIDEO_ATTENTION_CONFIG``): a JSON file path."""
+    return _get(env, "FASTWAN_ATTENTION_CONFIG") or _get(env, "FASTVIDEO_ATTENTION_CONFIG")
+
+
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def sdpa_kernel(env: Mapping[str, str] | None = None) -> str:
+    """``FASTWAN_SDPA_KERNEL``: one of auto|flash|cudnn|efficient|math (default auto)."""
+    value = (_get(env, "FASTWAN_SDPA_KERNEL") or "auto").lower()
+    if value not in SDPA_KERNELS:
+        raise ValueError(
+            f"FASTWAN_SDPA_KERNEL={value!r} is not a PyTorch SDPA kernel; use one of {', '.join(SDPA_KERNELS)}."
+        )
+    return value
+
+
+def flash_attn_version(env: Mapping[str, str] | None = None) -> int | None:
+    """``FASTWAN_FLASH_ATTN_VERSION``: 2, 3 or 4 pins the FlashAttention generation; unset = best installed."""
+    value = _get(env, "FASTWAN_FLASH_ATTN_VERSION")
+    if value is None:
+        return None
+    if value not in ("2", "3", "4"):
+        raise ValueError(f"FASTWAN_FLASH_ATTN_VERSION={value!r} must be 2, 3 or 4 (or unset for the best installed).")
+    return int(value)
+
+
+def _flag(env: Mapping[str, str] | None, name: str) -> bool:
+    value = _get(env, name)
+    if value is None:
+        return False
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off.")
+
+
+def nvfp4_fa4(env: Mapping[str, str] | None = None) -> bool:
+    """``FASTVIDEO_NVFP4_FA4`` (or ``FASTWAN_NVFP4_FA4``): NVFP4 Q/K in the FLASH_ATTN backend (sm100 only)."""
+    return _flag(env, "FASTVIDEO_NVFP4_FA4") or _flag(env, "FASTWAN_NVFP4_FA4")
+
+
+def cfg_gate_step(env: Mapping[str, str] | None = None) -> float | None:
+    """``FASTVIDEO_CFG_GATE_STEP``: fraction of the steps after which the uncond forward is skipped."""
+    value = _get(env, "FASTVIDEO_CFG_GATE_STEP") or _get(env, "FASTWAN_CFG_GATE_STEP")
+    if value is None:
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        raise ValueError(f"FASTVIDEO_CFG_GATE_STEP={value!r} is not a number; use a fraction in [0, 1].") from None
+    validate_cfg_gate_step(x, source="FASTVIDEO_CFG_GATE_STEP")
+    return x
+
+
+def validate_cfg_gate_step(x, source: str = "cfg_gate_step") -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{source}={x!r} must be a float in [0, 1] (1.0 = gating off).")
+    if not math.isfinite(x) or not 0.0 <= x <= 1.0:
+        raise ValueError(
+            f"{source}={x!r} is outside [0, 1]; it is the fraction of steps run with full CFG "
+            "(e.g. 0.5 skips the uncond forward in the second half; 1.0 turns gating off)."
+        )
+    return float(x)
