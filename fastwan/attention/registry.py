@@ -24,11 +24,16 @@ logger = logging.getLogger("fastwan.attention")
 # name -> "module:Class". One module per backend; modules are imported lazily.
 BACKENDS: dict[str, str] = {
     "TORCH_SDPA": "fastwan.attention.sdpa:TorchSDPABackend",
+    "FLASH_ATTN": "fastwan.attention.flash:FlashAttnBackend",
+    "SAGE_ATTN": "fastwan.attention.sage:SageAttnBackend",
+    "SLIDING_TILE_ATTN": "fastwan.attention.sparse.sta:SlidingTileBackend",
+    "VIDEO_SPARSE_ATTN": "fastwan.attention.sparse.vsa:VideoSparseBackend",
+    "NEIGHBORHOOD_ATTN": "fastwan.attention.sparse.neighborhood:NeighborhoodBackend",
 }
 
 # Automatic choice, fastest first. Only lossless dense backends are picked automatically: INT8/FP4 and
 # sparse backends change the result and must be asked for by name.
-AUTO_ORDER: tuple[str, ...] = ("TORCH_SDPA",)
+AUTO_ORDER: tuple[str, ...] = ("FLASH_ATTN", "TORCH_SDPA")
 
 
 class BackendUnavailableError(RuntimeError):
