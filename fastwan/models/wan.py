@@ -1,0 +1,298 @@
+"""The Wan DiT (Wan2.1 T2V, Wan2.2 T2V-A14B experts, Wan2.2 TI2V-5B), written for speed and clarity.
+
+Parameter names follow the Diffusers ``WanTransformer3DModel`` state dict, so published checkpoints load with
+no conversion. Every attention call goes through :class:`fastwan.attention.AttentionDispatch` in the
+[B, S, H, D] layout. Modules that Diffusers keeps in fp32 (time embedder, modulation tables, norms) stay fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastwan.attention import AttentionDispatch, AttentionMetadata
+from fastwan.models.config import WanConfig
+
+# Parameter-name components kept in fp32 whatever the model dtype (as Diffusers does for Wan).
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def keep_in_fp32(param_name: str) -> bool:
+    parts = param_name.split(".")
+    return any(p in parts for p in KEEP_IN_FP32)
+
+
+def fp32_layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """LayerNorm computed in fp32; returns fp32. x: [..., C]."""
+    w = None if norm.weight is None else norm.weight.float()
+    b = None if norm.bias is None else norm.bias.float()
+    return F.layer_norm(x.float(), norm.normalized_shape, w, b, norm.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the last dim (all heads together), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            return y.to(self.weight.dtype) * self.weight
+        return (y * self.weight).to(dtype)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding, cos half first. t: [N] -> [N, dim] fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_tables(
+    grid: tuple[int, int, int], head_dim: int, max_len: int, device: torch.device, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """3D RoPE tables for a (T, H, W) token grid -> (cos, sin), each [1, T*H*W, 1, head_dim/2] fp32.
+
+    The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each pair of channels
+    rotates by the angle of its axis position (computed in fp64, stored fp32).
+    """
+    T, H, W = grid
+    for name, n in zip("THW", grid):
+        if n > max_len:
+            raise ValueError(f"token grid {name}={n} exceeds rope_max_seq_len={max_len} of this checkpoint.")
+    hw = 2 * (head_dim // 6)
+    dims = (head_dim - 2 * hw, hw, hw)
+    angles = []
+    for n, d, shape in zip(grid, dims, ((T, 1, 1), (1, H, 1), (1, 1, W))):
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device)[: d // 2] / d))
+        a = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv)  # [n, d/2]
+        angles.append(a.view(*shape, d // 2).expand(T, H, W, d // 2))
+    ang = torch.cat(angles, dim=-1).reshape(1, T * H * W, 1, head_dim // 2)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs. x: [B, S, H, D]; cos/sin: [1, S, 1, D/2] fp32 -> x.dtype."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class WanAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, cross: bool):
+        super().__init__()
+        self.heads, self.head_dim, self.cross = heads, head_dim, cross
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.norm_q = RMSNorm(inner, eps)
+        self.norm_k = RMSNorm(inner, eps)
+        self.to_gate_compress: nn.Linear | None = None  # VSA checkpoints add it (see WanTransformer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn: AttentionDispatch,
+        context: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]."""
+        src = x if context is None else context
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, self.head_dim))
+        k = self.norm_k(self.to_k(src)).unflatten(-1, (self.heads, self.head_dim))
+        v = self.to_v(src).unflatten(-1, (self.heads, self.head_dim))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.cross:
+            out = attn.cross_attention(q, k, v)
+        else:
+            if self.to_gate_compress is not None and meta is not None:
+                gate = self.to_gate_compress(x).unflatten(-1, (self.heads, self.head_dim))
+                meta = AttentionMetadata(
+                    grid=meta.grid, step_index=meta.step_index, num_steps=meta.num_steps,
+                    layer_index=meta.layer_index, layout=meta.layout, extra={**meta.extra, "gate_compress": gate},
+                )
+            out = attn.self_attention(q, k, v, meta)
+        return self.to_out[0](out.flatten(2).type_as(q))
+
+
+class FeedForward(nn.Module):
+    """Linear -> GELU(tanh) -> Linear, with Diffusers' parameter names (net.0.proj, net.2)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, hidden)
+        self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+class WanBlock(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        dim = cfg.inner_dim
+        self.norm1 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
+        self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps, cross=False)
+        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps, cross=True)
+        self.norm2 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else None
+        self.ffn = FeedForward(dim, cfg.ffn_dim)
+        self.norm3 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        temb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionDispatch,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> [B, S, C]."""
+        if temb.dim() == 4:
+            mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).unbind(2)  # 6 x [B, S, C]
+        else:
+            mod = (self.scale_shift_table + temb.float()).unsqueeze(2).unbind(1)  # 6 x [B, 1, C]
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod
+        h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
+        x = (x.float() + self.attn1(h, attn, rope=rope, meta=meta) * gate1).type_as(x)
+        h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
+        x = x + self.attn2(h, attn, context=context)
+        h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
+        return (x.float() + self.ffn(h).float() * gate2).type_as(x)
+
+
+class TimeTextEmbedding(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        dim = cfg.inner_dim
+        self.freq_dim = cfg.freq_dim
+        self.time_embedder = nn.Module()
+        self.time_embedder.linear_1 = nn.Linear(cfg.freq_dim, dim)
+        self.time_embedder.linear_2 = nn.Linear(dim, dim)
+        self.time_proj = nn.Linear(dim, dim * 6)
+        self.text_embedder = nn.Module()
+        self.text_embedder.linear_1 = nn.Linear(cfg.text_dim, dim)
+        self.text_embedder.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, timestep: torch.Tensor, text: torch.Tensor):
+        """timestep: [B] or per-token [B, S]; text: [B, L, text_dim].
+
+        Returns temb ([B, C] or [B, S, C]), modulation ([B, 6, C] or [B, S, 6, C]), context [B, L, C].
+        """
+        shape = timestep.shape
+        t = timestep_embedding(timestep.flatten(), self.freq_dim).unflatten(0, shape)
+        te = self.time_embedder
+        t = t.to(te.linear_1.weight.dtype)
+        temb = te.linear_2(F.silu(te.linear_1(t))).type_as(text)
+        mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+        tx = self.text_embedder
+        context = tx.linear_2(F.gelu(tx.linear_1(text), approximate="tanh"))
+        return temb, mod, context
+
+
+class WanTransformer(nn.Module):
+    """Wan DiT. ``forward(latents [B, C, F, H, W], timestep [B] or [B, S], text [B, L, text_dim])``."""
+
+    def __init__(self, cfg: WanConfig, attention: AttentionDispatch | None = None):
+        super().__init__()
+        self.config = cfg
+        dim = cfg.inner_dim
+        self.patch_embedding = nn.Conv3d(cfg.in_channels, dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.condition_embedder = TimeTextEmbedding(cfg)
+        self.blocks = nn.ModuleList([WanBlock(cfg) for _ in range(cfg.num_layers)])
+        self.norm_out = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, cfg.out_channels * math.prod(cfg.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.attention = attention
+        self._rope_cache: dict = {}
+
+    # -- attention ----------------------------------------------------------------------------------------
+    def set_attention(self, dispatch: AttentionDispatch) -> None:
+        self.attention = dispatch
+
+    def add_gate_compress(self) -> None:
+        """Create the VSA ``to_gate_compress`` projections (checkpoints trained for VSA carry their weights)."""
+        for blk in self.blocks:
+            a = blk.attn1
+            a.to_gate_compress = nn.Linear(self.config.inner_dim, self.config.inner_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    def _rope(self, grid, device):
+        key = (grid, device)
+        if key not in self._rope_cache:
+            self._rope_cache = {key: rope_tables(grid, self.config.attention_head_dim, self.config.rope_max_seq_len,
+                                                 device)}
+        return self._rope_cache[key]
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        *,
+        step_index: int | None = None,
+        num_steps: int | None = None,
+    ) -> torch.Tensor:
+        """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
+        -> prediction [B, C_out, F, H, W] in the dtype of the model."""
+        if self.attention is None:
+            raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
+        B, _, Fr, Hh, Ww = latents.shape
+        pt, ph, pw = self.config.patch_size
+        if Fr % pt or Hh % ph or Ww % pw:
+            raise ValueError(
+                f"latent grid {Fr}x{Hh}x{Ww} is not divisible by patch_size {self.config.patch_size}; "
+                "choose a height/width that is a multiple of the VAE factor times the patch size."
+            )
+        grid = (Fr // pt, Hh // ph, Ww // pw)
+        x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, C]
+        rope = self._rope(grid, x.device)
+        temb, mod, context = self.condition_embedder(timestep, text.to(self.dtype))
+
+        layout = self.attention.layout_for(grid, x.device)
+        if layout is not None:  # sparse backend: tile-major token order, once per forward
+            x = layout.permute(x, dim=1)
+            rope = (layout.permute(rope[0], dim=1), layout.permute(rope[1], dim=1))
+            if temb.dim() == 3:
+                temb, mod = layout.permute(temb, dim=1), layout.permute(mod, dim=1)
+        for i, block in enumerate(self.blocks):
+            meta = None
+            if self.attention.sparse:
+                meta = AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps,
+                                         layer_index=i, layout=layout)
+            x = block(x, context, mod, rope, self.attention, meta)
+        if layout is not None:
+            x = layout.unpermute(x, dim=1)
+            if temb.dim() == 3:
+                temb = layout.unpermute(temb, dim=1)
+
+        if temb.dim() == 3:  # per-token: [B, S, C]
+            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
+        else:
+            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).unsqueeze(2).unbind(1)
+        x = (fp32_layer_norm(x, self.norm_out) * (1 + scale) + shift).type_as(x)
+        x = self.proj_out(x)  # [B, S, C_out * pt * ph * pw]
+        T, H, W = grid
+        x = x.view(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(B, -1, T * pt, H * ph, W * pw)

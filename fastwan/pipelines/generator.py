@@ -1,0 +1,383 @@
+"""``VideoGenerator``: load a Wan checkpoint, make videos.
+
+Text encoder/tokenizer come from transformers, the VAE and scheduler from diffusers; the DiT is fastwan's own
+(:mod:`fastwan.models`). The denoising loop runs CFG batched (cond + uncond in one forward of batch 2) by
+default, optionally gated (skip the uncond forward late in sampling and reuse the last guidance delta).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastwan import envs
+from fastwan.attention import AttentionBackend, AttentionDispatch
+from fastwan.models import load_transformer
+from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
+from fastwan.pipelines.text import encode_prompts
+
+logger = logging.getLogger("fastwan")
+
+CFG_MODES = ("batched", "sequential")
+
+
+@dataclass
+class GenerationResult:
+    frames: np.ndarray | None  # uint8 [T, H, W, 3]
+    video_path: str | None
+    seed: int
+    timings: dict[str, float]  # seconds: text_encoding, denoising, decoding, total
+    attention_backend: str
+    peak_memory: int | None  # bytes (CUDA max allocated), None on CPU
+    num_transformer_forwards: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_number(name: str, value, *, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}={value!r} must be a number (a float >= {minimum}).")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be finite and >= {minimum}; e.g. 5.0 (1.0 or less disables CFG).")
+    return value
+
+
+def _slug(text: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:60]
+    return s or "video"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class VideoGenerator:
+    """Text-to-video with a Wan2.1/Wan2.2 checkpoint. Build with :meth:`from_pretrained`."""
+
+    def __init__(self, ckpt: Checkpoint, *, device, dtype, vae_dtype, attention, transformers, text_encoder,
+                 tokenizer, vae, scheduler, cfg_gate_step, cfg_mode):
+        self.checkpoint = ckpt
+        self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
+        self.attention: AttentionDispatch = attention
+        self.transformers = transformers  # one or two experts (high noise first)
+        self.text_encoder, self.tokenizer, self.vae, self.scheduler = text_encoder, tokenizer, vae, scheduler
+        self.cfg_gate_step = cfg_gate_step
+        self.cfg_mode = cfg_mode
+        self.preset = ckpt.preset
+
+    # ---------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        attention_backend: str | AttentionBackend | None = None,
+        attention_config: Mapping[str, Any] | str | None = None,
+        enable_torch_compile: bool = False,
+        torch_compile_kwargs: Mapping[str, Any] | None = None,
+        cfg_gate_step: float | None = None,
+        cfg_mode: str = "batched",
+        vae_dtype: torch.dtype = torch.float32,
+        allow_pickle: bool = False,
+    ) -> VideoGenerator:
+        """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
+
+        Every argument is checked before anything is loaded. ``attention_backend`` beats
+        ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
+        """
+        # ---- argument checks (before any work) ----
+        for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
+            if dt not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
+        if cfg_mode not in CFG_MODES:
+            raise ValueError(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('sequential' saves memory).")
+        if cfg_gate_step is None:
+            cfg_gate_step = envs.cfg_gate_step()
+        else:
+            cfg_gate_step = envs.validate_cfg_gate_step(cfg_gate_step)
+        if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
+            raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device} was requested but CUDA is not available; use device='cpu'.")
+        config = _attention_config(attention_config)
+        ckpt = resolve(model, allow_pickle=allow_pickle)
+        head_dim = ckpt.transformer_config.attention_head_dim
+        attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
+                                              config=config)
+
+        # ---- loading ----
+        import diffusers
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        transformers_ = [
+            load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, allow_pickle=allow_pickle)
+            for e in ckpt.experts
+        ]
+        if enable_torch_compile:
+            kwargs = dict(torch_compile_kwargs or {"fullgraph": True})
+            for t in transformers_:
+                for block in t.blocks:
+                    block.compile(**kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(ckpt.folder("tokenizer"))
+        text_encoder = UMT5EncoderModel.from_pretrained(
+            ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=not allow_pickle
+        ).to(device).eval()
+        vae = diffusers.AutoencoderKLWan.from_pretrained(
+            ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=not allow_pickle
+        ).to(device).eval()
+        scheduler = _load_scheduler(ckpt.folder("scheduler"))
+        return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
+                   transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
+                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode)
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def vae_scale_factors(self) -> tuple[int, int]:
+        """(temporal, spatial) latent compression of the VAE."""
+        c = self.vae.config
+        t = getattr(c, "scale_factor_temporal", None) or 2 ** sum(c.temperal_downsample)
+        s = getattr(c, "scale_factor_spatial", None) or 2 ** len(c.temperal_downsample)
+        return int(t), int(s)
+
+    def _check_inputs(self, prompt, negative_prompt, s, seed, output_path) -> None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt={prompt!r} must be a string.")
+        if not prompt.strip():
+            raise ValueError("prompt is empty; describe the video to generate, e.g. 'a cat surfing a wave'.")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise TypeError(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
+        vt, vs = self.vae_scale_factors
+        step = vs * self.checkpoint.transformer_config.patch_size[1]
+        for name in ("height", "width"):
+            v = getattr(s, name)
+            if not _is_int(v) or v <= 0:
+                raise TypeError(f"{name}={v!r} must be a positive int (a multiple of {step}).")
+            if v % step:
+                lo = max(step, v // step * step)
+                raise ValueError(
+                    f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch "
+                    f"{self.checkpoint.transformer_config.patch_size[1]}); use {lo} or {lo + step}."
+                )
+        if not _is_int(s.num_frames) or s.num_frames < 1:
+            raise TypeError(f"num_frames={s.num_frames!r} must be a positive int of the form {vt}k+1 (e.g. 81).")
+        if (s.num_frames - 1) % vt:
+            lo = (s.num_frames - 1) // vt * vt + 1
+            raise ValueError(
+                f"num_frames={s.num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}."
+            )
+        if not _is_int(s.num_inference_steps) or s.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
+        _check_number("guidance_scale", s.guidance_scale)
+        if s.guidance_scale_2 is not None:
+            _check_number("guidance_scale_2", s.guidance_scale_2)
+        if not _is_int(s.fps) or s.fps < 1:
+            raise ValueError(f"fps={s.fps!r} must be a positive int (e.g. 16).")
+        if not _is_int(seed):
+            raise TypeError(f"seed={seed!r} must be an int (e.g. 0).")
+        if not isinstance(output_path, (str, Path)):
+            raise TypeError(f"output_path={output_path!r} must be a folder or an .mp4 path.")
+
+    # ---------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_video(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        guidance_scale_2: float | None = None,
+        seed: int = 0,
+        fps: int | None = None,
+        output_path: str | Path = "outputs/",
+        save_video: bool = True,
+        return_frames: bool = True,
+    ) -> GenerationResult:
+        """Make one video. ``None`` arguments take the model's preset (see ``self.preset``)."""
+        s = with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
+                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                           guidance_scale_2=guidance_scale_2, fps=fps)
+        self._check_inputs(prompt, negative_prompt, s, seed, output_path)
+        if negative_prompt is None:
+            negative_prompt = WAN_NEGATIVE_PROMPT
+        video_file = None
+        if save_video:
+            out = Path(output_path)
+            video_file = out if out.suffix.lower() == ".mp4" else out / f"{_slug(prompt)}_{seed}.mp4"
+
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        do_cfg = s.guidance_scale > 1.0
+        texts = [prompt, negative_prompt] if do_cfg else [prompt]
+        emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)
+        _sync(dev)
+        t1 = time.perf_counter()
+
+        latents, forwards = self._denoise(emb, s, seed, do_cfg)
+        _sync(dev)
+        t2 = time.perf_counter()
+        frames = self._decode(latents)
+        _sync(dev)
+        t3 = time.perf_counter()
+        if video_file is not None:
+            _write_mp4(video_file, frames, s.fps)
+        t4 = time.perf_counter()
+        timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "saving": t4 - t3,
+                   "total": t4 - t0}
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        return GenerationResult(
+            frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
+            seed=seed, timings=timings, attention_backend=self.attention.describe(dev), peak_memory=peak,
+            num_transformer_forwards=forwards,
+            settings={**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode},
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool) -> tuple[torch.Tensor, int]:
+        """emb [1 or 2, L, D] (cond[, uncond]) -> final latents [1, C, F, H, W] fp32, and the forward count."""
+        from tqdm.auto import tqdm
+
+        dev = self.device
+        cfg = self.checkpoint.transformer_config
+        vt, vs = self.vae_scale_factors
+        shape = (1, cfg.in_channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
+        generator = torch.Generator(device=dev).manual_seed(int(seed))
+        latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
+
+        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # fresh state per video
+        scheduler.set_timesteps(s.num_inference_steps, device=dev)
+        timesteps = scheduler.timesteps
+        n = len(timesteps)
+        boundary = None
+        if self.checkpoint.boundary_ratio is not None:
+            boundary = self.checkpoint.boundary_ratio * scheduler.config.num_train_timesteps
+        gs2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
+        gate_at = n if self.cfg_gate_step is None else int(n * self.cfg_gate_step)
+        pt, ph, pw = cfg.patch_size
+        tokens = (shape[2] // pt) * (shape[3] // ph) * (shape[4] // pw)
+
+        cond, uncond = emb[:1], emb[1:2]
+        delta = None  # last (cond - uncond), for CFG gating
+        current = None
+        forwards = 0
+        for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
+            expert = 0 if boundary is None or t >= boundary else 1
+            if expert != current:
+                current, delta = expert, None  # a new expert: its own guidance delta
+            model = self.transformers[expert]
+            gs = s.guidance_scale if expert == 0 else gs2
+            x = latents.to(model.dtype)
+            kw = {"step_index": i, "num_steps": n}
+            if do_cfg and (i < gate_at or delta is None):
+                if self.cfg_mode == "batched":
+                    ts = self._timestep(t, 2, tokens)
+                    both = model(torch.cat([x, x]), ts, torch.cat([cond, uncond]), **kw)
+                    forwards += 2
+                    pos, neg = both.chunk(2)
+                else:
+                    ts = self._timestep(t, 1, tokens)
+                    pos = model(x, ts, cond, **kw)
+                    neg = model(x, ts, uncond, **kw)
+                    forwards += 2
+                delta = pos - neg
+                pred = neg + gs * delta
+            elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
+                pos = model(x, self._timestep(t, 1, tokens), cond, **kw)
+                forwards += 1
+                pred = pos + (gs - 1.0) * delta
+            else:
+                pred = model(x, self._timestep(t, 1, tokens), cond, **kw)
+                forwards += 1
+            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        return latents, forwards
+
+    def _timestep(self, t: torch.Tensor, batch: int, tokens: int) -> torch.Tensor:
+        """Scalar timestep per sample [B], or per token [B, S] for checkpoints with expand_timesteps (TI2V)."""
+        if self.checkpoint.expand_timesteps:
+            return torch.full((batch, tokens), float(t), device=self.device, dtype=torch.float32)
+        return t.expand(batch)
+
+    def _decode(self, latents: torch.Tensor) -> np.ndarray:
+        """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""
+        c = self.vae.config
+        z = latents.to(self.vae.dtype)
+        mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        z = z / (1.0 / std) + mean
+        video = self.vae.decode(z, return_dict=False)[0]  # [1, 3, T, H, W] in [-1, 1]
+        video = (video[0] / 2 + 0.5).clamp(0, 1).float()
+        return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+
+
+def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+    import imageio.v2 as imageio
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=8, macro_block_size=1,
+                            ffmpeg_log_level="error") as w:
+        for f in frames:
+            w.append_data(f)
+
+
+def _load_scheduler(folder: Path):
+    """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
+    import json
+
+    import diffusers
+
+    cfg = json.loads((folder / "scheduler_config.json").read_text())
+    name = cfg.get("_class_name", "")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
+        raise ValueError(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
+    return cls.from_config(cfg)
+
+
+def _attention_config(value) -> dict | None:
+    """attention_config kwarg (dict or JSON path) or FASTWAN_ATTENTION_CONFIG -> dict for the backend."""
+    if value is None:
+        value = envs.attention_config()
+        if value is None:
+            return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (str, Path)):
+        import json
+
+        p = Path(value)
+        if not p.is_file():
+            raise FileNotFoundError(f"attention config {p} does not exist; pass a JSON file path or a dict.")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"attention config {p} is not valid JSON ({exc}).") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"attention config {p} must hold a JSON object.")
+        return data
+    raise TypeError(f"attention_config={value!r} must be a dict, a JSON file path, or None.")
