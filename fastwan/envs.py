@@ -97,3 +97,24 @@ def validate_cfg_gate_step(x, source: str = "cfg_gate_step") -> float:
             "(e.g. 0.5 skips the uncond forward in the second half; 1.0 turns gating off)."
         )
     return float(x)
+
+
+# Every variable read above, for `fastwan env` to show (values are printed as set, not parsed).
+KNOWN_VARIABLES: tuple[str, ...] = (
+    "FASTVIDEO_ATTENTION_BACKEND",
+    "FASTWAN_ATTENTION_BACKEND",
+    "FASTWAN_ATTENTION_CONFIG",
+    "FASTVIDEO_ATTENTION_CONFIG",
+    "FASTWAN_SDPA_KERNEL",
+    "FASTWAN_FLASH_ATTN_VERSION",
+    "FASTVIDEO_NVFP4_FA4",
+    "FASTWAN_NVFP4_FA4",
+    "FASTVIDEO_CFG_GATE_STEP",
+    "FASTWAN_CFG_GATE_STEP",
+)
+
+
+def known_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The fastwan variables that are set (raw values)."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in KNOWN_VARIABLES if env.get(name, "").strip()}

@@ -158,6 +158,10 @@ class AttentionBackend:
         """The concrete kernel this backend runs (e.g. 'flash_attn.cute (FA4, sm90)')."""
         return self.name
 
+    def version_info(self, device: torch.device | str | None = None) -> str | None:
+        """Version of the package that provides the kernel (e.g. 'FA4 4.0.0'), None if not installed."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,

@@ -1,12 +1,21 @@
-"""TORCH_SDPA: PyTorch's scaled_dot_product_attention, with an optional pinned kernel."""
+"""TORCH_SDPA: PyTorch's scaled_dot_product_attention, with an optional pinned kernel.
+
+``kernel=`` (or ``FASTWAN_SDPA_KERNEL``) is auto | flash | cudnn | efficient | math. A pinned kernel runs
+only that kernel (PyTorch raises rather than falls back), so :meth:`TorchSDPABackend.reasons` says up front
+why it cannot run: the per-kernel limits below are data, and on a CUDA device PyTorch's own
+``torch.backends.cuda.can_use_*`` checks are asked too (their explanation becomes the reason).
+On CPU only 'flash' (PyTorch's CPU flash kernel) and 'math' exist.
+"""
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastwan import envs
-from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities
+from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -15,10 +24,53 @@ _KERNELS = {
     "math": SDPBackend.MATH,
 }
 
+_HALF = (torch.float16, torch.bfloat16)
+_ALL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Limits of each pinned kernel, per device type (no entry: the kernel does not exist there).
+KERNEL_CAPABILITIES: dict[str, dict[str, Capabilities]] = {
+    "auto": {"cpu": Capabilities(dtypes=_ALL), "cuda": Capabilities(dtypes=_ALL)},
+    "math": {"cpu": Capabilities(dtypes=_ALL), "cuda": Capabilities(dtypes=_ALL)},
+    "flash": {
+        "cpu": Capabilities(dtypes=_ALL),
+        "cuda": Capabilities(dtypes=_HALF, max_head_dim=256, head_dim_multiple=8, min_compute_capability=(8, 0)),
+    },
+    "cudnn": {"cuda": Capabilities(dtypes=_HALF, max_head_dim=256, head_dim_multiple=8, min_compute_capability=(8, 0))},
+    "efficient": {"cuda": Capabilities(dtypes=(*_HALF, torch.float32), min_compute_capability=(5, 0))},
+}
+
+_PROBES = {
+    "flash": "can_use_flash_attention",
+    "cudnn": "can_use_cudnn_attention",
+    "efficient": "can_use_efficient_attention",
+}
+
+
+def _probe(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int, seq_q, seq_kv) -> str | None:
+    """Ask PyTorch whether ``kernel`` accepts this problem on a CUDA device; its warning text is the reason."""
+    fn = getattr(torch.backends.cuda, _PROBES[kernel], None)
+    params_cls = getattr(torch.backends.cuda, "SDPAParams", None)
+    if fn is None or params_cls is None:
+        return None
+    sq, skv = seq_q or 128, seq_kv or seq_q or 128
+    q = torch.empty(1, 1, sq, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, 1, skv, head_dim, device=device, dtype=dtype)
+    try:
+        params = params_cls(q, kv, kv, None, 0.0, False, False)
+    except TypeError:  # older signature without enable_gqa
+        params = params_cls(q, kv, kv, None, 0.0, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = fn(params, debug=True)
+    if ok:
+        return None
+    detail = "; ".join(str(w.message).strip() for w in caught) or "no detail given"
+    return f"PyTorch says SDPA kernel '{kernel}' cannot run this problem: {detail}"
+
 
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
-    capabilities = Capabilities()
+    capabilities = Capabilities(dtypes=_ALL)
 
     def __init__(self, kernel: str | None = None):
         kernel = (kernel or envs.sdpa_kernel()).lower()
@@ -27,18 +79,32 @@ class TorchSDPABackend(AttentionBackend):
         self.kernel = kernel
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
-        reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
         device = torch.device(device)
-        if self.kernel in ("flash", "cudnn") and device.type != "cuda":
-            reasons.append(f"SDPA kernel '{self.kernel}' needs a CUDA device (got {device.type})")
-        if self.kernel in ("flash", "cudnn") and dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"SDPA kernel '{self.kernel}' needs float16/bfloat16 (got {dtype})")
+        reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        per_device = KERNEL_CAPABILITIES[self.kernel]
+        caps = per_device.get(device.type)
+        if caps is None:
+            where = " or ".join(per_device)
+            reasons.append(f"SDPA kernel '{self.kernel}' does not exist on {device.type} (only on {where})")
+            return reasons
+        for r in reasons_cannot_run(caps, device=device, dtype=dtype, head_dim=head_dim):
+            r = f"SDPA kernel '{self.kernel}': {r}"
+            if r not in reasons:
+                reasons.append(r)
+        if not reasons and device.type == "cuda" and self.kernel in _PROBES:
+            why = _probe(self.kernel, device, dtype, head_dim, seq_q, seq_kv)
+            if why:
+                reasons.append(why)
         return reasons
 
     def kernel_name(self, device=None) -> str:
         return f"torch.sdpa[{self.kernel}]"
 
+    def version_info(self, device=None) -> str | None:
+        return f"torch {torch.__version__}"
+
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
+        """q: [B, Sq, H, D], k/v: [B, Skv, H, D] -> [B, Sq, H, D]."""
         # SDPA wants [B, H, S, D]; transposes are views, SDPA handles the strides.
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.kernel == "auto":

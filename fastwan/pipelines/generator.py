@@ -141,10 +141,10 @@ class VideoGenerator:
                     block.compile(**kwargs)
         tokenizer = AutoTokenizer.from_pretrained(ckpt.folder("tokenizer"))
         text_encoder = UMT5EncoderModel.from_pretrained(
-            ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=not allow_pickle
+            ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
         ).to(device).eval()
         vae = diffusers.AutoencoderKLWan.from_pretrained(
-            ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=not allow_pickle
+            ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=None if allow_pickle else True
         ).to(device).eval()
         scheduler = _load_scheduler(ckpt.folder("scheduler"))
         return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,

@@ -1,0 +1,230 @@
+"""FLASH_ATTN: FlashAttention 2, 3 or 4 (optionally with NVFP4 Q/K on Blackwell), whichever fits the GPU.
+
+What each generation supports is data (:data:`VARIANTS`, :data:`PREFERENCE`); :meth:`FlashAttnBackend.reasons`
+turns it into reasons. Choice: ``version=`` argument > ``FASTWAN_FLASH_ATTN_VERSION`` > the best installed
+for the device (sm90: FA3 > FA4 > FA2; sm100/sm103/sm110: FA4 > FA2; others: FA2). A pinned version that is
+not installed or does not support the GPU is a reason, never a silent switch to another generation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastwan import envs
+from fastwan.attention import kernels
+from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
+
+CC = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class HeadDimRule:
+    """Allowed head dims: ``lo <= d <= hi`` and ``d % multiple == 0``, or ``d in also``."""
+
+    lo: int = 8
+    hi: int = 256
+    multiple: int = 8
+    also: tuple[int, ...] = ()
+
+    def reason(self, head_dim: int) -> str | None:
+        if head_dim in self.also or (self.lo <= head_dim <= self.hi and head_dim % self.multiple == 0):
+            return None
+        extra = f" (or one of {list(self.also)})" if self.also else ""
+        multiple = f" and a multiple of {self.multiple}" if self.multiple > 1 else ""
+        return f"between {self.lo} and {self.hi}{multiple}{extra}"
+
+
+@dataclass(frozen=True)
+class FlashVariant:
+    version: int
+    label: str  # what kernel_name() reports
+    install: str  # how to get it
+    compute_capabilities: tuple[CC, ...] | None  # exact list; None = min_cc and newer
+    min_cc: CC
+    head_dims: dict[int, HeadDimRule]  # by compute-capability major; key 0 = default
+
+
+VARIANTS: dict[int, FlashVariant] = {
+    2: FlashVariant(
+        2, "flash_attn FA2", "pip install flash-attn --no-build-isolation",
+        None, (8, 0), {0: HeadDimRule(1, 256, 1)},
+    ),
+    3: FlashVariant(
+        3, "flash_attn_interface FA3",
+        "build FA3 from the hopper/ directory of github.com/Dao-AILab/flash-attention: cd hopper && python setup.py install",
+        ((9, 0),), (9, 0), {0: HeadDimRule(8, 256, 8)},
+    ),
+    4: FlashVariant(
+        4, "flash_attn.cute FA4", "pip install flash-attn-4",
+        ((9, 0), (10, 0), (10, 3), (11, 0)), (9, 0),
+        {9: HeadDimRule(8, 256, 8), 10: HeadDimRule(8, 128, 8, (256,)), 11: HeadDimRule(8, 128, 8, (256,))},
+    ),
+}
+
+# Fastest first, by compute-capability major.
+PREFERENCE: dict[int, tuple[int, ...]] = {9: (3, 4, 2), 10: (4, 2), 11: (4, 2)}
+DEFAULT_PREFERENCE: tuple[int, ...] = (2,)
+
+NVFP4_COMPUTE_CAPABILITIES: tuple[CC, ...] = ((10, 0), (10, 3))
+NVFP4_HEAD_DIMS: tuple[int, ...] = (128,)
+
+
+def _sm(cc: CC) -> str:
+    return f"sm{cc[0]}{cc[1]}"
+
+
+def variant_reasons(variant: FlashVariant, cc: CC | None, head_dim: int | None) -> list[str]:
+    """Why FA``variant.version`` cannot run on compute capability ``cc`` (None = unknown/no GPU)."""
+    fa = f"FA{variant.version}"
+    reasons = []
+    if not kernels.flash_installed(variant.version):
+        reasons.append(f"{fa} ({variant.label.split()[0]}) is not installed ({variant.install})")
+    if cc is not None:
+        if variant.compute_capabilities is not None and cc not in variant.compute_capabilities:
+            ok = ", ".join(_sm(c) for c in variant.compute_capabilities)
+            reasons.append(f"{fa} supports {ok}; this GPU is {_sm(cc)}")
+        elif cc < variant.min_cc:
+            reasons.append(f"{fa} needs {_sm(variant.min_cc)} or newer; this GPU is {_sm(cc)}")
+        elif head_dim is not None:
+            rule = variant.head_dims.get(cc[0], variant.head_dims.get(0))
+            if rule is None:
+                rule = next(iter(variant.head_dims.values()))
+            why = rule.reason(head_dim)
+            if why:
+                reasons.append(f"{fa} on {_sm(cc)} needs a head dim {why}; got {head_dim}")
+    return reasons
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "FLASH_ATTN"
+    capabilities = Capabilities(
+        device_types=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        max_head_dim=256,
+        min_compute_capability=(8, 0),
+    )
+
+    def __init__(self, version: int | str | None = None, nvfp4: bool | None = None):
+        if version is None:
+            version = envs.flash_attn_version()
+        if version is not None:
+            if isinstance(version, str) and version.strip() in ("2", "3", "4"):
+                version = int(version)
+            if version not in VARIANTS or isinstance(version, bool):
+                raise ValueError(
+                    f"FLASH_ATTN version={version!r} is not 2, 3 or 4; leave it unset to use the best installed."
+                )
+        self.version: int | None = version
+        self.nvfp4: bool = envs.nvfp4_fa4() if nvfp4 is None else bool(nvfp4)
+        self._picked: dict[int, int] = {}  # CUDA device index -> FA version
+
+    # ---- selection ---------------------------------------------------------------------------------
+    @staticmethod
+    def _cc(device: torch.device) -> CC | None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(device))
+
+    @staticmethod
+    def _index(device: torch.device) -> int:
+        return device.index if device.index is not None else torch.cuda.current_device()
+
+    def _candidates(self, cc: CC | None) -> tuple[int, ...]:
+        if self.nvfp4:
+            return (4,)
+        if self.version is not None:
+            return (self.version,)
+        return PREFERENCE.get(cc[0], DEFAULT_PREFERENCE) if cc else (4, 3, 2)
+
+    def select(self, device: torch.device | str, head_dim: int | None = None) -> tuple[int | None, list[str]]:
+        """(FA version to run on ``device``, reasons why none can). Caches the pick per CUDA device."""
+        device = torch.device(device)
+        cc = self._cc(device)
+        rejected: list[str] = []
+        for ver in self._candidates(cc):
+            why = variant_reasons(VARIANTS[ver], cc, head_dim)
+            if not why:
+                if cc is not None:
+                    self._picked[self._index(device)] = ver
+                return ver, []
+            rejected.extend(why)
+        return None, rejected
+
+    def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None) -> list[str]:
+        device = torch.device(device)
+        reasons = reasons_cannot_run(
+            self.capabilities, device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv
+        )
+        if self.nvfp4 and self.version not in (None, 4):
+            reasons.append(f"nvfp4=True runs on FlashAttention 4 (flash_attn.cute), but version={self.version}")
+        _, why = self.select(device, head_dim)
+        reasons.extend(r for r in why if r not in reasons)
+        if self.nvfp4:
+            reasons.extend(self._nvfp4_reasons(device, head_dim))
+        return reasons
+
+    def _nvfp4_reasons(self, device: torch.device, head_dim: int) -> list[str]:
+        cc = self._cc(device)
+        where = _sm(cc) if cc else (device.type if device.type != "cuda" else "cuda without a visible GPU")
+        base = (
+            "NVFP4 attention needs sm100/sm103 (Blackwell) and a flash-attn build with NVFP4 Q/K; "
+            f"this device is {where}"
+        )
+        if cc not in NVFP4_COMPUTE_CAPABILITIES:
+            return [base + " (unset FASTVIDEO_NVFP4_FA4 / pass nvfp4=False for bf16 attention)"]
+        reasons = []
+        ok, detail = kernels.fa4_accepts_nvfp4()  # imports flash_attn.cute: only on a Blackwell GPU
+        if not ok:
+            reasons.append(f"{base} ({detail})")
+        if head_dim not in NVFP4_HEAD_DIMS:
+            reasons.append(f"NVFP4 FlashAttention supports head dims {list(NVFP4_HEAD_DIMS)}; got {head_dim}")
+        return reasons
+
+    def _version_for(self, device: torch.device) -> int:
+        if self.version is not None:
+            return self.version
+        idx = self._index(device) if device.type == "cuda" else -1
+        ver = self._picked.get(idx)
+        if ver is None:
+            ver, why = self.select(device)
+            if ver is None:
+                raise RuntimeError(f"FLASH_ATTN cannot run on {device}: " + "; ".join(why))
+        return ver
+
+    def kernel_name(self, device=None) -> str:
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        cc = self._cc(device)
+        if cc is None:
+            return f"{self.name} (no CUDA device)"
+        ver, _ = self.select(device)
+        if ver is None:
+            pinned = f"FA{self.version} pinned, " if self.version else ""
+            return f"{self.name} ({pinned}unavailable on {_sm(cc)})"
+        label = VARIANTS[ver].label + (" NVFP4 Q/K" if self.nvfp4 else "")
+        return f"{label} ({_sm(cc)})"
+
+    def version_info(self, device=None) -> str | None:
+        device = torch.device(device) if device is not None else None
+        ver = self.version
+        if ver is None and device is not None and self._cc(device) is not None:
+            ver, _ = self.select(device)
+        if ver is None:
+            found = [f"FA{v} {kernels.flash_package_version(v) or '?'}" for v in (4, 3, 2) if kernels.flash_installed(v)]
+            return ", ".join(found) or None
+        return f"FA{ver} {kernels.flash_package_version(ver) or '?'}" if kernels.flash_installed(ver) else None
+
+    # ---- compute -----------------------------------------------------------------------------------
+    def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
+        """q: [B, Sq, H, D], k/v: [B, Skv, H, D] (fp16/bf16, CUDA) -> [B, Sq, H, D]."""
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if self.nvfp4:
+            return torch.ops.fastwan.nvfp4_flash_attn(q, k, v, scale)
+        return torch.ops.fastwan.flash_attn(q, k, v, scale, self._version_for(q.device))
+
+    def __repr__(self) -> str:
+        return f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4})"

@@ -1,0 +1,63 @@
+"""External attention kernels as ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` treats
+each one as a single opaque node (no graph break) and can still infer shapes through its fake impl.
+
+All ops take ``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]`` and return a new contiguous ``[B, Sq, H, D]`` tensor
+with q's dtype (for NVFP4, q is the bf16 input; quantization happens inside the op). Importing this module
+registers the ops but imports no external package: the kernels are loaded lazily via
+:mod:`fastwan.attention.kernels` on the first real call.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastwan.attention import kernels
+
+
+def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _finish(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if out.shape != q.shape:
+        raise RuntimeError(f"attention kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    return out.contiguous()
+
+
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous, q's dtype and device
+
+
+@torch.library.custom_op("fastwan::flash_attn", mutates_args=())
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int) -> torch.Tensor:
+    """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute)."""
+    fn = kernels.flash_kernel(version)
+    return _finish(fn(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale), q)
+
+
+@torch.library.custom_op("fastwan::nvfp4_flash_attn", mutates_args=())
+def nvfp4_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """FA4 with Q, K quantized to NVFP4 inside the op and V in bf16 (sm100/sm103 builds only)."""
+    fn = kernels.nvfp4_flash_kernel()
+    return _finish(fn(q.contiguous(), k.contiguous(), _contiguous_last(v), scale).to(q.dtype), q)
+
+
+@torch.library.custom_op("fastwan::sage_attn", mutates_args=())
+def sage_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SageAttention (INT8 QK^T): ``sageattn(..., tensor_layout="NHD", sm_scale=scale)``."""
+    fn = kernels.sage_kernel()
+    return _finish(fn(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale), q)
+
+
+@torch.library.custom_op("fastwan::fp4_emulated_attn", mutates_args=())
+def fp4_emulated_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, use_global_scale: bool
+) -> torch.Tensor:
+    """Pure-PyTorch NVFP4 Q/K emulation (:func:`fastwan.attention.fp4.fp4_emulated_attention`), any device."""
+    from fastwan.attention.fp4 import fp4_emulated_attention
+
+    out = fp4_emulated_attention(q, k, v, scale, use_global_scale=use_global_scale)
+    return _finish(out.to(q.dtype), q)
+
+
+for _op in (flash_attn, nvfp4_flash_attn, sage_attn, fp4_emulated_attn):
+    _op.register_fake(_fake)

@@ -1,0 +1,176 @@
+"""Configuration parsing for the sparse backends: JSON loading and validation with actionable errors.
+
+Every error is a :class:`ValueError` that names the offending value, the rule it breaks and how to fix it,
+and is raised when the backend is constructed (or, for facts that need the grid or the head count, when the
+layout/plan is built) -- always before any attention is computed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Triple = tuple[int, int, int]
+
+KERNELS = ("auto", "flex", "sdpa", "fa4")
+
+
+def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) -> dict:
+    """Load a sparse-attention config: a JSON file path, a JSON string, a dict, or None (-> {}).
+
+    The result is a plain dict of constructor keyword arguments for the chosen backend (see the backend
+    modules for the keys each accepts). Paths usually come from ``FASTWAN_ATTENTION_CONFIG``
+    (``fastwan.envs.attention_config()``).
+    """
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(
+            f"attention config must be a JSON file path, a JSON object string or a dict, got "
+            f"{type(source).__name__}."
+        )
+    text = str(source)
+    origin = "JSON string"
+    if not text.lstrip().startswith("{"):
+        path = os.path.expanduser(text)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"attention config file {text!r} does not exist (from FASTWAN_ATTENTION_CONFIG or "
+                "attention_config=); give the path of a JSON file, or a dict."
+            )
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        origin = f"file {path!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"attention config {origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
+            "Fix the JSON (keys in double quotes, no trailing commas, no comments)."
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"attention config {origin} must hold a JSON object ({{...}}) of backend options, "
+            f"got a JSON {type(data).__name__}."
+        )
+    return data
+
+
+def reject_unknown(backend: str, unknown: Mapping[str, Any], valid: Sequence[str]) -> None:
+    if unknown:
+        names = ", ".join(repr(k) for k in sorted(unknown))
+        raise ValueError(
+            f"{backend}: unknown config key(s) {names}; valid keys are {', '.join(valid)}. "
+            "Check the spelling in attention_config / FASTWAN_ATTENTION_CONFIG."
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def triple(value: Any, name: str, *, minimum: int = 1, allow_minus_one: bool = False) -> Triple:
+    """Three ints for (T, H, W); a single int is repeated. ``-1`` means "whole dimension" when allowed."""
+    if _is_int(value):
+        value = [value] * 3
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or len(value) != 3
+        or not all(_is_int(x) for x in value)
+    ):
+        raise ValueError(
+            f"{name}={value!r} must be one integer or a list of three integers for the (T, H, W) dimensions, "
+            "e.g. [3, 3, 3]."
+        )
+    for x in value:
+        if x == -1 and allow_minus_one:
+            continue
+        if x < minimum:
+            extra = " (or -1 for the whole dimension)" if allow_minus_one else ""
+            raise ValueError(f"{name}={list(value)!r}: every entry must be >= {minimum}{extra}, got {x}.")
+    return (value[0], value[1], value[2])
+
+
+def bool_triple(value: Any, name: str) -> tuple[bool, bool, bool]:
+    if isinstance(value, bool):
+        return (value, value, value)
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or len(value) != 3
+        or not all(isinstance(x, bool) for x in value)
+    ):
+        raise ValueError(f"{name}={value!r} must be a bool or a list of three bools for (T, H, W).")
+    return (value[0], value[1], value[2])
+
+
+def window(value: Any, where: str) -> Triple:
+    """An STA window in tiles: three odd positive ints (a single int is repeated)."""
+    w = triple(value, where)
+    bad = [x for x in w if x % 2 == 0]
+    if bad:
+        raise ValueError(
+            f"{where}={list(w)!r}: STA windows must be odd (a window is centered on the query tile: "
+            f"size = 2*radius+1), got {bad[0]}; use {bad[0] - 1} or {bad[0] + 1}."
+        )
+    return w
+
+
+def tile_option(value: Any, name: str = "tile", *, allow_auto: bool) -> Triple | str:
+    if isinstance(value, str):
+        if value.lower() == "auto" and allow_auto:
+            return "auto"
+        raise ValueError(
+            f"{name}={value!r}: give three integers (T, H, W)" + (' or "auto"' if allow_auto else "") + "."
+        )
+    return triple(value, name)
+
+
+def block_size_option(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value < 16 or value % 16:
+        raise ValueError(
+            f"block_size={value!r} must be a positive multiple of 16 (slots per tile, >= the tile's token "
+            "count); use 64 or 128, or leave it unset."
+        )
+    return value
+
+
+def kernel_option(value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in KERNELS:
+        raise ValueError(f"kernel={value!r} is not a sparse kernel; use one of {', '.join(KERNELS)}.")
+    return value.lower()
+
+
+def dense_steps_option(value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise ValueError(
+            f"dense_steps={value!r} must be an integer >= 0 (the number of first denoising steps that use "
+            "full attention)."
+        )
+    return value
+
+
+def sparsity_option(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= float(value) < 1.0) or (
+        isinstance(value, float) and math.isnan(value)
+    ):
+        raise ValueError(
+            f"sparsity={value!r} must be a number in [0, 1): the fraction of key tiles each query tile skips "
+            "(0 = dense, 0.9 = keep 10%)."
+        )
+    return float(value)
+
+
+def kernel_options_option(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"kernel_options={value!r} must be a dict of FlexAttention kernel options.")
+    return dict(value)

@@ -1,0 +1,83 @@
+"""The ``fastwan`` command: ``fastwan generate ...`` and ``fastwan env``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="make a video from a text prompt")
+    p.add_argument("--prompt", required=True, help="what the video shows")
+    p.add_argument("--model", default="tiny",
+                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v (default: tiny)")
+    p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--num-frames", type=int, default=None, help="4k+1 frames, e.g. 81")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps")
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--guidance-scale-2", type=float, default=None, help="low-noise expert's scale (Wan2.2 A14B)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=int, default=None)
+    p.add_argument("--output", default="outputs/", help="folder, or a path ending in .mp4")
+    p.add_argument("--attention-backend", default=None,
+                   help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN")
+    p.add_argument("--attention-config", default=None, help="JSON file with the sparse backend's settings")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks")
+    p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
+    p.add_argument("--cfg-mode", choices=("batched", "sequential"), default="batched")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def _run_generate(args) -> int:
+    import torch
+
+    from fastwan import VideoGenerator
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    gen = VideoGenerator.from_pretrained(
+        args.model, device=device, dtype=getattr(torch, dtype_name), attention_backend=args.attention_backend,
+        attention_config=args.attention_config, enable_torch_compile=args.compile,
+        cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode,
+    )
+    res = gen.generate_video(
+        args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+        guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
+        return_frames=False,
+    )
+    t = res.timings
+    print(f"video: {res.video_path}")
+    print(f"attention: {res.attention_backend}")
+    print("time: text {:.2f}s, denoise {:.2f}s, decode {:.2f}s, total {:.2f}s".format(
+        t["text_encoding"], t["denoising"], t["decoding"], t["total"]))
+    if res.peak_memory is not None:
+        print(f"peak GPU memory: {res.peak_memory / 2**30:.2f} GiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "env":
+        from fastwan.envinfo import main as env_main
+
+        return env_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("env", help="device, versions and attention backends available here")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        try:
+            return _run_generate(args)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            print(f"fastwan: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""`fastwan env`: what this machine can run — device, library versions, and every attention backend with
+whether it is available here, its version and kernel, and why not.
+
+Usage: ``fastwan env [--json] [--device cuda:0] [--dtype bf16] [--head-dim 128]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+from typing import Any
+
+import torch
+
+from fastwan import envs
+
+PACKAGES = (
+    "flash-attn",
+    "flash-attn-4",
+    "flash_attn_3",
+    "sageattention",
+    "triton",
+    "flashinfer-python",
+    "nvidia-cutlass-dsl",
+    "diffusers",
+    "transformers",
+)
+
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_info(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Name, compute capability, memory and SM count of ``device`` (a CPU gets its platform name)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return {"device": str(device), "name": platform.processor() or platform.machine(), "type": device.type}
+    if not torch.cuda.is_available():
+        return {"device": str(device), "name": None, "type": "cuda", "error": "CUDA is not available"}
+    p = torch.cuda.get_device_properties(device)
+    return {
+        "device": str(device),
+        "type": "cuda",
+        "name": p.name,
+        "compute_capability": f"sm{p.major}{p.minor}",
+        "memory_gib": round(p.total_memory / 2**30, 1),
+        "sm_count": p.multi_processor_count,
+    }
+
+
+def software_versions() -> dict[str, Any]:
+    from fastwan import __version__
+    from fastwan.attention.kernels import dist_version
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "fastwan": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "triton": dist_version("triton", "pytorch-triton"),
+        "packages": {name: dist_version(name) for name in PACKAGES},
+    }
+
+
+def backend_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[dict[str, Any]]:
+    """One row per backend variant: available here for (device, dtype, head_dim)? version, kernel, reasons."""
+    from fastwan.attention.variants import backend_specs
+
+    rows = []
+    for spec in backend_specs(variants=True):
+        row: dict[str, Any] = {"backend": spec.label, "name": spec.name, "config": spec.config}
+        try:
+            backend = spec.create()
+            reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim)
+            row.update(
+                available=not reasons,
+                version=backend.version_info(device),
+                kernel=backend.kernel_name(device),
+                sparse=bool(getattr(backend, "sparse", False)),
+                reasons=reasons,
+            )
+        except Exception as exc:  # e.g. a sparse backend module that is not there yet
+            row.update(available=False, version=None, kernel=None, sparse=None,
+                       reasons=[f"cannot create: {type(exc).__name__}: {exc}"])
+        rows.append(row)
+    return rows
+
+
+def auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    from fastwan.attention.registry import auto_backend
+
+    log = logging.getLogger("fastwan.attention")
+    level = log.level
+    log.setLevel(logging.WARNING)  # the table already says why; keep the info line out of the report
+    try:
+        b = auto_backend(device=device, dtype=dtype, head_dim=head_dim)
+        return f"{b.name} ({b.kernel_name(device)})"
+    except Exception as exc:
+        return f"none: {exc}"
+    finally:
+        log.setLevel(level)
+
+
+def collect(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128):
+    device = device or default_device()
+    return {
+        "device": device_info(device),
+        "software": software_versions(),
+        "env": envs.known_variables(),
+        "problem": {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim},
+        "auto_backend": auto_choice(device, dtype, head_dim),
+        "backends": backend_rows(device, dtype, head_dim),
+    }
+
+
+def render(info: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    d, sw = info["device"], info["software"]
+    dev = d.get("name") or d.get("error")
+    if d.get("compute_capability"):
+        dev += f" ({d['compute_capability']}, {d['memory_gib']} GiB, {d['sm_count']} SMs)"
+    console.print(f"[bold]Device[/]  {escape(d['device'])}: {escape(str(dev))}")
+    console.print(
+        f"[bold]Software[/]  fastwan {sw['fastwan']}, Python {sw['python']}, torch {sw['torch']}, "
+        f"CUDA {sw['cuda']}, cuDNN {sw['cudnn']}, Triton {sw['triton']}"
+    )
+    pk = ", ".join(f"{k} {v}" for k, v in sw["packages"].items() if v) or "none"
+    console.print(f"[bold]Packages[/]  {escape(pk)}")
+    if info["env"]:
+        console.print("[bold]Environment[/]  " + escape(", ".join(f"{k}={v}" for k, v in info["env"].items())))
+    p = info["problem"]
+    table = Table(title=f"Attention backends on {p['device']} ({p['dtype']}, head dim {p['head_dim']})")
+    for col in ("backend", "available", "version", "kernel", "why not"):
+        table.add_column(col, overflow="fold")
+    for r in info["backends"]:
+        table.add_row(
+            Text(r["backend"]),
+            Text("yes", style="green") if r["available"] else Text("no", style="red"),
+            Text(r["version"] or "-"),
+            Text(r["kernel"] or "-"),
+            Text("\n".join(r["reasons"]) or "-"),
+        )
+    console.print(table)
+    console.print(f"[bold]Automatic choice[/]  {escape(info['auto_backend'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--device", default=None, help="device to check (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="bf16", help="dtype to check backends for (default bf16)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim to check backends for (default 128)")
+    args = parser.parse_args(argv)
+    try:
+        dtype = parse_dtype(args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
+    info = collect(torch.device(args.device) if args.device else None, dtype, args.head_dim)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        render(info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

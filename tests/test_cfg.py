@@ -1,0 +1,96 @@
+"""Batched vs sequential CFG, and CFG gating (Adaptive Guidance)."""
+import numpy as np
+import pytest
+import torch
+
+from fastwan import VideoGenerator
+
+SIZE = dict(height=64, width=64, num_frames=5)
+
+
+def record_batches(gen):
+    """Wrap every expert's forward; return the list of (expert, batch size) per call."""
+    calls = []
+    for i, m in enumerate(gen.transformers):
+        orig = m.forward
+
+        def fwd(x, *a, _orig=orig, _i=i, **k):
+            calls.append((_i, x.shape[0]))
+            return _orig(x, *a, **k)
+
+        m.forward = fwd
+    return calls
+
+
+def make(path, **kw):
+    return VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32, **kw)
+
+
+def run(gen, steps=8, **kw):
+    return gen.generate_video("a boat at sea", negative_prompt="ugly", seed=5, save_video=False,
+                              num_inference_steps=steps, **SIZE, **kw)
+
+
+def test_gate_one_is_plain_cfg_byte_identical(tiny_ckpts):
+    plain = run(make(tiny_ckpts["wan2.1"]))
+    gated = run(make(tiny_ckpts["wan2.1"], cfg_gate_step=1.0))
+    assert np.array_equal(plain.frames, gated.frames)
+    assert plain.num_transformer_forwards == gated.num_transformer_forwards == 16
+
+
+def test_gate_half_skips_exactly_the_second_half(tiny_ckpts):
+    gen = make(tiny_ckpts["wan2.1"], cfg_gate_step=0.5)
+    calls = record_batches(gen)
+    res = run(gen, steps=8)
+    assert [b for _, b in calls] == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert res.num_transformer_forwards == 12
+    plain = run(make(tiny_ckpts["wan2.1"]))
+    assert not np.array_equal(plain.frames, res.frames)  # gating changes the result (it is an approximation)
+
+
+def test_gate_from_env(tiny_ckpts, monkeypatch):
+    monkeypatch.setenv("FASTVIDEO_CFG_GATE_STEP", "0.25")
+    gen = make(tiny_ckpts["wan2.1"])
+    calls = record_batches(gen)
+    run(gen, steps=8)
+    assert [b for _, b in calls] == [2, 2, 1, 1, 1, 1, 1, 1]
+
+
+def test_gate_refreshes_after_expert_switch(tiny_ckpts):
+    gen = make(tiny_ckpts["wan2.2-a14b"], cfg_gate_step=0.0)
+    calls = record_batches(gen)
+    run(gen, steps=8, guidance_scale=4.0, guidance_scale_2=3.0)
+    experts = [e for e, _ in calls]
+    switch = experts.index(1)
+    assert 0 < switch < 8
+    # first step of each expert runs full CFG (batch 2) to get its own delta; the rest are gated
+    expected = [2] + [1] * (switch - 1) + [2] + [1] * (8 - switch - 1)
+    assert [b for _, b in calls] == expected
+
+
+def test_sequential_equals_batched(tiny_ckpts):
+    batched = run(make(tiny_ckpts["wan2.1"]), steps=4)
+    gen = make(tiny_ckpts["wan2.1"], cfg_mode="sequential")
+    calls = record_batches(gen)
+    seq = run(gen, steps=4)
+    assert [b for _, b in calls] == [1] * 8
+    assert np.abs(batched.frames.astype(int) - seq.frames.astype(int)).max() <= 1
+
+
+def test_no_cfg_when_scale_is_one(tiny_ckpts):
+    gen = make(tiny_ckpts["wan2.1"])
+    calls = record_batches(gen)
+    run(gen, steps=3, guidance_scale=1.0)
+    assert [b for _, b in calls] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_gate_out_of_range_raises(tiny_ckpts, bad):
+    with pytest.raises(ValueError, match="cfg_gate_step"):
+        make(tiny_ckpts["wan2.1"], cfg_gate_step=bad)
+
+
+def test_gate_env_out_of_range_raises(tiny_ckpts, monkeypatch):
+    monkeypatch.setenv("FASTVIDEO_CFG_GATE_STEP", "2")
+    with pytest.raises(ValueError, match="FASTVIDEO_CFG_GATE_STEP"):
+        make(tiny_ckpts["wan2.1"])
