@@ -9,7 +9,8 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="make a video from a text prompt")
     p.add_argument("--prompt", required=True, help="what the video shows")
     p.add_argument("--model", default="tiny",
-                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v (default: tiny)")
+                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v "
+                        "(default: tiny)")
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)

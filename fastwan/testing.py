@@ -20,7 +20,12 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
-TINY_IDS = {"tiny": "wan2.1", "tiny-wan2.1": "wan2.1", "tiny-wan2.2-a14b": "wan2.2-a14b", "tiny-wan2.2-ti2v": "wan2.2-ti2v"}
+TINY_IDS = {
+    "tiny": "wan2.1",
+    "tiny-wan2.1": "wan2.1",
+    "tiny-wan2.2-a14b": "wan2.2-a14b",
+    "tiny-wan2.2-ti2v": "wan2.2-ti2v",
+}
 _FORMAT = 1  # bump when the tiny layout changes, so cached copies are rebuilt
 
 TEXT_DIM = 32

@@ -42,9 +42,9 @@ def test_pipeline_matches_diffusers(tiny_ckpts, variant, negative, kw):
 def test_a14b_case_crosses_the_expert_boundary(tiny_ckpts):
     """The A14B parity case above really uses both experts (high-noise first, then low-noise)."""
     gen = VideoGenerator.from_pretrained(tiny_ckpts["wan2.2-a14b"], device="cpu", dtype=torch.float32)
-    calls = []
-    for i, m in enumerate(gen.transformers):
-        orig = m.forward
-        m.forward = (lambda orig, i: lambda *a, **k: (calls.append(i), orig(*a, **k))[1])(orig, i)
+    from test_cfg import record_batches
+
+    rec = record_batches(gen)
     gen.generate_video("a dog", seed=0, save_video=False, num_inference_steps=6, **SIZE)
+    calls = [e for e, _ in rec]
     assert calls[0] == 0 and calls[-1] == 1 and calls == sorted(calls)

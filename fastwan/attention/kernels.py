@@ -2,7 +2,7 @@
 
 Nothing here imports an external package at ``import fastwan`` time: presence is checked with
 ``importlib`` specs / distribution metadata, and the packages are imported on the first kernel call.
-Every loader returns ``fn(q, k, v, scale) -> out`` on ``[B, S, H, D]`` tensors (out contiguous, dtype of q).
+Every loader returns ``fn(q, k, v, scale) -> out or (out, ...)`` on ``[B, S, H, D]`` tensors.
 The custom ops in :mod:`fastwan.attention.ops` call these loaders; tests may monkeypatch them.
 """
 from __future__ import annotations
@@ -59,14 +59,10 @@ def flash_package_version(version: int) -> str | None:
     return dist_version(*names)
 
 
-def _first(out):
-    # Depending on the release, flash_attn_func returns out or (out, lse[, ...]).
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 @functools.cache
 def flash_kernel(version: int) -> KernelFn:
-    """``fn(q, k, v, scale)`` for FlashAttention ``version``; imports the package on first use."""
+    """``fn(q, k, v, scale)`` for FlashAttention ``version``; imports the package on first use. Depending on
+    the release the result is ``out`` or ``(out, lse, ...)``; the custom op keeps ``out``."""
     if version == 2:
         from flash_attn import flash_attn_func as fa2
 
@@ -76,12 +72,12 @@ def flash_kernel(version: int) -> KernelFn:
         from flash_attn_interface import flash_attn_func as fa3
 
         def run(q, k, v, scale):
-            return _first(fa3(q, k, v, softmax_scale=scale, causal=False))
+            return fa3(q, k, v, softmax_scale=scale, causal=False)
     elif version == 4:
         from flash_attn.cute import flash_attn_func as fa4
 
         def run(q, k, v, scale):
-            return _first(fa4(q, k, v, softmax_scale=scale, causal=False))
+            return fa4(q, k, v, softmax_scale=scale, causal=False)
     else:
         raise ValueError(f"FlashAttention version {version!r} is not 2, 3 or 4.")
     return run
@@ -131,7 +127,7 @@ def nvfp4_flash_kernel() -> KernelFn:
     def run(q, k, v, scale):
         q4, sfq = _nvfp4_for_fa4(q)
         k4, sfk = _nvfp4_for_fa4(k)
-        return _first(flash_attn_func(q4, k4, v, softmax_scale=scale, causal=False, mSFQ=sfq, mSFK=sfk))
+        return flash_attn_func(q4, k4, v, softmax_scale=scale, causal=False, mSFQ=sfq, mSFK=sfk)
 
     return run
 

@@ -17,7 +17,9 @@ def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _finish(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _finish(out, q: torch.Tensor) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):  # some releases return (out, lse, ...)
+        out = out[0]
     if out.shape != q.shape:
         raise RuntimeError(f"attention kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     return out.contiguous()
@@ -38,7 +40,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 def nvfp4_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """FA4 with Q, K quantized to NVFP4 inside the op and V in bf16 (sm100/sm103 builds only)."""
     fn = kernels.nvfp4_flash_kernel()
-    return _finish(fn(q.contiguous(), k.contiguous(), _contiguous_last(v), scale).to(q.dtype), q)
+    return _finish(fn(q.contiguous(), k.contiguous(), _contiguous_last(v), scale), q).to(q.dtype)
 
 
 @torch.library.custom_op("fastwan::sage_attn", mutates_args=())

@@ -52,16 +52,19 @@ def _probe(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
     params_cls = getattr(torch.backends.cuda, "SDPAParams", None)
     if fn is None or params_cls is None:
         return None
-    sq, skv = seq_q or 128, seq_kv or seq_q or 128
-    q = torch.empty(1, 1, sq, head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, 1, skv, head_dim, device=device, dtype=dtype)
+    sq, skv = min(seq_q or 128, 128), min(seq_kv or seq_q or 128, 128)  # limits do not depend on length
     try:
-        params = params_cls(q, kv, kv, None, 0.0, False, False)
-    except TypeError:  # older signature without enable_gqa
-        params = params_cls(q, kv, kv, None, 0.0, False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ok = fn(params, debug=True)
+        q = torch.empty(1, 1, sq, head_dim, device=device, dtype=dtype)
+        kv = torch.empty(1, 1, skv, head_dim, device=device, dtype=dtype)
+        try:
+            params = params_cls(q, kv, kv, None, 0.0, False, False)
+        except TypeError:  # older signature without enable_gqa
+            params = params_cls(q, kv, kv, None, 0.0, False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = fn(params, debug=True)
+    except RuntimeError as exc:  # the probe itself failed: the declared limits above still apply
+        return f"could not ask PyTorch whether SDPA kernel '{kernel}' runs here: {exc}"
     if ok:
         return None
     detail = "; ".join(str(w.message).strip() for w in caught) or "no detail given"

@@ -127,7 +127,9 @@ def load_into(
     cast = {}
     for k, v in state.items():
         if v.shape != shapes[k]:
-            raise ValueError(f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(shapes[k])}.")
+            raise ValueError(
+                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(shapes[k])}."
+            )
         target = torch.float32 if keep_fp32(k) else dtype
         cast[k] = v.to(device=device, dtype=target if v.is_floating_point() else v.dtype)
     model.load_state_dict(cast, strict=True, assign=True)

@@ -1,0 +1,248 @@
+"""End-to-end and DiT-forward benchmark: fastwan vs diffusers on the same random weights (GPU).
+
+Phases (run them in one process or separately; each appends to the JSON given by --out):
+  make       write a random checkpoint at the real Wan2.1-1.3B shapes (DiT, UMT5-XXL, Wan VAE) to --ckpt
+  forward    DiT forward ms at batch 1 and 2: diffusers (SDPA default) and fastwan per --backends
+  diffusers  WanPipeline end to end (--steps, CFG --guidance), frames saved for the comparison
+  fastwan    VideoGenerator end to end (--backend, --cfg-mode), frames compared with the diffusers run
+Random weights have the FLOPs and kernels of the real model; image quality is not measured here.
+
+  python benchmarks/e2e.py --phase make,forward,diffusers,fastwan --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+H, W, F = 480, 832, 81
+PROMPT = "a red fox running through fresh snow in a pine forest, cinematic lighting"
+NEG = "blurry, low quality, static"
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def versions() -> dict:
+    import diffusers
+    import transformers
+
+    v = {"torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
+         "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
+         "cudnn": torch.backends.cudnn.version()}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def make_checkpoint(root: Path, size: str) -> None:
+    """Random weights at the real shapes, saved as a Diffusers-format folder (bf16 DiT/UMT5, fp32 VAE)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from fastwan.testing import _tokenizer
+
+    if (root / "model_index.json").exists():
+        log(f"checkpoint exists at {root}")
+        return
+    t0 = time.time()
+    dit = dict(num_attention_heads=12, ffn_dim=8960, num_layers=30) if size == "1.3b" else \
+        dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        m = WanTransformer3DModel(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16,
+                                  text_dim=4096, freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                  eps=1e-6, rope_max_seq_len=1024, **dit).to(torch.bfloat16)
+        m.save_pretrained(root / "transformer", safe_serialization=True, max_shard_size="10GB")
+        del m
+        cfg = UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                         feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+                         relative_attention_max_distance=128, dense_act_fn="gelu_new", is_gated_act=True,
+                         tie_word_embeddings=False)
+        te = UMT5EncoderModel(cfg).to(torch.bfloat16)
+        te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
+        del te
+        AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
+    torch.cuda.empty_cache()
+    _tokenizer().save_pretrained(root / "tokenizer")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "_diffusers_version": "0.35.0",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None,
+        "expand_timesteps": False}))
+    log(f"made random {size} checkpoint in {time.time() - t0:.1f}s")
+
+
+def cuda_time(fn, warmup=2, iters=5) -> float:
+    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def forward_inputs(batch: int, in_ch=16, h=H, w=W, f=F):
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(batch, in_ch, (f - 1) // 4 + 1, h // 8, w // 8, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.full((batch,), 500.0, device="cuda")
+    text = torch.randn(batch, 512, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    return x, t, text
+
+
+@torch.no_grad()
+def phase_forward(root: Path, backends: list[str], res: dict, iters: int) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import load_transformer
+
+    out = res.setdefault("forward_ms", {})
+    ref = WanTransformer3DModel.from_pretrained(root / "transformer", torch_dtype=torch.bfloat16).cuda().eval()
+    for b in (1, 2):
+        args = forward_inputs(b)
+        out[f"diffusers_b{b}"] = cuda_time(lambda args=args: ref(*args, return_dict=False), iters=iters)
+        log(f"diffusers forward B={b}: {out[f'diffusers_b{b}']:.1f} ms")
+    x, t, text = forward_inputs(1)
+    want = ref(x, t, text, return_dict=False)[0].float()
+    ref = None
+    torch.cuda.empty_cache()
+    model = None
+    for name in backends:
+        try:
+            att = AttentionDispatch.resolve(name, device="cuda", dtype=torch.bfloat16, head_dim=128)
+            if model is None:
+                model = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda", attention=att)
+            model.set_attention(att)
+            got = model(x, t, text).float()
+            rel = ((got - want).norm() / want.norm()).item()
+            out[f"{name}_kernel"] = att.describe("cuda")
+            out[f"{name}_rel_err_vs_diffusers"] = rel
+            for b in (1, 2):
+                args = forward_inputs(b)
+                out[f"{name}_b{b}"] = cuda_time(lambda args=args, m=model: m(*args), iters=iters)
+                log(f"fastwan[{name}] forward B={b}: {out[f'{name}_b{b}']:.1f} ms  (rel err vs diffusers {rel:.2e})")
+        except Exception as exc:  # keep going: report the failure
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"fastwan[{name}] FAILED: {exc}")
+    model = None
+    torch.cuda.empty_cache()
+
+
+def phase_diffusers(root: Path, steps: int, guidance: float, res: dict) -> None:
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(root, vae=vae, torch_dtype=torch.bfloat16).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = pipe(PROMPT, negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
+               guidance_scale=guidance, generator=torch.Generator("cuda").manual_seed(0), output_type="np").frames[0]
+    torch.cuda.synchronize()
+    e2e = time.perf_counter() - t0
+    frames = (out * 255).round().astype(np.uint8)
+    np.save("/tmp/diffusers_frames.npy", frames)
+    res["diffusers_e2e"] = {"seconds": e2e, "steps": steps, "s_per_step": e2e / steps,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    log(f"diffusers e2e {e2e:.2f}s, peak {res['diffusers_e2e']['peak_gib']:.2f} GiB")
+    del pipe, vae
+    torch.cuda.empty_cache()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mode: str, compile_: bool,
+                  res: dict) -> None:
+    from fastwan import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                                         cfg_mode=cfg_mode, enable_torch_compile=compile_)
+    key = f"fastwan_e2e[{backend},{cfg_mode}{',compiled' if compile_ else ''}]"
+    kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
+              guidance_scale=guidance, seed=0, save_video=False)
+    if compile_:
+        t0 = time.perf_counter()
+        gen.generate_video(PROMPT, **{**kw, "num_inference_steps": 2})
+        res[key + "_warmup_s"] = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = gen.generate_video(PROMPT, **kw)
+    torch.cuda.synchronize()
+    e2e = time.perf_counter() - t0
+    entry = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps, "timings": r.timings,
+             "peak_gib": r.peak_memory / 2**30, "attention": r.attention_backend}
+    if os.path.exists("/tmp/diffusers_frames.npy"):
+        ref = np.load("/tmp/diffusers_frames.npy")
+        if ref.shape == r.frames.shape:
+            d = np.abs(ref.astype(int) - r.frames.astype(int))
+            entry["vs_diffusers"] = {"psnr_db": psnr(r.frames, ref), "mean_abs": float(d.mean()),
+                                     "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+    res[key] = entry
+    log(f"{key}: {e2e:.2f}s ({entry['s_per_step']:.3f} s/step), peak {entry['peak_gib']:.2f} GiB, "
+        f"{entry.get('vs_diffusers')}")
+    del gen
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", default="make,forward,diffusers,fastwan")
+    p.add_argument("--ckpt", default="/tmp/wan13b-random")
+    p.add_argument("--size", default="1.3b", choices=("1.3b", "14b"))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--backends", default="TORCH_SDPA,FLASH_ATTN,SAGE_ATTN")
+    p.add_argument("--backend", default="FLASH_ATTN")
+    p.add_argument("--cfg-modes", default="batched")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default="e2e.json")
+    a = p.parse_args(argv)
+    root = Path(a.ckpt)
+    res = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
+    res.setdefault("versions", versions())
+    res.setdefault("commands", []).append(" ".join(["python"] + sys.argv))
+    for ph in a.phase.split(","):
+        if ph == "make":
+            make_checkpoint(root, a.size)
+        elif ph == "forward":
+            phase_forward(root, a.backends.split(","), res, a.iters)
+        elif ph == "diffusers":
+            phase_diffusers(root, a.steps, a.guidance, res)
+        elif ph == "fastwan":
+            for mode in a.cfg_modes.split(","):
+                phase_fastwan(root, a.steps, a.guidance, a.backend, mode, a.compile, res)
+        else:
+            raise SystemExit(f"unknown phase {ph!r}")
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    log(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Shared machinery of the sparse video backends: layouts, kernel choice, call checks, plan execution."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, check_qkv, package_available
+from fastwan.attention.layout import TokenLayout, choose_tile, default_block_size
+from fastwan.attention.sparse import config as cfg
+from fastwan.attention.sparse import kernels
+from fastwan.attention.sparse.kernels import BlockPlan
+
+_KERNEL_NAMES = {
+    "flex-compiled": "flex_attention (torch.compile, block-sparse BlockMask)",
+    "flex-eager": "flex_attention (eager: unfused, materialises the scores)",
+    "sdpa": "sdpa + boolean token mask (dense reference)",
+    "fa4": "flash_attn.cute block-sparse (FA4)",
+}
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+class SparseVideoBackend(AttentionBackend):
+    """Base of STA / NA / VSA. Subclasses implement :meth:`plan` (or override :meth:`forward`).
+
+    Common config keys: ``tile`` ([t, h, w] tokens, or "auto" where allowed), ``block_size`` (slots per
+    tile; default: tile tokens rounded up to a multiple of 64, 128 for "auto"), ``dense_steps`` (the first
+    denoising steps use full attention), ``kernel`` (auto | flex | sdpa | fa4) and ``kernel_options`` (extra
+    FlexAttention kernel options, e.g. {"num_stages": 2}).
+    """
+
+    sparse: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(supports_cross_attention=False)
+    allow_auto_tile: ClassVar[bool] = True
+    COMMON_KEYS: ClassVar[tuple[str, ...]] = ("tile", "block_size", "dense_steps", "kernel", "kernel_options")
+
+    def __init__(self, *, tile, block_size, dense_steps, kernel, kernel_options):
+        self.tile = cfg.tile_option(tile, allow_auto=self.allow_auto_tile)
+        self.block_size = cfg.block_size_option(block_size)
+        if self.block_size is not None and self.tile != "auto" and self.block_size < _prod(self.tile):
+            raise ValueError(
+                f"block_size={self.block_size} is smaller than the tile {list(self.tile)} "
+                f"({_prod(self.tile)} tokens); use block_size >= {_prod(self.tile)} or leave it unset."
+            )
+        self.dense_steps = cfg.dense_steps_option(dense_steps)
+        self.kernel = cfg.kernel_option(kernel)
+        self.kernel_options = cfg.kernel_options_option(kernel_options)
+        self._layouts: dict = {}
+        self._plans = kernels.LRU(64)
+
+    # ------------------------------------------------------------------ layout
+    def tile_for(self, grid) -> tuple[int, int, int]:
+        if self.tile == "auto":
+            return choose_tile(grid, self.block_size or 128)
+        return self.tile
+
+    def layout(self, grid, device: torch.device | str) -> TokenLayout:
+        """The TokenLayout for ``grid`` on ``device`` (built once, cached)."""
+        grid = cfg.triple(tuple(grid) if not isinstance(grid, int) else grid, "grid")
+        dev = _device_key(device)
+        key = (grid, str(dev))
+        if key not in self._layouts:
+            tile = self.tile_for(grid)
+            bs = self.block_size or (128 if self.tile == "auto" else default_block_size(tile))
+            self._layouts[key] = TokenLayout(grid, tile, bs, dev)
+            self.validate_grid(self._layouts[key])
+        return self._layouts[key]
+
+    def validate_grid(self, layout: TokenLayout) -> None:
+        """Subclass hook: grid-dependent config checks (raise ValueError)."""
+
+    # ------------------------------------------------------------------ kernels
+    def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
+        reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        dev = torch.device(device)
+        if self.kernel == "fa4":
+            reasons += kernels.fa4_reasons(dev, dtype)
+        if dev.type == "cuda" and self.kernel in ("auto", "flex") and not package_available("triton"):
+            reasons.append("compiled flex_attention needs triton (pip install triton) on CUDA")
+        return reasons
+
+    def _fa4_ok(self, plan: BlockPlan | None, device, dtype) -> bool:
+        if plan is not None and (plan.token_pred is not None or plan.layout.block_size % 128):
+            return False
+        return not kernels.fa4_reasons(device, dtype)
+
+    def resolve_kernel(self, device, dtype=torch.bfloat16, plan: BlockPlan | None = None) -> str:
+        """The concrete kernel: 'flex-compiled' | 'flex-eager' | 'sdpa' | 'fa4'."""
+        dev = torch.device(device)
+        k = self.kernel
+        if k == "auto":
+            if dev.type != "cuda":
+                return "sdpa"
+            return "fa4" if self._fa4_ok(plan, dev, dtype) else "flex-compiled"
+        if k == "flex":
+            return "flex-compiled" if dev.type == "cuda" else "flex-eager"
+        if k == "fa4":
+            reasons = kernels.fa4_reasons(dev, dtype)
+            if reasons:
+                raise RuntimeError(f"{self.name}: kernel='fa4' cannot run: " + "; ".join(reasons))
+        return k
+
+    def kernel_name(self, device=None) -> str:
+        if device is None:
+            return f"kernel={self.kernel}"
+        return _KERNEL_NAMES[self.resolve_kernel(device)]
+
+    def run_plan(self, plan: BlockPlan, q, k, v, scale: float | None) -> torch.Tensor:
+        """q, k, v: [B, P, H, D] in layout order -> [B, P, H, D]."""
+        B, _, H, D = q.shape
+        if plan.batch not in (1, B) or plan.heads not in (1, H):
+            raise ValueError(f"block plan for batch {plan.batch} / heads {plan.heads} used with "
+                             f"batch {B} / heads {H}")
+        scale = D ** -0.5 if scale is None else scale
+        kind = self.resolve_kernel(q.device, q.dtype, plan)
+        if kind == "sdpa":
+            mask = plan._cache.get("dense")
+            if mask is None:
+                mask = plan._cache["dense"] = plan.dense_mask()
+            return kernels.run_sdpa_masked(q, k, v, mask, scale=scale)
+        if kind == "fa4":
+            return kernels.run_fa4(q, k, v, plan.fa4_tensors(), scale=scale)
+        compiled = kind == "flex-compiled"
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        block_mask = plan.flex_block_mask(exact=not compiled, q_blocks=grad)
+        options = None
+        if compiled:
+            options = dict(kernels.default_kernel_options(plan.layout.block_size) or {})
+            options.update(self.kernel_options or {})
+        return kernels.run_flex(q, k, v, block_mask, scale=scale, compiled=compiled, kernel_options=options)
+
+    # ------------------------------------------------------------------ calls
+    def check_call(self, q, k, v, meta: AttentionMetadata | None) -> TokenLayout:
+        """Validate a self-attention call; returns the layout the tokens are in."""
+        check_qkv(q, k, v)
+        if meta is None or meta.grid is None:
+            raise ValueError(
+                f"{self.name} is a sparse video backend: call it with meta=AttentionMetadata(grid=(T, H, W), "
+                "layout=backend.layout(grid, device), ...) and q/k/v permuted with layout.permute."
+            )
+        grid = tuple(int(g) for g in meta.grid)
+        layout = meta.layout if meta.layout is not None else self.layout(grid, q.device)
+        if tuple(layout.grid) != grid:
+            raise ValueError(f"meta.grid {list(grid)} != layout grid {list(layout.grid)}")
+        mine = self.layout(grid, q.device)
+        if layout is not mine and (layout.tile != mine.tile or layout.block_size != mine.block_size):
+            raise ValueError(
+                f"{self.name}: the tokens were permuted with tile {list(layout.tile)} / block {layout.block_size} "
+                f"but this backend uses tile {list(mine.tile)} / block {mine.block_size}; permute with "
+                "backend.layout(grid, device)."
+            )
+        if q.shape[1] != layout.padded_tokens or k.shape[1] != layout.padded_tokens:
+            raise ValueError(
+                f"{self.name}: q has {q.shape[1]} and k {k.shape[1]} tokens but the layout of grid {list(grid)} "
+                f"has {layout.padded_tokens} slots ({layout.num_tokens} real); permute q/k/v (or the hidden "
+                "states) with layout.permute(x, dim=1) first. Sparse backends serve self-attention only."
+            )
+        if layout.device != q.device:
+            raise ValueError(f"layout is on {layout.device} but q is on {q.device}")
+        return mine if layout is not mine else layout
+
+    def is_dense_step(self, meta: AttentionMetadata) -> bool:
+        return meta.step_index is not None and meta.step_index < self.dense_steps
+
+    def dense_plan(self, layout: TokenLayout) -> BlockPlan:
+        from fastwan.attention.sparse import masks
+
+        key = ("dense", layout.grid, str(layout.device))
+        return self._plans.get_or(key, lambda: BlockPlan(layout, *masks.full_tables(layout), name="keys"))
+
+    def plan(self, layout: TokenLayout, meta: AttentionMetadata, heads: int) -> BlockPlan:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
+        """q, k, v: [B, P, H, D] in layout order (P = layout.padded_tokens) -> [B, P, H, D]."""
+        layout = self.check_call(q, k, v, meta)
+        plan = self.dense_plan(layout) if self.is_dense_step(meta) else self.plan(layout, meta, q.shape[2])
+        return self.run_plan(plan, q, k, v, scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config_repr()})"
+
+    def config_repr(self) -> str:
+        return f"tile={self.tile}, dense_steps={self.dense_steps}, kernel={self.kernel!r}"
+
+
+def _prod(t) -> int:
+    n = 1
+    for x in t:
+        n *= x
+    return n

@@ -1,0 +1,107 @@
+"""VIDEO_SPARSE_ATTN: video sparse attention (VSA), a trainable coarse-to-fine sparse attention.
+
+Per call, on the tile-major layout (one tile = one cube of ``tile`` tokens):
+
+1. coarse stage: q, k, v are mean-pooled per tile over the tile's *real* tokens (dummy slots excluded) ->
+   ``[B, n_tiles, H, D]``; dense attention over tiles gives the coarse output and, per query tile, the
+   scores of every key tile;
+2. selection: each query tile keeps its ``k = ceil((1 - sparsity) * n_tiles)`` best-scoring key tiles (per
+   batch element and head);
+3. fine stage: block-sparse token-level attention of each query tile over the real tokens of its selected
+   key tiles;
+4. output: ``fine + coarse * gate`` when the DiT passes ``meta.extra["gate_compress"]`` ([B, P, H, D], layout
+   order; the checkpoint's ``to_gate_compress`` projection), the coarse output of a tile being broadcast to
+   its tokens; ``fine`` alone otherwise.
+
+The selection is data dependent, so the block mask is rebuilt on every call -- from the top-k indices
+directly, at tile level (a sort over k entries per query tile), not from a token mask; it is small and cheap
+next to the attention itself, but it is per layer, unlike STA/NA whose masks are cached.
+
+``dense_steps``: during the first steps ``sparsity`` is 0 (every key tile is kept; the coarse branch still
+adds ``coarse * gate``).
+
+Config::
+
+    {"sparsity": 0.9, "tile": [4, 4, 4], "block_size": null, "dense_steps": 0, "kernel": "auto",
+     "kernel_options": {}}
+
+VSA checkpoints are trained with a tile shape (FastVideo: 4x4x4 = 64 tokens); keep ``tile`` equal to it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse import config as cfg
+from fastwan.attention.sparse.common import SparseVideoBackend
+from fastwan.attention.sparse.kernels import BlockPlan
+
+
+def topk_count(sparsity: float, num_tiles: int) -> int:
+    """k = ceil((1 - sparsity) * num_tiles), at least 1 (a 1e-9 slack absorbs float error: 0.85 of 100 -> 15)."""
+    return max(1, min(num_tiles, math.ceil((1.0 - sparsity) * num_tiles - 1e-9)))
+
+
+def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Mean over each tile's real tokens: [B, P, H, D] (layout order) -> [B, n_tiles, H, D]."""
+    B, _, H, D = x.shape
+    n, bs = layout.num_tiles, layout.block_size
+    weights = layout.key_valid.view(n, bs).to(x.dtype)
+    summed = torch.einsum("bnshd,ns->bnhd", x.reshape(B, n, bs, H, D), weights)
+    return summed / layout.tile_valid_counts.to(summed.dtype)[None, :, None, None]
+
+
+class VideoSparseBackend(SparseVideoBackend):
+    name = "VIDEO_SPARSE_ATTN"
+    KEYS = ("sparsity",) + SparseVideoBackend.COMMON_KEYS
+
+    def __init__(
+        self,
+        sparsity: float = 0.9,
+        tile: Any = (4, 4, 4),
+        block_size: int | None = None,
+        dense_steps: int = 0,
+        kernel: str = "auto",
+        kernel_options: dict | None = None,
+        **unknown: Any,
+    ):
+        cfg.reject_unknown(self.name, unknown, self.KEYS)
+        super().__init__(tile=tile, block_size=block_size, dense_steps=dense_steps, kernel=kernel,
+                         kernel_options=kernel_options)
+        self.sparsity = cfg.sparsity_option(sparsity)
+
+    def coarse(self, q, k, v, layout: TokenLayout, scale: float):
+        """Pooled attention over tiles: -> (scores fp32 [B, H, n, n], coarse output [B, n, H, D] in q.dtype)."""
+        qc, kc, vc = (tile_pool(t, layout).transpose(1, 2).float() for t in (q, k, v))  # [B, H, n, D]
+        scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+        out = torch.matmul(torch.softmax(scores, dim=-1), vc)
+        return scores, out.transpose(1, 2).to(q.dtype)
+
+    def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
+        """q, k, v (and optional meta.extra["gate_compress"]): [B, P, H, D] layout order -> [B, P, H, D]."""
+        layout = self.check_call(q, k, v, meta)
+        gate = meta.extra.get("gate_compress") if meta.extra else None
+        if gate is not None and (tuple(gate.shape) != tuple(q.shape) or gate.device != q.device):
+            raise ValueError(
+                f"{self.name}: gate_compress has shape {tuple(gate.shape)} on {gate.device}; it must match q "
+                f"{tuple(q.shape)} on {q.device} (layout order [B, P, H, D])."
+            )
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        n = layout.num_tiles
+        sparsity = 0.0 if self.is_dense_step(meta) else self.sparsity
+        kk = topk_count(sparsity, n)
+        scores, coarse = self.coarse(q, k, v, layout, scale)
+        selected = scores.topk(kk, dim=-1, sorted=False).indices  # [B, H, n, kk]
+        fine = self.run_plan(BlockPlan(layout, selected=selected, name="keys"), q, k, v, scale)
+        if gate is None:
+            return fine
+        B, P, H, D = q.shape
+        coarse_tokens = coarse.unsqueeze(2).expand(B, n, layout.block_size, H, D).reshape(B, P, H, D)
+        return fine + coarse_tokens * gate
+
+    def config_repr(self) -> str:
+        return f"sparsity={self.sparsity}, " + super().config_repr()

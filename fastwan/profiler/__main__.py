@@ -1,0 +1,3 @@
+from fastwan.profiler.core import main
+
+raise SystemExit(main())
