@@ -206,6 +206,17 @@ def test_flash_picks_best_installed_for_the_device(fake_gpu, cc, installed, expe
     assert b.kernel_name("cuda") == expected
 
 
+def test_flash_pick_is_cached_per_device_and_head_dim(fake_gpu):
+    fake_gpu(cc=(10, 0), fa={2, 4})
+    b = FlashAttnBackend()
+    assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+    assert b.reasons(device="cuda:0", dtype=BF16, head_dim=192) == []  # FA4 on sm100 stops at 128: FA2
+    assert b._picked == {(0, 128): 4, (0, 192): 2}
+    assert b._version_for(torch.device("cuda", 0), 128) == 4
+    assert b._version_for(torch.device("cuda", 0), 192) == 2
+    assert b.kernel_name("cuda") == "flash_attn.cute FA4 (sm100)"
+
+
 def test_flash_pinned_version_unavailable_is_a_reason_not_a_switch(fake_gpu, monkeypatch):
     fake_gpu(cc=(9, 0), fa={2, 4})
     monkeypatch.setenv("FASTWAN_FLASH_ATTN_VERSION", "3")
@@ -253,7 +264,8 @@ def test_nvfp4_on_blackwell_needs_the_fp4_kernel(fake_gpu, monkeypatch):
     assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
     assert b.kernel_name("cuda") == "flash_attn.cute FA4 NVFP4 Q/K (sm100)"
     assert "head dims [128]" in "\n".join(b.reasons(device="cuda", dtype=BF16, head_dim=64))
-    assert "version=2" in "\n".join(FlashAttnBackend(version=2, nvfp4=True).reasons(device="cuda", dtype=BF16, head_dim=128))
+    pinned = FlashAttnBackend(version=2, nvfp4=True)
+    assert "version=2" in "\n".join(pinned.reasons(device="cuda", dtype=BF16, head_dim=128))
 
 
 def test_fa4_nvfp4_feature_check_without_the_package(monkeypatch):

@@ -54,7 +54,8 @@ VARIANTS: dict[int, FlashVariant] = {
     ),
     3: FlashVariant(
         3, "flash_attn_interface FA3",
-        "build FA3 from the hopper/ directory of github.com/Dao-AILab/flash-attention: cd hopper && python setup.py install",
+        "build FA3 from the hopper/ directory of github.com/Dao-AILab/flash-attention: "
+        "cd hopper && python setup.py install",
         ((9, 0),), (9, 0), {0: HeadDimRule(8, 256, 8)},
     ),
     4: FlashVariant(
@@ -119,7 +120,7 @@ class FlashAttnBackend(AttentionBackend):
                 )
         self.version: int | None = version
         self.nvfp4: bool = envs.nvfp4_fa4() if nvfp4 is None else bool(nvfp4)
-        self._picked: dict[int, int] = {}  # CUDA device index -> FA version
+        self._picked: dict[tuple[int, int], int] = {}  # (CUDA device index, head dim) -> FA version
 
     # ---- selection ---------------------------------------------------------------------------------
     @staticmethod
@@ -140,15 +141,16 @@ class FlashAttnBackend(AttentionBackend):
         return PREFERENCE.get(cc[0], DEFAULT_PREFERENCE) if cc else (4, 3, 2)
 
     def select(self, device: torch.device | str, head_dim: int | None = None) -> tuple[int | None, list[str]]:
-        """(FA version to run on ``device``, reasons why none can). Caches the pick per CUDA device."""
+        """(FA version to run on ``device`` for ``head_dim``, reasons why none can). A pick for a known head dim
+        on a GPU is cached, so the forward pass (also under torch.compile) only looks it up."""
         device = torch.device(device)
         cc = self._cc(device)
         rejected: list[str] = []
         for ver in self._candidates(cc):
             why = variant_reasons(VARIANTS[ver], cc, head_dim)
             if not why:
-                if cc is not None:
-                    self._picked[self._index(device)] = ver
+                if cc is not None and head_dim is not None:
+                    self._picked[(self._index(device), head_dim)] = ver
                 return ver, []
             rejected.extend(why)
         return None, rejected
@@ -183,13 +185,19 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(f"NVFP4 FlashAttention supports head dims {list(NVFP4_HEAD_DIMS)}; got {head_dim}")
         return reasons
 
-    def _version_for(self, device: torch.device) -> int:
+    def _version_for(self, device: torch.device, head_dim: int) -> int:
         if self.version is not None:
             return self.version
-        idx = self._index(device) if device.type == "cuda" else -1
-        ver = self._picked.get(idx)
+        key = (self._index(device) if device.type == "cuda" else -1, head_dim)
+        ver = self._picked.get(key)
         if ver is None:
-            ver, why = self.select(device)
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"FLASH_ATTN has not picked a FlashAttention version for {device} / head dim {head_dim} yet; "
+                    "resolve the backend first (AttentionDispatch.resolve or backend.reasons(device=..., "
+                    "head_dim=...)), run it once eagerly, or pin version=2|3|4 before torch.compile."
+                )
+            ver, why = self.select(device, head_dim)
             if ver is None:
                 raise RuntimeError(f"FLASH_ATTN cannot run on {device}: " + "; ".join(why))
         return ver
@@ -201,7 +209,8 @@ class FlashAttnBackend(AttentionBackend):
         cc = self._cc(device)
         if cc is None:
             return f"{self.name} (no CUDA device)"
-        ver, _ = self.select(device)
+        picked = [v for (idx, _), v in self._picked.items() if idx == self._index(device)]
+        ver = picked[0] if picked else self.select(device)[0]
         if ver is None:
             pinned = f"FA{self.version} pinned, " if self.version else ""
             return f"{self.name} ({pinned}unavailable on {_sm(cc)})"
@@ -214,8 +223,8 @@ class FlashAttnBackend(AttentionBackend):
         if ver is None and device is not None and self._cc(device) is not None:
             ver, _ = self.select(device)
         if ver is None:
-            found = [f"FA{v} {kernels.flash_package_version(v) or '?'}" for v in (4, 3, 2) if kernels.flash_installed(v)]
-            return ", ".join(found) or None
+            found = [v for v in (4, 3, 2) if kernels.flash_installed(v)]
+            return ", ".join(f"FA{v} {kernels.flash_package_version(v) or '?'}" for v in found) or None
         return f"FA{ver} {kernels.flash_package_version(ver) or '?'}" if kernels.flash_installed(ver) else None
 
     # ---- compute -----------------------------------------------------------------------------------
@@ -224,7 +233,7 @@ class FlashAttnBackend(AttentionBackend):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if self.nvfp4:
             return torch.ops.fastwan.nvfp4_flash_attn(q, k, v, scale)
-        return torch.ops.fastwan.flash_attn(q, k, v, scale, self._version_for(q.device))
+        return torch.ops.fastwan.flash_attn(q, k, v, scale, self._version_for(q.device, q.shape[-1]))
 
     def __repr__(self) -> str:
         return f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4})"

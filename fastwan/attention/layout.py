@@ -64,7 +64,7 @@ def choose_tile(grid: Sequence[int], block_size: int = 128) -> Triple:
 
     Candidates have at most ``block_size`` tokens (and at least 3/4 of it), ``t <= 4`` frames and
     ``4 <= h, w <= 16`` tokens, each clamped to the grid. Ties prefer more real tokens per tile, then the
-    most cube-like tile. Example: grid (21, 30, 52) -> (3, 10, 4) (1.067x slots), (21, 45, 80) -> (3, 5, 8).
+    most cube-like tile. Example: grid (21, 30, 52) -> (3, 10, 4) (1.067x slots), (21, 45, 80) -> (1, 8, 16) (1.067x).
     """
     grid = _as_triple(tuple(grid), "grid", allow_scalar=False)
     best = None

@@ -150,6 +150,6 @@ def auto_backend(
         logger.info("attention backend %s (%s), chosen automatically", backend.name, backend.kernel_name(device))
         return backend
     raise BackendUnavailableError(
-        "No attention backend can run device=%s dtype=%s head_dim=%d:\n  - %s"
-        % (torch.device(device), dtype, head_dim, "\n  - ".join(skipped))
+        f"No attention backend can run device={torch.device(device)} dtype={dtype} head_dim={head_dim}:\n  - "
+        + "\n  - ".join(skipped)
     )

@@ -15,7 +15,9 @@ from fastwan.attention import kernels
 from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
-INSTALL = "pip install sageattention==1.0.6 (needs triton), or build SageAttention 2 from github.com/thu-ml/SageAttention"
+INSTALL = (
+    "pip install sageattention==1.0.6 (needs triton), or build SageAttention 2 from github.com/thu-ml/SageAttention"
+)
 
 
 @dataclass(frozen=True)

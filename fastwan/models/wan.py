@@ -40,11 +40,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        """x: [..., C] -> normalized x (fp32 statistics), times the weight."""
         if self.weight.dtype in (torch.float16, torch.bfloat16):
-            return y.to(self.weight.dtype) * self.weight
-        return (y * self.weight).to(dtype)
+            # one fused kernel: fp32 statistics, result rounded once to the activation dtype
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps).to(self.weight.dtype) * self.weight
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight).to(x.dtype)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -55,13 +55,12 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def rope_tables(
-    grid: tuple[int, int, int], head_dim: int, max_len: int, device: torch.device, theta: float = 10000.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """3D RoPE tables for a (T, H, W) token grid -> (cos, sin), each [1, T*H*W, 1, head_dim/2] fp32.
+def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device: torch.device,
+                theta: float = 10000.0) -> torch.Tensor:
+    """3D RoPE table for a (T, H, W) token grid -> fp32 [1, T*H*W, 1, head_dim/2, 2] holding (cos, sin).
 
-    The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each pair of channels
-    rotates by the angle of its axis position (computed in fp64, stored fp32).
+    The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each interleaved pair of
+    channels rotates by the angle of its axis position (angles computed in fp64, stored in fp32).
     """
     T, H, W = grid
     for name, n in zip("THW", grid):
@@ -75,14 +74,14 @@ def rope_tables(
         a = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv)  # [n, d/2]
         angles.append(a.view(*shape, d // 2).expand(T, H, W, d // 2))
     ang = torch.cat(angles, dim=-1).reshape(1, T * H * W, 1, head_dim // 2)
-    return ang.cos().float(), ang.sin().float()
+    return torch.stack((ang.cos(), ang.sin()), dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs. x: [B, S, H, D]; cos/sin: [1, S, 1, D/2] fp32 -> x.dtype."""
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs in fp32. x: [B, S, H, D]; freqs: [1, S, 1, D/2, 2] -> x.dtype."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    cos, sin = freqs.unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class WanAttention(nn.Module):
@@ -103,7 +102,7 @@ class WanAttention(nn.Module):
         x: torch.Tensor,
         attn: AttentionDispatch,
         context: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]."""
@@ -112,7 +111,7 @@ class WanAttention(nn.Module):
         k = self.norm_k(self.to_k(src)).unflatten(-1, (self.heads, self.head_dim))
         v = self.to_v(src).unflatten(-1, (self.heads, self.head_dim))
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.cross:
             out = attn.cross_attention(q, k, v)
         else:
@@ -156,7 +155,7 @@ class WanBlock(nn.Module):
         x: torch.Tensor,
         context: torch.Tensor,
         temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         attn: AttentionDispatch,
         meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
@@ -273,7 +272,7 @@ class WanTransformer(nn.Module):
         layout = self.attention.layout_for(grid, x.device)
         if layout is not None:  # sparse backend: tile-major token order, once per forward
             x = layout.permute(x, dim=1)
-            rope = (layout.permute(rope[0], dim=1), layout.permute(rope[1], dim=1))
+            rope = layout.permute(rope, dim=1)
             if temb.dim() == 3:
                 temb, mod = layout.permute(temb, dim=1), layout.permute(mod, dim=1)
         for i, block in enumerate(self.blocks):

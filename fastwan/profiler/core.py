@@ -101,7 +101,7 @@ class Result:
     times_ms: list[float] = field(default_factory=list)
     tflops: float | None = None
     speedup: float | None = None
-    max_abs_err: float | None = None  # vs the TORCH_SDPA[auto] output (dense backends only)
+    max_abs_err: float | None = None  # vs the TORCH_SDPA[auto] output (sparse: after layout.unpermute)
     error: str | None = None
 
 
@@ -176,8 +176,14 @@ def plan(problem: Problem, specs: Sequence[BackendSpec]) -> tuple[list[Result], 
         mem = _memory_reason(spec, problem)
         if mem:
             r.reasons.append(mem)
-        if r.sparse and not r.reasons and not callable(getattr(backend, "layout", None)):
-            r.reasons.append("sparse backend has no layout(grid, device) method")
+        if r.sparse and not r.reasons:
+            if not callable(getattr(backend, "layout", None)):
+                r.reasons.append("sparse backend has no layout(grid, device) method")
+            else:
+                try:  # grid-dependent limits (tile sizes, kernel windows) surface here
+                    backend.layout(problem.grid, problem.device)
+                except Exception as exc:
+                    r.reasons.append(f"layout for grid {problem.grid}: {type(exc).__name__}: {exc}")
         r.runnable = not r.reasons
         if r.runnable:
             backends[spec.label] = backend
@@ -188,12 +194,14 @@ def plan(problem: Problem, specs: Sequence[BackendSpec]) -> tuple[list[Result], 
 # ---- running ---------------------------------------------------------------------------------------------
 
 def _callable(backend, q, k, v, problem: Problem, step_index: int, num_steps: int):
+    """(fn() -> output in the backend's token order, fn's output -> [B, S, H, D] in grid order or None)."""
     if not getattr(backend, "sparse", False):
-        return lambda: backend(q, k, v)
+        return (lambda: backend(q, k, v)), (lambda out: out)
     layout = backend.layout(problem.grid, problem.device)
     qp, kp, vp = (layout.permute(x, dim=1) for x in (q, k, v))
     meta = AttentionMetadata(grid=problem.grid, layout=layout, step_index=step_index, num_steps=num_steps)
-    return lambda: backend(qp, kp, vp, meta=meta)
+    unpermute = getattr(layout, "unpermute", None)
+    return (lambda: backend(qp, kp, vp, meta=meta)), (lambda out: unpermute(out, dim=1) if unpermute else None)
 
 
 def run(
@@ -220,13 +228,12 @@ def run(
             continue
         try:
             with torch.inference_mode():
-                fn = _callable(backends[r.label], q, k, v, problem, step_index, num_steps)
-                out = fn()
-                if not r.sparse:
-                    if ref is None and r.label == BASELINE:
-                        ref = out.float()
-                    if ref is not None:
-                        r.max_abs_err = float((out.float() - ref).abs().max())
+                fn, to_grid = _callable(backends[r.label], q, k, v, problem, step_index, num_steps)
+                out = to_grid(fn())
+                if ref is None and r.label == BASELINE:
+                    ref = out.float()
+                if ref is not None and out is not None:
+                    r.max_abs_err = float((out.float() - ref).abs().max())
                 del out
                 r.times_ms = time_fn(fn, warmup=warmup, iters=iters, device=problem.device)
             r.median_ms = statistics.median(r.times_ms)
@@ -300,7 +307,8 @@ def render(problem: Problem, results: Sequence[Result], *, mode: str, console=No
     if mode != "dry-run":
         best, exact = fastest(results), fastest(results, exact_only=True)
         if best:
-            console.print(f"[bold]fastest[/]: {escape(best.label)} ({best.median_ms:.3f} ms, {best.tflops:.2f} TFLOP/s)")
+            timing = f"{best.median_ms:.3f} ms, {best.tflops:.2f} TFLOP/s"
+            console.print(f"[bold]fastest[/]: {escape(best.label)} ({timing})")
         if exact and exact is not best:
             console.print(f"[bold]fastest exact[/]: {escape(exact.label)} ({exact.median_ms:.3f} ms)")
         if not best:

@@ -109,7 +109,10 @@ class SparseVideoBackend(AttentionBackend):
     def kernel_name(self, device=None) -> str:
         if device is None:
             return f"kernel={self.kernel}"
-        return _KERNEL_NAMES[self.resolve_kernel(device)]
+        dev = torch.device(device)
+        if self.kernel == "auto" and dev.type == "cuda" and self._fa4_ok(None, dev, torch.bfloat16):
+            return f"{_KERNEL_NAMES['fa4']} for tile-aligned 128-slot patterns, else {_KERNEL_NAMES['flex-compiled']}"
+        return _KERNEL_NAMES[self.resolve_kernel(dev)]
 
     def run_plan(self, plan: BlockPlan, q, k, v, scale: float | None) -> torch.Tensor:
         """q, k, v: [B, P, H, D] in layout order -> [B, P, H, D]."""
@@ -119,6 +122,13 @@ class SparseVideoBackend(AttentionBackend):
                              f"batch {B} / heads {H}")
         scale = D ** -0.5 if scale is None else scale
         kind = self.resolve_kernel(q.device, q.dtype, plan)
+        if kind in ("flex-compiled", "fa4") and plan.layout.block_size % (16 if kind != "fa4" else 128):
+            need = 16 if kind != "fa4" else 128
+            raise ValueError(
+                f"{self.name}: block_size={plan.layout.block_size} (tile {list(plan.layout.tile)}) is not a "
+                f"multiple of {need}, which the {_KERNEL_NAMES[kind]} kernel needs; set block_size to a "
+                f"multiple of {need} (>= the tile's {plan.layout.tile_tokens} tokens) or leave it unset."
+            )
         if kind == "sdpa":
             mask = plan._cache.get("dense")
             if mask is None:
@@ -176,6 +186,18 @@ class SparseVideoBackend(AttentionBackend):
 
     def plan(self, layout: TokenLayout, meta: AttentionMetadata, heads: int) -> BlockPlan:
         raise NotImplementedError
+
+    def dense_mask(self, grid, *, step_index: int | None = None, layer_index: int = 0, heads: int = 1,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+        """The exact token pattern in layout order: bool [Hm, P, P] (Hm = 1 when shared by all heads).
+
+        Row = query slot, column = key slot, True = attend; dummy key slots are False. For tests and
+        debugging (O(P^2) memory).
+        """
+        layout = self.layout(grid, device)
+        meta = AttentionMetadata(grid=layout.grid, step_index=step_index, layer_index=layer_index, layout=layout)
+        plan = self.dense_plan(layout) if self.is_dense_step(meta) else self.plan(layout, meta, heads)
+        return plan.dense_mask()[0]
 
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
         """q, k, v: [B, P, H, D] in layout order (P = layout.padded_tokens) -> [B, P, H, D]."""

@@ -134,10 +134,10 @@ def tile_option(value: Any, name: str = "tile", *, allow_auto: bool) -> Triple |
 def block_size_option(value: Any) -> int | None:
     if value is None:
         return None
-    if not _is_int(value) or value < 16 or value % 16:
+    if not _is_int(value) or value < 1:
         raise ValueError(
-            f"block_size={value!r} must be a positive multiple of 16 (slots per tile, >= the tile's token "
-            "count); use 64 or 128, or leave it unset."
+            f"block_size={value!r} must be a positive integer (slots per tile, >= the tile's token count; "
+            "a multiple of 16 for the CUDA kernels); use 64 or 128, or leave it unset."
         )
     return value
 

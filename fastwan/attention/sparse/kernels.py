@@ -102,8 +102,16 @@ def run_sdpa_masked(q, k, v, mask: torch.Tensor, *, scale: float):
 
 # ---------------------------------------------------------------------------------------------- fa4
 def fa4_reasons(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """Why FA4 block sparsity cannot run here (empty: it can)."""
-    device = torch.device(device)
+    """Why FA4 block sparsity cannot run here (empty: it can). Cached per (device, dtype)."""
+    return list(_fa4_reasons(str(torch.device(device)), dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _fa4_reasons(device: str, dtype: torch.dtype) -> tuple[str, ...]:
+    return tuple(_fa4_check(torch.device(device), dtype))
+
+
+def _fa4_check(device: torch.device, dtype: torch.dtype) -> list[str]:
     reasons = []
     if not package_available("flash_attn"):
         return ["package 'flash_attn' (flash_attn.cute, FA4) is not installed (pip install flash-attn-4)"]
@@ -186,15 +194,19 @@ def split_selected(selected: torch.Tensor, tile_full: torch.Tensor) -> tuple[tor
     return f, full_first.to(torch.int32), p, partial_first.to(torch.int32)
 
 
+@functools.lru_cache(maxsize=1)
+def _from_kv_blocks_params() -> frozenset:
+    return frozenset(inspect.signature(_flex_module().BlockMask.from_kv_blocks).parameters)
+
+
 def _from_kv_blocks(layout: TokenLayout, full_num, full_idx, part_num, part_idx, mask_mod, q_blocks: bool):
-    fa = _flex_module()
+    params = _from_kv_blocks_params()
     kwargs = {}
-    params = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
     if "seq_lengths" in params:
         kwargs["seq_lengths"] = (layout.padded_tokens, layout.padded_tokens)
     if "compute_q_blocks" in params:
         kwargs["compute_q_blocks"] = q_blocks
-    return fa.BlockMask.from_kv_blocks(
+    return _flex_module().BlockMask.from_kv_blocks(
         part_num, part_idx, full_num, full_idx, BLOCK_SIZE=layout.block_size, mask_mod=mask_mod, **kwargs
     )
 
@@ -332,6 +344,16 @@ class BlockPlan:
                 i = torch.arange(self.layout.padded_tokens, device=self.layout.device)
                 tm = self.token_pred(i[:, None], i[None, :])
             m = m & tm
+        return m
+
+    def mask_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """bool [Bm, Hm, len(rows), P]: the exact pattern for the query slots ``rows`` (long [r])."""
+        layout = self.layout
+        kv = torch.arange(layout.padded_tokens, device=rows.device)
+        m = self.any[:, :, rows // layout.block_size][:, :, :, kv // layout.block_size]
+        m = m & layout.key_valid[None, None, None, :]
+        if self.token_pred is not None:
+            m = m & self.token_pred(rows[:, None], kv[None, :])
         return m
 
     def fa4_tensors(self) -> dict:

@@ -103,5 +103,11 @@ class VideoSparseBackend(SparseVideoBackend):
         coarse_tokens = coarse.unsqueeze(2).expand(B, n, layout.block_size, H, D).reshape(B, P, H, D)
         return fine + coarse_tokens * gate
 
+    def dense_mask(self, grid, **kwargs):
+        raise TypeError(
+            f"{self.name}'s pattern depends on q and k (top-k over pooled scores); there is no static mask. "
+            "Use VideoSparseBackend.coarse(...) and BlockPlan(layout, selected=...).dense_mask() instead."
+        )
+
     def config_repr(self) -> str:
         return f"sparsity={self.sparsity}, " + super().config_repr()

@@ -1,0 +1,100 @@
+"""Per-kernel breakdown of one DiT forward (fastwan vs diffusers) with torch.profiler, on the GPU.
+
+Groups CUDA kernel time into attention / GEMM / other, prints the top kernels, and compares with the FLOP
+floor at the bf16 GEMM rate measured in the same run.
+
+  python benchmarks/profile_forward.py --ckpt /tmp/wan13b-random --backend FLASH_ATTN [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from e2e import cuda_time, forward_inputs  # noqa: E402
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("flash", "fmha", "attention", "sage", "attn", "cudnn_generated")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "wgmma")):
+        return "gemm"
+    if any(s in n for s in ("norm", "welford")):
+        return "norms"
+    return "elementwise/other"
+
+
+def gemm_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time(lambda: a @ b, warmup=3, iters=20)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def breakdown(fn, label: str, out: dict) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    groups: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            t = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            groups[classify(evt.name)] += t / 1e3
+            per_kernel[evt.name[:90]] += t / 1e3
+    total = sum(groups.values())
+    out[label] = {"groups_ms": dict(groups), "kernel_total_ms": total,
+                  "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]}
+    print(f"--- {label}: kernel time {total:.1f} ms")
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"   {g:20s} {v:8.1f} ms")
+    for k, v in out[label]["top"][:8]:
+        print(f"      {v:8.1f} ms  {k}")
+
+
+@torch.no_grad()
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", default="/tmp/wan13b-random")
+    p.add_argument("--backend", default="FLASH_ATTN")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--diffusers", action="store_true")
+    p.add_argument("--out", default="profile.json")
+    a = p.parse_args()
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import load_transformer
+
+    res = {"gemm_tflops": gemm_rate()}
+    print(f"bf16 GEMM 8192^3: {res['gemm_tflops']:.0f} TFLOP/s")
+    args = forward_inputs(1)
+    if a.diffusers:
+        from diffusers import WanTransformer3DModel
+        ref = WanTransformer3DModel.from_pretrained(Path(a.ckpt) / "transformer", torch_dtype=torch.bfloat16).cuda()
+        breakdown(lambda: ref(*args, return_dict=False), "diffusers", res)
+        del ref
+        torch.cuda.empty_cache()
+    att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128)
+    model = load_transformer(Path(a.ckpt) / "transformer", dtype=torch.bfloat16, device="cuda", attention=att)
+    if a.compile:
+        for blk in model.blocks:
+            blk.compile(fullgraph=True)
+        model(*args)
+    breakdown(lambda: model(*args), f"fastwan[{a.backend}{',compiled' if a.compile else ''}]", res)
+    ms = cuda_time(lambda: model(*args), iters=5)
+    res["forward_ms"] = ms
+    print(f"fastwan forward B=1: {ms:.1f} ms")
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

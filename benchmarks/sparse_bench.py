@@ -1,0 +1,327 @@
+"""Sparse video attention vs dense FA4 at Wan shapes (bf16, CUDA, B=1, D=128).
+
+    python benchmarks/sparse_bench.py --out sparse_bench.json [--iters 20] [--budget-s 225] [--variants sta,vsa]
+
+Grids: 21x30x52 with 12 heads (Wan2.1 1.3B 480p, 32,760 tokens) and 21x45x80 with 40 heads (14B 720p,
+75,600 tokens). For each grid the dense reference is ``flash_attn.cute.flash_attn_func`` (FA4; SDPA cudnn,
+then SDPA flash, when it is missing) on the raster-order tokens, timed in the same process. Each sparse variant
+is configured for ~85% sparsity and timed through its backend exactly as the DiT calls it (q/k/v already
+permuted into the layout, block masks built beforehand and cached):
+
+* ``mask_ms``     building the layout-dependent block mask once (fresh backend, empty caches);
+* ``compile_s``   the first call (torch.compile / FA4 JIT);
+* ``ms``          median of ``--iters`` calls, CUDA events; ``speedup`` = dense ms / ms;
+* ``attended``    fraction of the N^2 real (query, key) pairs the pattern attends (1 - sparsity);
+* ``work``        fraction of N^2 that the kernel computes (listed blocks x block^2, padding included);
+* ``max_err``     max |out - reference| over 256 random real query rows (fp32 masked attention reference).
+
+VSA's top-k selection is per call; its ``ms`` includes pooling, coarse attention, top-k and block-mask
+construction, and ``fine_ms`` is the block-sparse kernel alone. A variant that fails prints its error and the
+run goes on; variants left when ``--budget-s`` is spent are skipped (listed). The JSON (``--out``) holds the
+environment and every row; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastwan.attention.base import AttentionMetadata  # noqa: E402
+from fastwan.attention.registry import create_backend  # noqa: E402
+from fastwan.attention.sparse import kernels as sk  # noqa: E402
+from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
+from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
+
+GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
+TARGET = 0.15  # attended fraction (85% sparsity)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def _pick(candidates, target):
+    """(density, fractions, value): within 25% of ``target`` the most balanced shape wins, else the closest."""
+    def balance(c):
+        return max(c[1]) - min(c[1])
+
+    near = [c for c in candidates if abs(math.log(c[0] / target)) <= math.log(1.25)]
+    if near:
+        return min(near, key=lambda c: (balance(c), abs(math.log(c[0] / target))))[2]
+    return min(candidates, key=lambda c: abs(math.log(c[0] / target)))[2]
+
+
+def sta_window(tile_grid, target=TARGET):
+    """Odd window (tiles), w <= tiles per dim, with tile density prod(w) / prod(n) near ``target``."""
+    cands = []
+    for w in itertools.product(*[range(1, n + 1, 2) for n in tile_grid]):
+        fr = [a / n for a, n in zip(w, tile_grid)]
+        cands.append((math.prod(fr), fr, list(w)))
+    return _pick(cands, target)
+
+
+def na_kernel(grid, stride=(1, 1, 1), target=TARGET):
+    """kernel_size with prod(k / L) near ``target``; with stride > 1 only odd multiples of the stride."""
+    opts = []
+    for L, s in zip(grid, stride):
+        ks = [k for k in range(1, L + 1) if s == 1 or (k % s == 0 and (k // s) % 2 == 1)]
+        opts.append(ks or [L])
+    cands = []
+    for k in itertools.product(*opts):
+        fr = [a / L for a, L in zip(k, grid)]
+        cands.append((math.prod(fr), fr, list(k)))
+    return _pick(cands, target)
+
+
+def variants(grid):
+    """(label, backend name, config, core?) in priority order; core variants run first on every grid."""
+    def sta(tile, kernel, core):
+        probe = create_backend("SLIDING_TILE_ATTN", {"tile": tile}).layout(grid, "cpu")
+        tag = "x".join(map(str, tile)) if tile != "auto" else "auto"
+        return (f"sta-{tag}-{kernel}", "SLIDING_TILE_ATTN",
+                {"tile": tile, "window": sta_window(probe.tile_grid), "kernel": kernel}, core)
+
+    vsa = {"sparsity": 1 - TARGET}
+    return [
+        sta([2, 8, 8], "flex", True),
+        sta([2, 8, 8], "fa4", True),
+        ("vsa-4x4x4-flex", "VIDEO_SPARSE_ATTN", {"tile": [4, 4, 4], **vsa, "kernel": "flex"}, True),
+        ("na-auto-flex", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "flex"},
+         True),
+        ("gna-2x8x8-flex", "NEIGHBORHOOD_ATTN",
+         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "flex"}, True),
+        sta("auto", "flex", True),
+        sta("auto", "fa4", False),
+        ("vsa-auto-flex", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "flex"}, False),
+        ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, False),
+        sta([6, 8, 8], "flex", False),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def cuda_time(fn, iters, warmup=2):
+    """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def wall(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def dense_kernel():
+    """(name, fn(q, k, v) -> out) for the dense reference: FA4, else SDPA cudnn, else SDPA flash."""
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v):
+            out = flash_attn_func(q, k, v)
+            return out[0] if isinstance(out, tuple) else out
+
+        return "flash_attn.cute (FA4)", fa4
+    except Exception as exc:  # not installed / cannot initialise
+        print(f"FA4 unavailable ({type(exc).__name__}: {exc}); dense reference = SDPA", flush=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return out.transpose(1, 2)
+
+    return "sdpa (cudnn, else flash)", sdpa
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def attended_fraction(plan: BlockPlan, backend, layout) -> float:
+    """Real (q, k) pairs attended / N^2, averaged over batch and heads."""
+    n = layout.num_tokens
+    if backend.name == "NEIGHBORHOOD_ATTN":
+        spec = backend.spec(layout.grid)
+        return math.prod(float(m.sum()) for m in spec.masks_1d("cpu")) / n / n
+    cnt = layout.tile_valid_counts.double()
+    pairs = torch.einsum("bhqk,q,k->bh", plan.any.double(), cnt, cnt)
+    return float(pairs.mean()) / n / n
+
+
+def reference_rows(q, k, v, plan: BlockPlan, rows, scale):
+    """fp32 masked attention for query slots ``rows``: [B, r, H, D]."""
+    m = plan.mask_rows(rows)  # [Bm, Hm, r, P]
+    s = torch.einsum("brhd,bkhd->bhrk", q[:, rows].float(), k.float()) * scale
+    s = s.masked_fill(~m, float("-inf"))
+    return torch.einsum("bhrk,bkhd->brhd", torch.softmax(s, dim=-1), v.float())
+
+
+# ---------------------------------------------------------------------------------------------- run
+def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
+    row = {"grid": list(grid), "heads": heads, "variant": label, "backend": name, "config": conf}
+    dev = qkv_raster[0].device
+    meta_grid = tuple(grid)
+    backend = create_backend(name, conf)
+    layout, t_layout = wall(lambda: backend.layout(grid, dev))
+    row.update(layout=layout.describe(), tile=list(layout.tile), block=layout.block_size,
+               layout_ms=round(t_layout * 1e3, 2))
+    q, k, v = (layout.permute(t, dim=1) for t in qkv_raster)
+    scale = q.shape[-1] ** -0.5
+    meta = AttentionMetadata(grid=meta_grid, step_index=None, num_steps=None, layer_index=0, layout=layout)
+    kind = backend.resolve_kernel(dev, q.dtype)
+    if name == "VIDEO_SPARSE_ATTN":
+        def select():
+            scores, _ = backend.coarse(q, k, v, layout, scale)
+            sel = scores.topk(topk_count(backend.sparsity, layout.num_tiles), dim=-1, sorted=False).indices
+            plan = BlockPlan(layout, selected=sel)
+            if kind == "fa4":
+                plan.fa4_tensors()
+            else:
+                plan.flex_block_mask(exact=False)
+            return plan
+
+        select()  # warm the pooling/top-k kernels
+        plan, t_mask = wall(select)
+    else:
+        plan, t_mask = wall(lambda: backend.plan(layout, meta, heads))
+        _, t_bm = wall(lambda: plan.fa4_tensors() if kind == "fa4" else plan.flex_block_mask(exact=False))
+        t_mask += t_bm
+    row.update(kernel=backend.kernel_name(dev), mask_ms=round(t_mask * 1e3, 2),
+               block_density=round(plan.density(), 4),
+               work=round(float(plan.any.sum(-1).double().mean()) * layout.num_tiles * layout.block_size ** 2
+                          / layout.num_tokens ** 2, 4),
+               attended=round(attended_fraction(plan, backend, layout), 4))
+
+    def call():
+        return backend(q, k, v, meta=meta)
+
+    out, t_first = wall(call)
+    row["compile_s"] = round(t_first, 2)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    real = torch.nonzero(layout.key_valid.cpu()).flatten()
+    rows = real[torch.randperm(real.numel(), generator=g)[:256]].to(dev)
+    if name == "VIDEO_SPARSE_ATTN":  # the same selection as the call (deterministic on the same inputs)
+        scores, _ = backend.coarse(q, k, v, layout, scale)
+        sel = scores.topk(topk_count(backend.sparsity, layout.num_tiles), dim=-1, sorted=False).indices
+        check_plan = BlockPlan(layout, selected=sel)
+    else:
+        check_plan = plan
+    ref = reference_rows(q, k, v, check_plan, rows, scale)
+    row["max_err"] = float((out[:, rows].float() - ref).abs().max())
+    row["ms"] = round(cuda_time(call, iters), 3)
+    if name == "VIDEO_SPARSE_ATTN":
+        row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
+    row["dense_ms"] = dense_ms
+    row["speedup"] = round(dense_ms / row["ms"], 2)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="sparse_bench.json")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=225.0, help="skip variants once this much time is spent")
+    p.add_argument("--variants", default="", help="comma-separated substrings; only matching variants run")
+    p.add_argument("--grids", default="", help="e.g. 21x30x52:12,21x45x80:40 (default: both Wan grids)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("sparse_bench needs a CUDA device.")
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    grids = GRIDS
+    if args.grids:
+        grids = [(tuple(int(x) for x in g.split(":")[0].split("x")), int(g.split(":")[1]))
+                 for g in args.grids.split(",")]
+    wanted = [w for w in args.variants.split(",") if w]
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(dev),
+           "capability": list(torch.cuda.get_device_capability(dev))}
+    try:
+        import flash_attn
+
+        env["flash_attn"] = getattr(flash_attn, "__version__", "?")
+    except Exception as exc:
+        env["flash_attn"] = f"unavailable: {exc}"
+    env["fa4_block_sparse"] = sk.fa4_reasons(dev, torch.bfloat16) or "ok"
+    print(json.dumps(env), flush=True)
+    dense_name, dense_fn = dense_kernel()
+
+    # queue: core variants of every grid first, then the extras
+    per_grid = {}
+    queue = []
+    for gi, (grid, heads) in enumerate(grids):
+        vs = [v for v in variants(grid) if not wanted or any(w in v[0] for w in wanted)]
+        queue += [(not v[3], i, gi, grid, heads, v[:3]) for i, v in enumerate(vs)]
+    queue.sort(key=lambda x: x[:3])
+
+    results, skipped = [], []
+    for *_, grid, heads, (label, name, conf) in queue:
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append(f"{'x'.join(map(str, grid))}/{label}")
+            continue
+        if grid not in per_grid:
+            n = math.prod(grid)
+            gen = torch.Generator(device=dev).manual_seed(0)
+            qkv = [torch.randn(1, n, heads, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+            try:
+                dense_ms = round(cuda_time(lambda q=qkv: dense_fn(*q), args.iters), 3)
+            except Exception as exc:
+                print(f"dense {dense_name} failed: {exc}; using SDPA", flush=True)
+                dense_ms = round(cuda_time(lambda q=qkv: F.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in q)), args.iters), 3)
+            per_grid[grid] = (qkv, dense_ms)
+            print(f"grid {grid} heads {heads}: dense {dense_name} {dense_ms:.2f} ms "
+                  f"({sk.tflops(1, heads, n, 128, dense_ms):.0f} TFLOP/s)", flush=True)
+        qkv, dense_ms = per_grid[grid]
+        t_v = time.perf_counter()
+        try:
+            row = run_variant(label, name, conf, grid, heads, qkv, args.iters, dense_ms)
+        except Exception as exc:
+            print(f"  {label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=3)
+            row = {"grid": list(grid), "heads": heads, "variant": label, "backend": name, "config": conf,
+                   "error": f"{type(exc).__name__}: {exc}"}
+        row["wall_s"] = round(time.perf_counter() - t_v, 1)
+        row["dense_kernel"] = dense_name
+        results.append(row)
+        if "error" not in row:
+            print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x "
+                  f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
+                  f"err {row['max_err']:.2e})", flush=True)
+        torch.cuda.empty_cache()
+
+    Path(args.out).write_text(json.dumps({"env": env, "dense_kernel": dense_name, "results": results,
+                                          "skipped_for_budget": skipped}, indent=1))
+    print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s); skipped for budget: {skipped or 'none'}")
+    hdr = f"{'grid':<10} {'variant':<16} {'tile':<10} {'att%':>5} {'work%':>6} {'mask ms':>8} {'ms':>8} " \
+          f"{'dense':>7} {'speedup':>7} {'err':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        g = "x".join(map(str, r["grid"]))
+        if "error" in r:
+            print(f"{g:<10} {r['variant']:<16} ERROR {r['error'][:70]}")
+            continue
+        tile = "x".join(map(str, r["tile"]))
+        print(f"{g:<10} {r['variant']:<16} {tile:<10} {100 * r['attended']:>5.1f} {100 * r['work']:>6.1f} "
+              f"{r['mask_ms']:>8.1f} {r['ms']:>8.2f} {r['dense_ms']:>7.2f} {r['speedup']:>6.2f}x {r['max_err']:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()
