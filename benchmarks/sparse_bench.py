@@ -83,11 +83,13 @@ def na_kernel(grid, stride=(1, 1, 1), target=TARGET):
 
 def variants(grid):
     """(label, backend name, config, core?) in priority order; core variants run first on every grid."""
-    def sta(tile, kernel, core):
+    def sta(tile, kernel, core, options=None):
         probe = create_backend("SLIDING_TILE_ATTN", {"tile": tile}).layout(grid, "cpu")
         tag = "x".join(map(str, tile)) if tile != "auto" else "auto"
-        return (f"sta-{tag}-{kernel}", "SLIDING_TILE_ATTN",
-                {"tile": tile, "window": sta_window(probe.tile_grid), "kernel": kernel}, core)
+        conf = {"tile": tile, "window": sta_window(probe.tile_grid), "kernel": kernel}
+        if options:
+            conf["kernel_options"] = options
+        return (f"sta-{tag}-{kernel}" + ("-bn128" if options else ""), "SLIDING_TILE_ATTN", conf, core)
 
     vsa = {"sparsity": 1 - TARGET}
     return [
@@ -103,6 +105,7 @@ def variants(grid):
         ("vsa-auto-flex", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "flex"}, False),
         ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, False),
         sta([6, 8, 8], "flex", False),
+        sta([2, 8, 8], "flex", False, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}),
     ]
 
 

@@ -42,6 +42,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["cc"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kernels, "flash_installed", lambda v: v in state["fa"])
+    monkeypatch.setattr(kernels, "flash_import_error", lambda v: None)
+    monkeypatch.setattr(kernels, "sage_import_error", lambda: None)
     monkeypatch.setattr(kernels, "sage_major", lambda: state["sage"])
     monkeypatch.setattr(kernels, "sage_package_version", lambda: {1: "1.0.6", 2: "2.2.0"}.get(state["sage"]))
     real = base.package_available
@@ -204,6 +206,21 @@ def test_flash_picks_best_installed_for_the_device(fake_gpu, cc, installed, expe
     b = FlashAttnBackend(version=None)
     assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
     assert b.kernel_name("cuda") == expected
+
+
+def test_installed_but_broken_package_is_a_reason(fake_gpu, monkeypatch, caplog):
+    fake_gpu(cc=(9, 0), fa={3, 4}, sage=1)
+    monkeypatch.setattr(kernels, "flash_import_error", lambda v: "ImportError: undefined symbol" if v == 3 else None)
+    b = FlashAttnBackend()
+    with caplog.at_level(logging.WARNING, logger="fastwan.attention"):
+        assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+    assert b.kernel_name("cuda") == "flash_attn.cute FA4 (sm90)"  # the next generation, and a warning says why
+    assert "FA3 is installed but does not import (ImportError: undefined symbol)" in caplog.text
+    text = "\n".join(FlashAttnBackend(version=3).reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "FA3 is installed but does not import" in text
+    monkeypatch.setattr(kernels, "sage_import_error", lambda: "ModuleNotFoundError: No module named 'triton'")
+    text = "\n".join(SageAttnBackend().reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "sageattention is installed but does not import (ModuleNotFoundError" in text
 
 
 def test_flash_pick_is_cached_per_device_and_head_dim(fake_gpu):

@@ -7,6 +7,7 @@ not installed or does not support the GPU is a reason, never a silent switch to 
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fa
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
 CC = tuple[int, int]
+logger = logging.getLogger("fastwan.attention")
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,13 @@ class FlashAttnBackend(AttentionBackend):
         rejected: list[str] = []
         for ver in self._candidates(cc):
             why = variant_reasons(VARIANTS[ver], cc, head_dim)
+            if not why and cc is not None:  # it could run here: make sure the installed package loads
+                err = kernels.flash_import_error(ver)
+                if err:
+                    why = [f"FA{ver} is installed but does not import ({err})"]
+                    if why[0] not in _WARNED:
+                        _WARNED.add(why[0])
+                        logger.warning("FLASH_ATTN: %s; trying the next FlashAttention generation", why[0])
             if not why:
                 if cc is not None and head_dim is not None:
                     self._picked[(self._index(device), head_dim)] = ver

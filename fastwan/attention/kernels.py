@@ -83,6 +83,25 @@ def flash_kernel(version: int) -> KernelFn:
     return run
 
 
+def import_error(loader: Callable[[], KernelFn]) -> str | None:
+    """Why ``loader()`` (e.g. ``lambda: flash_kernel(3)``) fails to import its package, or None if it loads."""
+    try:
+        loader()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.cache
+def flash_import_error(version: int) -> str | None:
+    return import_error(lambda: flash_kernel(version))
+
+
+@functools.cache
+def sage_import_error() -> str | None:
+    return import_error(sage_kernel)
+
+
 def fa4_accepts_nvfp4() -> tuple[bool, str]:
     """Whether the installed ``flash_attn.cute.flash_attn_func`` takes NVFP4 Q/K (scale-factor arguments
     ``mSFQ``/``mSFK``, as in the FP4 branch of flash-attention). Imports flash_attn.cute; call it only on a

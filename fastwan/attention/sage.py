@@ -70,6 +70,10 @@ class SageAttnBackend(AttentionBackend):
             r = f"sageattention {major}.x: {r}"
             if r not in reasons:
                 reasons.append(r)
+        if not reasons:  # it could run here: make sure the installed package loads
+            err = kernels.sage_import_error()
+            if err:
+                reasons.append(f"sageattention is installed but does not import ({err})")
         return reasons
 
     def kernel_name(self, device=None) -> str:
