@@ -92,7 +92,7 @@ class VideoGenerator:
         torch_compile_kwargs: Mapping[str, Any] | None = None,
         cfg_gate_step: float | None = None,
         cfg_mode: str = "batched",
-        vae_dtype: torch.dtype = torch.float32,
+        vae_dtype: torch.dtype | None = None,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -101,6 +101,8 @@ class VideoGenerator:
         ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
         """
         # ---- argument checks (before any work) ----
+        if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
+            vae_dtype = dtype
         for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
             if dt not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
