@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
 H, W, F = 480, 832, 81
 PROMPT = "a red fox running through fresh snow in a pine forest, cinematic lighting"
 NEG = "blurry, low quality, static"
@@ -110,8 +112,30 @@ def forward_inputs(batch: int, in_ch=16, h=H, w=W, f=F):
     return x, t, text
 
 
+def parse_backend(label: str) -> tuple[str, dict | None]:
+    """'TORCH_SDPA[cudnn]' -> ('TORCH_SDPA', {'kernel': 'cudnn'}); 'FLASH_ATTN[4]' -> version 4."""
+    if "[" not in label:
+        return label, None
+    name, arg = label[:-1].split("[")
+    return name, ({"version": int(arg)} if name == "FLASH_ATTN" else {"kernel": arg})
+
+
+def attention_kernel_ms(fn) -> float:
+    """CUDA time (ms) of the attention kernels in one call of fn, from torch.profiler."""
+    from profile_forward import classify
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and classify(e.name) == "attention") / 1e3
+
+
 @torch.no_grad()
-def phase_forward(root: Path, backends: list[str], res: dict, iters: int) -> None:
+def phase_forward(root: Path, backends: list[str], res: dict, iters: int, compile_: bool = False) -> None:
     from diffusers import WanTransformer3DModel
 
     from fastwan.attention import AttentionDispatch
@@ -128,23 +152,35 @@ def phase_forward(root: Path, backends: list[str], res: dict, iters: int) -> Non
     ref = None
     torch.cuda.empty_cache()
     model = None
-    for name in backends:
+    attn_flops = 4 * 12 * (21 * 30 * 52) ** 2 * 128 * 30  # per batch element, 30 layers
+    for label in backends:
+        key = label + (" compiled" if compile_ else "")
         try:
-            att = AttentionDispatch.resolve(name, device="cuda", dtype=torch.bfloat16, head_dim=128)
+            name, conf = parse_backend(label)
+            att = AttentionDispatch.resolve(name, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
             if model is None:
                 model = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda", attention=att)
+                if compile_:
+                    for blk in model.blocks:
+                        blk.compile(fullgraph=True)
             model.set_attention(att)
+            if compile_:
+                torch._dynamo.reset()
             got = model(x, t, text).float()
             rel = ((got - want).norm() / want.norm()).item()
-            out[f"{name}_kernel"] = att.describe("cuda")
-            out[f"{name}_rel_err_vs_diffusers"] = rel
+            out[f"{key}_kernel"] = att.describe("cuda")
+            out[f"{key}_rel_err_vs_diffusers"] = rel
+            ams = attention_kernel_ms(lambda m=model: m(x, t, text))
+            out[f"{key}_attention_ms_b1"] = ams
+            out[f"{key}_attention_tflops_in_model"] = attn_flops / (ams * 1e-3) / 1e12
             for b in (1, 2):
                 args = forward_inputs(b)
-                out[f"{name}_b{b}"] = cuda_time(lambda args=args, m=model: m(*args), iters=iters)
-                log(f"fastwan[{name}] forward B={b}: {out[f'{name}_b{b}']:.1f} ms  (rel err vs diffusers {rel:.2e})")
+                out[f"{key}_b{b}"] = cuda_time(lambda args=args, m=model: m(*args), iters=iters)
+            log(f"fastwan[{key}] forward B=1 {out[f'{key}_b1']:.1f} ms, B=2 {out[f'{key}_b2']:.1f} ms, attention "
+                f"in model {ams:.1f} ms = {out[f'{key}_attention_tflops_in_model']:.0f} TFLOP/s, rel err {rel:.2e}")
         except Exception as exc:  # keep going: report the failure
-            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-            log(f"fastwan[{name}] FAILED: {exc}")
+            out[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"fastwan[{key}] FAILED: {exc}")
     model = None
     torch.cuda.empty_cache()
 
@@ -178,13 +214,42 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM over frames of two uint8 videos [T, H, W, 3] (luma, 7x7 uniform window, K1=.01, K2=.03)."""
+    def luma(v):
+        t = torch.from_numpy(v).double()
+        return (0.299 * t[..., 0] + 0.587 * t[..., 1] + 0.114 * t[..., 2]).unsqueeze(1)  # [T, 1, H, W]
+
+    x, y = luma(a), luma(b)
+    pool = torch.nn.functional.avg_pool2d
+    mx, my = pool(x, 7, 1), pool(y, 7, 1)
+    vx, vy = pool(x * x, 7, 1) - mx**2, pool(y * y, 7, 1) - my**2
+    cxy = pool(x * y, 7, 1) - mx * my
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    m = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return float(m.mean())
+
+
+def compare(frames: np.ndarray, ref_path: str) -> dict | None:
+    if not os.path.exists(ref_path):
+        return None
+    ref = np.load(ref_path)
+    if ref.shape != frames.shape:
+        return None
+    d = np.abs(ref.astype(int) - frames.astype(int))
+    return {"psnr_db": psnr(frames, ref), "ssim": ssim(frames, ref), "mean_abs": float(d.mean()),
+            "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+
+
 def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mode: str, compile_: bool,
-                  res: dict) -> None:
+                  res: dict, attention_config: dict | None = None, tag: str | None = None) -> None:
     from fastwan import VideoGenerator
 
     gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
-                                         cfg_mode=cfg_mode, enable_torch_compile=compile_)
-    key = f"fastwan_e2e[{backend},{cfg_mode}{',compiled' if compile_ else ''}]"
+                                         attention_config=attention_config, cfg_mode=cfg_mode,
+                                         enable_torch_compile=compile_)
+    tag = tag or backend
+    key = f"fastwan_e2e[{tag},{cfg_mode}{',compiled' if compile_ else ''}]"
     kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
               guidance_scale=guidance, seed=0, save_video=False)
     t0 = time.perf_counter()  # warm-up: kernel JIT (FA4) and, with --compile, compilation; not timed
@@ -196,16 +261,15 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     torch.cuda.synchronize()
     e2e = time.perf_counter() - t0
     entry = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps, "timings": r.timings,
-             "peak_gib": r.peak_memory / 2**30, "attention": r.attention_backend}
-    if os.path.exists("/tmp/diffusers_frames.npy"):
-        ref = np.load("/tmp/diffusers_frames.npy")
-        if ref.shape == r.frames.shape:
-            d = np.abs(ref.astype(int) - r.frames.astype(int))
-            entry["vs_diffusers"] = {"psnr_db": psnr(r.frames, ref), "mean_abs": float(d.mean()),
-                                     "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+             "peak_gib": r.peak_memory / 2**30, "attention": r.attention_backend, "config": attention_config,
+             "vs_diffusers": compare(r.frames, "/tmp/diffusers_frames.npy")}
+    if attention_config is None and not compile_:
+        np.save("/tmp/frames_dense.npy", r.frames)
+    else:
+        entry["vs_fastwan_dense_eager"] = compare(r.frames, "/tmp/frames_dense.npy")
     res[key] = entry
     log(f"{key}: {e2e:.2f}s ({entry['s_per_step']:.3f} s/step), peak {entry['peak_gib']:.2f} GiB, "
-        f"{entry.get('vs_diffusers')}")
+        f"vs diffusers {entry['vs_diffusers']}, vs dense {entry.get('vs_fastwan_dense_eager')}")
     del gen
     torch.cuda.empty_cache()
 
@@ -217,10 +281,11 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="1.3b", choices=("1.3b", "14b"))
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--guidance", type=float, default=5.0)
-    p.add_argument("--backends", default="TORCH_SDPA,FLASH_ATTN,SAGE_ATTN")
+    p.add_argument("--backends", default="TORCH_SDPA[flash],TORCH_SDPA[cudnn],FLASH_ATTN,SAGE_ATTN")
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--cfg-modes", default="batched")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--sparse-variants", default="sta-2x8x8-fa4,vsa-auto-fa4,gna-2x8x8-flex")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="e2e.json")
     a = p.parse_args(argv)
@@ -232,9 +297,17 @@ def main(argv=None) -> int:
         if ph == "make":
             make_checkpoint(root, a.size)
         elif ph == "forward":
-            phase_forward(root, a.backends.split(","), res, a.iters)
+            phase_forward(root, a.backends.split(","), res, a.iters, a.compile)
         elif ph == "diffusers":
             phase_diffusers(root, a.steps, a.guidance, res)
+        elif ph == "sparse":  # configs at ~85% sparsity, chosen as in benchmarks/sparse_bench.py
+            from sparse_bench import variants
+
+            chosen = {v[0]: v for v in variants((21, 30, 52))}
+            for label in a.sparse_variants.split(","):
+                _, name, conf, _ = chosen[label]
+                phase_fastwan(root, a.steps, a.guidance, name, "batched", False, res, attention_config=conf,
+                              tag=label)
         elif ph == "fastwan":
             for mode in a.cfg_modes.split(","):
                 phase_fastwan(root, a.steps, a.guidance, a.backend, mode, a.compile, res)
