@@ -22,6 +22,8 @@ from e2e import cuda_time, forward_inputs  # noqa: E402
 
 def classify(name: str) -> str:
     n = name.lower()
+    if n.startswith("triton_"):  # inductor's fused kernels are named after the ops they fuse
+        return "norms" if "norm" in n else "elementwise/other"
     if any(s in n for s in ("flash", "fmha", "attention", "sage", "attn", "cudnn_generated")):
         return "attention"
     if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "wgmma")):
