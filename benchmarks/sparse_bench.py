@@ -106,6 +106,9 @@ def variants(grid):
         ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, False),
         sta([6, 8, 8], "flex", False),
         sta([2, 8, 8], "flex", False, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}),
+        ("gna-2x8x8-fa4", "NEIGHBORHOOD_ATTN",
+         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "fa4"}, False),
+        ("vsa-2x8x8-fa4", "VIDEO_SPARSE_ATTN", {"tile": [2, 8, 8], **vsa, "kernel": "fa4"}, False),
     ]
 
 

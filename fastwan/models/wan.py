@@ -57,10 +57,12 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -
 
 def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device: torch.device,
                 theta: float = 10000.0) -> torch.Tensor:
-    """3D RoPE table for a (T, H, W) token grid -> fp32 [1, T*H*W, 1, head_dim/2, 2] holding (cos, sin).
+    """3D RoPE table for a (T, H, W) token grid -> fp32 [1, T*H*W, 1, 2 * head_dim].
 
-    The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each interleaved pair of
-    channels rotates by the angle of its axis position (angles computed in fp64, stored in fp32).
+    The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each interleaved channel pair
+    (2i, 2i+1) rotates by the angle of its axis position (angles in fp64, stored fp32). The table holds
+    ``cos`` repeated per pair (first D) and ``sin`` signed for the pair swap (-sin, +sin) (last D), so the
+    rotation is two contiguous multiply-adds (see :func:`apply_rope`).
     """
     T, H, W = grid
     for name, n in zip("THW", grid):
@@ -74,14 +76,20 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
         a = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv)  # [n, d/2]
         angles.append(a.view(*shape, d // 2).expand(T, H, W, d // 2))
     ang = torch.cat(angles, dim=-1).reshape(1, T * H * W, 1, head_dim // 2)
-    return torch.stack((ang.cos(), ang.sin()), dim=-1).float()
+    cos = ang.cos().repeat_interleave(2, dim=-1)
+    sin = torch.stack((-ang.sin(), ang.sin()), dim=-1).flatten(-2)
+    return torch.cat((cos, sin), dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs in fp32. x: [B, S, H, D]; freqs: [1, S, 1, D/2, 2] -> x.dtype."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs.unbind(-1)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs in fp32. x: [B, S, H, D]; table: [1, S, 1, 2D] -> x.dtype.
+
+    out[2i] = x[2i] cos - x[2i+1] sin and out[2i+1] = x[2i] sin + x[2i+1] cos, computed as
+    x * cos + swap_pairs(x) * signed_sin with every operand contiguous.
+    """
+    d = x.shape[-1]
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * table[..., :d] + swapped * table[..., d:]).type_as(x)  # bf16 * fp32 computes in fp32
 
 
 class WanAttention(nn.Module):
