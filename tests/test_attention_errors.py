@@ -339,3 +339,11 @@ def test_context_manager_scopes_and_restores():
     assert requested_backend(env={}) == (None, "automatic")
     with pytest.raises(ValueError, match="valid names"), attention_backend("NOT_A_BACKEND"):
         pass
+
+
+def test_nvfp4_env_is_an_explicit_request_that_raises_off_blackwell():
+    """FASTVIDEO_NVFP4_FA4=1 without a backend name must not fall back to another backend silently."""
+    from fastwan.attention import BackendUnavailableError, resolve_backend
+
+    with pytest.raises(BackendUnavailableError, match="FASTVIDEO_NVFP4_FA4"):
+        resolve_backend(None, device="cpu", dtype=torch.bfloat16, head_dim=128, env={"FASTVIDEO_NVFP4_FA4": "1"})

@@ -92,6 +92,8 @@ def requested_backend(
     name = envs.attention_backend(env)
     if name is not None:
         return name, "FASTVIDEO_ATTENTION_BACKEND"
+    if envs.nvfp4_fa4(env):  # asking for NVFP4 attention is asking for FLASH_ATTN: never skipped silently
+        return "FLASH_ATTN", "FASTVIDEO_NVFP4_FA4=1"
     return None, "automatic"
 
 
