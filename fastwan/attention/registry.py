@@ -124,6 +124,11 @@ def resolve_backend(
             )
         logger.info("attention backend %s (%s), requested by %s", backend.name, backend.kernel_name(device), source)
         return backend
+    if config:
+        raise ValueError(
+            f"an attention config was given ({sorted(config)}) but no attention backend was named; name the "
+            "backend it is for (attention_backend= or FASTVIDEO_ATTENTION_BACKEND), e.g. SLIDING_TILE_ATTN."
+        )
     return auto_backend(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
 
 

@@ -362,24 +362,9 @@ def _load_scheduler(folder: Path):
 
 
 def _attention_config(value) -> dict | None:
-    """attention_config kwarg (dict or JSON path) or FASTWAN_ATTENTION_CONFIG -> dict for the backend."""
+    """attention_config kwarg (dict, JSON path or JSON string) or FASTWAN_ATTENTION_CONFIG -> backend kwargs."""
+    from fastwan.attention.sparse import load_attention_config
+
     if value is None:
         value = envs.attention_config()
-        if value is None:
-            return None
-    if isinstance(value, Mapping):
-        return dict(value)
-    if isinstance(value, (str, Path)):
-        import json
-
-        p = Path(value)
-        if not p.is_file():
-            raise FileNotFoundError(f"attention config {p} does not exist; pass a JSON file path or a dict.")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"attention config {p} is not valid JSON ({exc}).") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"attention config {p} must hold a JSON object.")
-        return data
-    raise TypeError(f"attention_config={value!r} must be a dict, a JSON file path, or None.")
+    return None if value is None else load_attention_config(value)
