@@ -91,17 +91,9 @@ def make_checkpoint(root: Path, size: str) -> None:
 
 def cuda_time(fn, warmup=2, iters=5) -> float:
     """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from fastwan.profiler.core import time_fn
+
+    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
 
 
 def forward_inputs(batch: int, in_ch=16, h=H, w=W, f=F):

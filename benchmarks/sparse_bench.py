@@ -42,6 +42,7 @@ from fastwan.attention.registry import create_backend  # noqa: E402
 from fastwan.attention.sparse import kernels as sk  # noqa: E402
 from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
 from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
+from fastwan.profiler.core import time_fn  # noqa: E402
 
 GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
 TARGET = 0.15  # attended fraction (85% sparsity)
@@ -115,18 +116,7 @@ def variants(grid):
 # ---------------------------------------------------------------------------------------------- timing
 def cuda_time(fn, iters, warmup=2):
     """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
 
 
 def wall(fn):
