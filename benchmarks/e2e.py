@@ -266,6 +266,32 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     torch.cuda.empty_cache()
 
 
+def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict) -> None:
+    """Batched vs sequential CFG, interleaved runs on one generator (same weights, same process)."""
+    from fastwan import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend)
+    kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
+              guidance_scale=guidance, seed=0, save_video=False, return_frames=False)
+    gen.generate_video(PROMPT, **{**kw, "num_inference_steps": 2})  # warm-up (FA4 JIT), not timed
+    per_step: dict[str, list[float]] = {"sequential": [], "batched": []}
+    peaks: dict[str, float] = {}
+    for _ in range(repeats):
+        for mode in ("sequential", "batched"):
+            gen.cfg_mode = mode
+            r = gen.generate_video(PROMPT, **kw)
+            per_step[mode].append(r.timings["denoising"] / steps)
+            peaks[mode] = r.peak_memory / 2**30
+    out = {m: {"s_per_step_runs": v, "s_per_step_median": statistics.median(v), "spread": max(v) - min(v),
+               "peak_gib": peaks[m]} for m, v in per_step.items()}
+    res[f"cfg_ab[{backend},{steps} steps,x{repeats}]"] = out
+    for m, o in out.items():
+        log(f"cfg {m}: median {o['s_per_step_median']:.4f} s/step (runs {[round(x, 4) for x in o['s_per_step_runs']]}),"
+            f" peak {o['peak_gib']:.2f} GiB")
+    del gen
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", default="make,forward,diffusers,fastwan")
@@ -277,6 +303,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--cfg-modes", default="batched")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-variants", default="sta-2x8x8-fa4,vsa-auto-fa4,gna-2x8x8-flex")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="e2e.json")
@@ -300,6 +327,8 @@ def main(argv=None) -> int:
                 _, name, conf, _ = chosen[label]
                 phase_fastwan(root, a.steps, a.guidance, name, "batched", False, res, attention_config=conf,
                               tag=label)
+        elif ph == "cfgab":
+            phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res)
         elif ph == "fastwan":
             for mode in a.cfg_modes.split(","):
                 phase_fastwan(root, a.steps, a.guidance, a.backend, mode, a.compile, res)
