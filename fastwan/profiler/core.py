@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-steps", type=int, default=50, help="denoising steps passed to sparse backends")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                    help="settings for one backend, e.g. 'SLIDING_TILE_ATTN={\"window\": [5, 3, 3]}' "
+                         "(repeatable; a JSON object, or a path to a JSON file)")
     return ap
 
 
@@ -366,12 +369,30 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     return Problem(args.batch, heads, head_dim, grid, dtype, device)
 
 
+def parse_configs(items: Sequence[str]) -> dict[str, dict]:
+    """['NAME=JSON or path', ...] -> {NAME: config}; bad names or JSON raise ValueError."""
+    from fastwan.attention.registry import BACKENDS
+    from fastwan.attention.sparse import load_attention_config
+
+    out: dict[str, dict] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().upper()
+        if not sep or name not in BACKENDS:
+            raise ValueError(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
+        out[name] = load_attention_config(value)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
         problem = problem_from_args(args)
         specs = backend_specs(args.backend, variants=args.optimize)
+        configs = parse_configs(args.config)
+        specs = [BackendSpec(sp.name, {**configs[sp.name], **sp.config}, sp.suffix) if sp.name in configs else sp
+                 for sp in specs]
     except ValueError as exc:
         ap.error(str(exc))
     on_gpu = problem.device.type == "cuda"
