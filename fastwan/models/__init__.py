@@ -14,17 +14,16 @@ def load_transformer(folder, *, dtype, device, attention=None, allow_pickle: boo
 
     import torch
 
-    from fastwan.models.loading import load_into, load_state_dict, weight_files
+    from fastwan.models.loading import CheckpointTensors, load_into, weight_files
 
     folder = Path(folder)
     cfg = WanConfig.from_file(folder / "config.json")
     files = weight_files(folder, allow_pickle=allow_pickle)
     with torch.device("meta"):
         model = WanTransformer(cfg, attention)
-    state = load_state_dict(files, device="cpu")
-    if any(k.endswith("attn1.to_gate_compress.weight") for k in state):
+    state = CheckpointTensors(files)
+    if any(k.endswith("attn1.to_gate_compress.weight") for k in state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()
     load_into(model, state, dtype=dtype, device=device, keep_fp32=keep_in_fp32, source=str(folder))
-    del state
     return model.eval().requires_grad_(False)
