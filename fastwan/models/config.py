@@ -1,7 +1,6 @@
 """One dataclass config for the Wan DiT, read from a Diffusers ``transformer/config.json``."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -60,13 +59,7 @@ class WanConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> WanConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: a Diffusers Wan transformer folder needs config.json.")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); re-download the checkpoint.") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}.")
+        from fastwan.models.loading import read_json
+
+        raw = read_json(path, missing="a Diffusers Wan transformer folder needs config.json.")
         return cls.from_dict(raw, source=str(path))

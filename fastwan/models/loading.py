@@ -11,6 +11,20 @@ from safetensors import safe_open
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
+def read_json(path: str | Path, *, missing: str) -> dict:
+    """A checkpoint's JSON file as a dict; FileNotFoundError (with ``missing`` as the hint) or ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {missing}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); re-download the checkpoint.") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}; re-download the checkpoint.")
+    return raw
+
+
 def _index_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors.index.json"))
 

@@ -1,13 +1,12 @@
 """Resolve a model argument (Hub id, local folder, ``tiny``) to a checked Diffusers-format Wan checkpoint."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastwan.models.config import WanConfig
-from fastwan.models.loading import weight_files
+from fastwan.models.loading import read_json, weight_files
 from fastwan.testing import TINY_IDS, tiny_checkpoint
 
 
@@ -106,12 +105,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         )
 
     index_path = root / "model_index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{root} has no model_index.json; it is not a Diffusers-format pipeline folder.")
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{index_path} is not valid JSON ({exc}).") from None
+    index = read_json(index_path, missing=f"{root} is not a Diffusers-format pipeline folder.")
     cls = index.get("_class_name", "")
     if not (isinstance(cls, str) and cls.startswith("Wan")):
         raise ValueError(f"{index_path} describes a {cls!r} pipeline, not a Wan pipeline (WanPipeline).")
@@ -129,8 +123,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         weight_files(root / e, allow_pickle=allow_pickle)
     for comp in ("text_encoder", "vae"):
         weight_files(root / comp, allow_pickle=allow_pickle)
-    if not (root / "scheduler" / "scheduler_config.json").is_file():
-        raise FileNotFoundError(f"{root / 'scheduler'} has no scheduler_config.json.")
+    read_json(root / "scheduler" / "scheduler_config.json", missing="the scheduler component needs it.")
 
     boundary = index.get("boundary_ratio")
     if has_second and boundary is None:

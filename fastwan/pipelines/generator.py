@@ -349,11 +349,11 @@ def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
 
 def _load_scheduler(folder: Path):
     """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
-    import json
-
     import diffusers
 
-    cfg = json.loads((folder / "scheduler_config.json").read_text())
+    from fastwan.models.loading import read_json
+
+    cfg = read_json(folder / "scheduler_config.json", missing="the scheduler component needs it.")
     name = cfg.get("_class_name", "")
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
