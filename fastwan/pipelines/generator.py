@@ -288,8 +288,10 @@ class VideoGenerator:
         delta = None  # last (cond - uncond), for CFG gating
         current = None
         forwards = 0
+        # which expert runs each step, decided on the host once (no device sync inside the loop)
+        experts = [0 if boundary is None or tv >= boundary else 1 for tv in timesteps.tolist()]
         for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
-            expert = 0 if boundary is None or t >= boundary else 1
+            expert = experts[i]
             if expert != current:
                 current, delta = expert, None  # a new expert: its own guidance delta
             model = self.transformers[expert]
@@ -322,7 +324,7 @@ class VideoGenerator:
     def _timestep(self, t: torch.Tensor, batch: int, tokens: int) -> torch.Tensor:
         """Scalar timestep per sample [B], or per token [B, S] for checkpoints with expand_timesteps (TI2V)."""
         if self.checkpoint.expand_timesteps:
-            return torch.full((batch, tokens), float(t), device=self.device, dtype=torch.float32)
+            return t.to(torch.float32).expand(batch, tokens)  # a view: no host round trip
         return t.expand(batch)
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
