@@ -281,8 +281,8 @@ class WanTransformer(nn.Module):
         if layout is not None:  # sparse backend: tile-major token order, once per forward
             x = layout.permute(x, dim=1)
             rope = layout.permute(rope, dim=1)
-            if temb.dim() == 3:
-                temb, mod = layout.permute(temb, dim=1), layout.permute(mod, dim=1)
+            if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
+                mod = layout.permute(mod, dim=1)
         for i, block in enumerate(self.blocks):
             meta = None
             if self.attention.sparse:
@@ -291,8 +291,6 @@ class WanTransformer(nn.Module):
             x = block(x, context, mod, rope, self.attention, meta)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
-            if temb.dim() == 3:
-                temb = layout.unpermute(temb, dim=1)
 
         if temb.dim() == 3:  # per-token: [B, S, C]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
