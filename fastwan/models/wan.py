@@ -6,6 +6,7 @@ no conversion. Every attention call goes through :class:`fastwan.attention.Atten
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -125,10 +126,7 @@ class WanAttention(nn.Module):
         else:
             if self.to_gate_compress is not None and meta is not None:
                 gate = self.to_gate_compress(x).unflatten(-1, (self.heads, self.head_dim))
-                meta = AttentionMetadata(
-                    grid=meta.grid, step_index=meta.step_index, num_steps=meta.num_steps,
-                    layer_index=meta.layer_index, layout=meta.layout, extra={**meta.extra, "gate_compress": gate},
-                )
+                meta = dataclasses.replace(meta, extra={**meta.extra, "gate_compress": gate})
             out = attn.self_attention(q, k, v, meta)
         return self.to_out[0](out.flatten(2).type_as(q))
 
