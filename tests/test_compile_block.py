@@ -1,5 +1,6 @@
 """A DiT block compiles with fullgraph=True (no graph breaks) and matches eager; the generator's compile flag."""
 import numpy as np
+import pytest
 import torch
 
 from fastwan import VideoGenerator
@@ -32,3 +33,55 @@ def test_generator_compile_flag(tiny_ckpts):
     a = eager.generate_video("a kite", **kw).frames
     b = comp.generate_video("a kite", **kw).frames
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+
+
+SPARSE_CASES = [
+    ("SLIDING_TILE_ATTN", {"tile": [2, 2, 2], "window": [3, 3, 3]}),
+    ("VIDEO_SPARSE_ATTN", {"tile": [2, 2, 2], "sparsity": 0.5}),
+    ("NEIGHBORHOOD_ATTN", {"kernel_size": [3, 3, 3], "tile": [2, 2, 2]}),
+]
+
+
+@pytest.mark.parametrize("name,conf", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_generator_compile_with_sparse_backend(tiny_ckpts, name, conf):
+    """Compiled blocks + a sparse backend (attention is a graph break) give the eager frames."""
+    torch._dynamo.reset()
+    kw = dict(height=48, width=80, num_frames=9, num_inference_steps=2, seed=3, save_video=False)
+    common = dict(device="cpu", dtype=torch.float32, attention_backend=name, attention_config=conf)
+    eager = VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], **common)
+    comp = VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], enable_torch_compile=True,
+                                          torch_compile_kwargs={"backend": "aot_eager"}, **common)
+    a = eager.generate_video("a kite", **kw).frames
+    b = comp.generate_video("a kite", **kw).frames
+    assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+
+
+def test_sparse_backend_with_fullgraph_raises(tiny_ckpts):
+    with pytest.raises(ValueError, match="fullgraph=True cannot be used with the sparse backend"):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", dtype=torch.float32,
+                                       attention_backend="SLIDING_TILE_ATTN", enable_torch_compile=True,
+                                       torch_compile_kwargs={"fullgraph": True})
+
+
+def test_fused_qkv_matches_separate_projections(tiny_ckpts):
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+    model = load_transformer(tiny_ckpts["wan2.1"] / "transformer", dtype=torch.float32, device="cpu", attention=attn)
+    n_params = sum(p.numel() for p in model.parameters())
+    x, t, text = torch.randn(2, 16, 3, 8, 8), torch.tensor([700.0, 300.0]), torch.randn(2, 9, 32)
+    with torch.no_grad():
+        want = model(x, t, text)
+        model.set_fast_paths(fuse_qkv=True)
+        got = model(x, t, text)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert sum(p.numel() for p in model.parameters()) == n_params  # weights held once
+    assert all(b.attn1.to_qkv is not None and not hasattr(b.attn1, "to_q") for b in model.blocks)
+    with pytest.raises(ValueError, match="already fused"):
+        model.set_fast_paths(fuse_qkv=False)
+    with pytest.raises(ValueError, match="self-attention only"):
+        model.blocks[0].attn2.fuse_qkv()
+
+
+@pytest.mark.parametrize("kw", [{"fuse_qkv": "yes"}, {"gelu_epilogue": 1}, {"enable_torch_compile": None}])
+def test_fast_path_flags_must_be_bool(kw):
+    with pytest.raises(TypeError, match="must be True or False"):
+        VideoGenerator.from_pretrained("tiny", device="cpu", **kw)

@@ -61,11 +61,24 @@ class AttentionDispatch:
 
     def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """q, k, v: [B, S, H, D] -> [B, S, H, D]."""
-        return self.self_backend(q, k, v, meta=meta if self.sparse else None)
+        if self.sparse:
+            return _sparse_self_attention(self.self_backend, q, k, v, meta)
+        return self.self_backend(q, k, v, meta=None)
 
     def cross_attention(self, q, k, v) -> torch.Tensor:
         """q: [B, S, H, D]; k, v: [B, L, H, D] -> [B, S, H, D]."""
         return self.cross_backend(q, k, v)
+
+
+@torch.compiler.disable
+def _sparse_self_attention(backend, q, k, v, meta):
+    """A sparse backend's call runs outside torch.compile graphs (one graph break per block).
+
+    Its block tables are cached per (grid, config, step, layer) in Python objects, and VSA builds its table
+    from a top-k on every call; none of that is traceable as a static graph. The work around the call (norms,
+    RoPE, projections, FFN) is still compiled; the kernels themselves are the same ones eager mode runs.
+    """
+    return backend(q, k, v, meta=meta)
 
 
 def attention(

@@ -105,6 +105,25 @@ class WanAttention(nn.Module):
         self.norm_q = RMSNorm(inner, eps)
         self.norm_k = RMSNorm(inner, eps)
         self.to_gate_compress: nn.Linear | None = None  # VSA checkpoints add it (see WanTransformer)
+        self.to_qkv: nn.Linear | None = None  # set by fuse_qkv() (self-attention only)
+
+    def fuse_qkv(self) -> None:
+        """Replace to_q/to_k/to_v by one [3*inner, dim] projection (one GEMM instead of three).
+
+        Self-attention only (cross-attention's k/v read the 512 text tokens, not the video). The separate
+        projections are removed, so the weights are held once; the state dict then has ``to_qkv`` instead.
+        """
+        if self.cross:
+            raise ValueError("fuse_qkv() applies to self-attention only (attn1); cross-attention keys and values "
+                             "come from the text context.")
+        if self.to_qkv is not None:
+            return
+        lins = (self.to_q, self.to_k, self.to_v)
+        fused = nn.Linear(lins[0].in_features, 3 * lins[0].out_features, device="meta")
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in lins]), requires_grad=False)
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in lins]), requires_grad=False)
+        self.to_qkv = fused
+        del self.to_q, self.to_k, self.to_v
 
     def forward(
         self,
@@ -115,10 +134,14 @@ class WanAttention(nn.Module):
         meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]."""
-        src = x if context is None else context
-        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, self.head_dim))
-        k = self.norm_k(self.to_k(src)).unflatten(-1, (self.heads, self.head_dim))
-        v = self.to_v(src).unflatten(-1, (self.heads, self.head_dim))
+        if self.to_qkv is not None:
+            q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
+        else:
+            src = x if context is None else context
+            q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
+        q = self.norm_q(q).unflatten(-1, (self.heads, self.head_dim))
+        k = self.norm_k(k).unflatten(-1, (self.heads, self.head_dim))
+        v = v.unflatten(-1, (self.heads, self.head_dim))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.cross:
@@ -131,6 +154,20 @@ class WanAttention(nn.Module):
         return self.to_out[0](out.flatten(2).type_as(q))
 
 
+def linear_gelu_tanh(x: torch.Tensor, lin: nn.Linear, epilogue: bool = True) -> torch.Tensor:
+    """GELU(tanh)(x @ W^T + b). x: [..., in] -> [..., out].
+
+    On CUDA with ``epilogue`` the bias and GELU run in the GEMM's epilogue (cuBLASLt, through
+    ``torch._addmm_activation``; torch.compile keeps it as one extern kernel), so the [tokens, ffn_dim]
+    activation is written once instead of written, read and written again. Elsewhere (and on CPU, where
+    ``_addmm_activation`` uses the exact erf GELU) it is the plain linear + GELU(tanh).
+    """
+    if epilogue and x.is_cuda and lin.bias is not None and x.dtype == lin.weight.dtype:
+        out = torch._addmm_activation(lin.bias, x.reshape(-1, x.shape[-1]), lin.weight.t(), use_gelu=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return F.gelu(lin(x), approximate="tanh")
+
+
 class FeedForward(nn.Module):
     """Linear -> GELU(tanh) -> Linear, with Diffusers' parameter names (net.0.proj, net.2)."""
 
@@ -139,9 +176,10 @@ class FeedForward(nn.Module):
         proj = nn.Module()
         proj.proj = nn.Linear(dim, hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
+        self.gelu_epilogue = True  # see linear_gelu_tanh; a per-model switch (WanTransformer.set_fast_paths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+        return self.net[2](linear_gelu_tanh(x, self.net[0].proj, self.gelu_epilogue))
 
 
 class WanBlock(nn.Module):
@@ -233,6 +271,20 @@ class WanTransformer(nn.Module):
         for blk in self.blocks:
             a = blk.attn1
             a.to_gate_compress = nn.Linear(self.config.inner_dim, self.config.inner_dim)
+
+    def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None) -> None:
+        """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
+
+        fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
+        gelu_epilogue: FFN bias + GELU(tanh) in the first FFN GEMM's epilogue on CUDA.
+        """
+        for blk in self.blocks:
+            if fuse_qkv:
+                blk.attn1.fuse_qkv()
+            elif fuse_qkv is False and blk.attn1.to_qkv is not None:
+                raise ValueError("fuse_qkv=False: the QKV projections of this model are already fused; reload it.")
+            if gelu_epilogue is not None:
+                blk.ffn.gelu_epilogue = bool(gelu_epilogue)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -93,12 +93,19 @@ class VideoGenerator:
         cfg_gate_step: float | None = None,
         cfg_mode: str = "batched",
         vae_dtype: torch.dtype | None = None,
+        fuse_qkv: bool = True,
+        gelu_epilogue: bool = True,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
 
         Every argument is checked before anything is loaded. ``attention_backend`` beats
         ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
+
+        ``enable_torch_compile`` compiles each DiT block (``fullgraph=True`` by default; with a sparse backend
+        the attention call is a graph break, so the default becomes ``fullgraph=False``). ``fuse_qkv`` (one
+        QKV GEMM per self-attention) and ``gelu_epilogue`` (FFN bias + GELU inside the GEMM on CUDA) keep the
+        math and only change bf16 rounding.
         """
         # ---- argument checks (before any work) ----
         if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
@@ -114,6 +121,10 @@ class VideoGenerator:
             cfg_gate_step = envs.validate_cfg_gate_step(cfg_gate_step)
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
+        for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue),
+                           ("enable_torch_compile", enable_torch_compile)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r} must be True or False.")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -127,6 +138,7 @@ class VideoGenerator:
         head_dim = ckpt.transformer_config.attention_head_dim
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config)
+        compile_kwargs = _compile_kwargs(torch_compile_kwargs, attention) if enable_torch_compile else None
 
         # ---- loading ----
         import diffusers
@@ -136,8 +148,10 @@ class VideoGenerator:
             load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, allow_pickle=allow_pickle)
             for e in ckpt.experts
         ]
+        for t in transformers_:
+            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue)
         if enable_torch_compile:
-            kwargs = dict(torch_compile_kwargs or {"fullgraph": True})
+            kwargs = compile_kwargs
             for t in transformers_:
                 for block in t.blocks:
                     block.compile(**kwargs)
@@ -361,6 +375,21 @@ def _load_scheduler(folder: Path):
     if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
         raise ValueError(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
     return cls.from_config(cfg)
+
+
+def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
+    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse."""
+    kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
+    if attention.sparse and kwargs.get("fullgraph"):
+        raise ValueError(
+            f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with the sparse backend "
+            f"{attention.self_backend.name}; its attention call runs outside the graph (one graph break per "
+            "block). Set fullgraph=False or leave torch_compile_kwargs unset."
+        )
+    if attention.sparse and user is None:
+        logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
+                    "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
+    return kwargs
 
 
 def _attention_config(value) -> dict | None:
