@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastwan.attention.base import AttentionMetadata  # noqa: E402
+from fastwan.attention.layout import choose_tile  # noqa: E402
 from fastwan.attention.registry import create_backend  # noqa: E402
 from fastwan.attention.sparse import kernels as sk  # noqa: E402
 from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
@@ -93,22 +94,26 @@ def variants(grid):
         return (f"sta-{tag}-{kernel}" + ("-bn128" if options else ""), "SLIDING_TILE_ATTN", conf, core)
 
     vsa = {"sparsity": 1 - TARGET}
+    auto = list(choose_tile(grid))  # the tile "auto" picks (fewest slots)
     return [
-        sta([2, 8, 8], "flex", True),
+        sta("auto", "fa4", True),
         sta([2, 8, 8], "fa4", True),
-        ("vsa-4x4x4-flex", "VIDEO_SPARSE_ATTN", {"tile": [4, 4, 4], **vsa, "kernel": "flex"}, True),
-        ("na-auto-flex", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "flex"},
-         True),
-        ("gna-2x8x8-flex", "NEIGHBORHOOD_ATTN",
-         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "flex"}, True),
-        sta("auto", "flex", True),
-        sta("auto", "fa4", False),
-        ("vsa-auto-flex", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "flex"}, False),
-        ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, False),
-        sta([6, 8, 8], "flex", False),
-        sta([2, 8, 8], "flex", False, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}),
+        ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, True),
+        ("gna-auto-fa4", "NEIGHBORHOOD_ATTN",  # stride = the auto tile: GNA windows on tile boundaries
+         {"kernel_size": na_kernel(grid, auto), "stride": auto, "tile": "auto", "kernel": "fa4"}, True),
         ("gna-2x8x8-fa4", "NEIGHBORHOOD_ATTN",
-         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "fa4"}, False),
+         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "fa4"}, True),
+        ("na-auto-fa4", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "fa4"},
+         True),
+        sta([2, 8, 8], "flex", False),
+        sta("auto", "flex", False),
+        ("vsa-4x4x4-flex", "VIDEO_SPARSE_ATTN", {"tile": [4, 4, 4], **vsa, "kernel": "flex"}, False),
+        ("vsa-auto-flex", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "flex"}, False),
+        ("na-auto-flex", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "flex"},
+         False),
+        ("gna-2x8x8-flex", "NEIGHBORHOOD_ATTN",
+         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "flex"},
+         False),
         ("vsa-2x8x8-fa4", "VIDEO_SPARSE_ATTN", {"tile": [2, 8, 8], **vsa, "kernel": "fa4"}, False),
     ]
 
@@ -184,7 +189,7 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     kind = backend.resolve_kernel(dev, q.dtype)
     if name == "VIDEO_SPARSE_ATTN":
         def select():
-            scores, _ = backend.coarse(q, k, v, layout, scale)
+            scores, _ = backend.coarse(q, k, v, layout, scale, with_output=False)
             sel = scores.topk(topk_count(backend.sparsity, layout.num_tiles), dim=-1, sorted=False).indices
             plan = BlockPlan(layout, selected=sel)
             if kind == "fa4":
@@ -224,6 +229,7 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     row["ms"] = round(cuda_time(call, iters), 3)
     if name == "VIDEO_SPARSE_ATTN":
         row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
+        row["select_ms"] = round(cuda_time(select, iters), 3)  # pooling + coarse scores + top-k + tables
     row["dense_ms"] = dense_ms
     row["speedup"] = round(dense_ms / row["ms"], 2)
     return row

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.layout import choose_tile
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse.masks import na_mask_1d
 from fastwan.attention.sparse.vsa import topk_count
@@ -307,3 +308,22 @@ def test_flex_kernel_equals_sdpa_kernel(name, conf):
     ref = run(create_backend(name, {**conf, "kernel": "sdpa"}), grid, q, k, v, gate=gate)
     out = run(create_backend(name, {**conf, "kernel": "flex"}), grid, q, k, v, gate=gate)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_vsa_matches_reference_tile_divides_grid(with_gate):
+    """Tiles that divide the grid, with slot padding: pooling reads only each tile's real prefix."""
+    grid, tile = (4, 6, 8), (2, 3, 4)
+    b = create_backend("VIDEO_SPARSE_ATTN", {"tile": list(tile), "block_size": 32, "sparsity": 0.6})
+    q, k, v = qkv(grid, seed=5)
+    gate = torch.randn_like(q) if with_gate else None
+    close(run(b, grid, q, k, v, gate=gate), vsa_reference(q, k, v, grid, tile, 0.6, gate))
+
+
+def test_na_auto_tile_follows_a_block_sized_stride():
+    b = create_backend("NEIGHBORHOOD_ATTN", {"kernel_size": [15, 10, 36], "stride": [3, 10, 4]})
+    assert b.tile_for((21, 30, 52)) == (3, 10, 4)
+    plan = b.plan(b.layout((21, 30, 52), "cpu"))
+    assert plan.token_pred is None  # windows on tile boundaries: blocks are full or empty
+    small = create_backend("NEIGHBORHOOD_ATTN", {"kernel_size": [3, 3, 3], "stride": [1, 2, 2]})
+    assert small.tile_for((21, 30, 52)) == choose_tile((21, 30, 52))  # a 4-token stride is no tile

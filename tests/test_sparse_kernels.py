@@ -127,3 +127,70 @@ def test_mask_rows_equals_dense_rows():
     plan = b.plan(b.layout((5, 7, 9), "cpu"))
     rows = torch.tensor([0, 5, 77, 300, plan.layout.padded_tokens - 1])
     assert torch.equal(plan.mask_rows(rows), plan.dense_mask()[:, :, rows])
+
+
+def fa4_token_mask(plan: BlockPlan) -> torch.Tensor:
+    """What FA4 computes from plan.fa4_tensors(): full blocks unmasked, partial blocks through the mask rule."""
+    layout = plan.layout
+    t = plan.fa4_tensors()
+    n, bs, p = layout.num_tiles, layout.block_size, layout.padded_tokens
+    full = blocks_from_lists(t["full_num"], t["full_idx"], n)
+    partial = blocks_from_lists(t["partial_num"], t["partial_idx"], n)
+    assert not bool((full & partial).any())
+    tile = torch.arange(p) // bs
+    i = torch.arange(p)
+    rule = kernels.fa4_mask_reference(t, i[:, None], i[None, :])
+    return full[:, :, tile][:, :, :, tile] | (partial[:, :, tile][:, :, :, tile] & rule)
+
+
+def assert_fa4_matches_exact(plan: BlockPlan):
+    real_q = plan.layout.key_valid  # dummy query rows are dropped by unpermute
+    got = fa4_token_mask(plan)[:, :, real_q]
+    want = plan.dense_mask()[:, :, real_q]
+    assert torch.equal(got, want.expand_as(got))
+
+
+@pytest.mark.parametrize("grid,tile,expect", [
+    ((5, 7, 9), [2, 3, 4], "threshold"),   # grid padding: dummies inside border tiles
+    ((4, 6, 8), [2, 3, 4], "prefix"),      # tile divides the grid: 24 real + 40 slot-padding keys per tile
+    ((4, 8, 8), [2, 4, 8], None),          # 64-token tiles, no dummies at all
+])
+def test_fa4_rules_sta(grid, tile, expect):
+    b = create_backend("SLIDING_TILE_ATTN", {"tile": tile, "window": [1, 3, 1]})
+    plan = b.plan(b.layout(grid, "cpu"), AttentionMetadata(grid=grid, step_index=0, num_steps=1), heads=1)
+    assert plan.fa4_tensors()["mask"][0] == expect
+    assert_fa4_matches_exact(plan)
+
+
+@pytest.mark.parametrize("conf", [
+    {"kernel_size": [3, 5, 5]},
+    {"kernel_size": [2, 4, 6], "stride": [2, 2, 3], "is_causal": [True, False, False]},
+    {"kernel_size": [2, 3, 3], "dilation": [2, 2, 2]},
+    {"kernel_size": [3, 3, 5], "stride": [1, 3, 1], "dilation": [1, 2, 1], "is_causal": [False, True, True]},
+])
+@pytest.mark.parametrize("grid", [(5, 7, 9), (4, 6, 8)])
+def test_fa4_rules_neighborhood(conf, grid):
+    """The NA mask_mod's window/coordinate encoding reproduces NATTEN's exact token mask."""
+    b = create_backend("NEIGHBORHOOD_ATTN", {"tile": [2, 3, 4], **conf})
+    plan = b.plan(b.layout(grid, "cpu"))
+    assert plan.token_pred is not None and plan.fa4_tensors()["mask"][0] == "na"
+    assert_fa4_matches_exact(plan)
+
+
+def test_fa4_rules_gna_aligned_needs_no_token_rule():
+    """stride = tile, kernel = odd multiples of the tile, tile divides the grid: every block full or empty."""
+    b = create_backend("NEIGHBORHOOD_ATTN", {"tile": [2, 3, 4], "kernel_size": [2, 9, 12], "stride": [2, 3, 4]})
+    plan = b.plan(b.layout((6, 9, 16), "cpu"))
+    assert plan.token_pred is None and plan.fa4_tensors()["mask"][0] == "prefix"
+    assert_fa4_matches_exact(plan)
+
+
+@pytest.mark.parametrize("grid", [(5, 7, 9), (4, 6, 8), (4, 8, 8)])
+def test_fa4_rules_vsa(grid):
+    tile = [2, 4, 8] if grid == (4, 8, 8) else [2, 3, 4]
+    b = create_backend("VIDEO_SPARSE_ATTN", {"tile": tile, "sparsity": 0.5})
+    layout = b.layout(grid, "cpu")
+    n = layout.num_tiles
+    g = torch.Generator().manual_seed(1)
+    sel = torch.stack([torch.randperm(n, generator=g)[: max(1, n // 3)] for _ in range(2 * n)]).view(1, 2, n, -1)
+    assert_fa4_matches_exact(BlockPlan(layout, selected=sel))

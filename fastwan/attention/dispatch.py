@@ -70,15 +70,25 @@ class AttentionDispatch:
         return self.cross_backend(q, k, v)
 
 
-@torch.compiler.disable
+def _sparse_call(backend, q, k, v, meta):
+    return backend(q, k, v, meta=meta)
+
+
+_SPARSE_CALL = None
+
+
 def _sparse_self_attention(backend, q, k, v, meta):
     """A sparse backend's call runs outside torch.compile graphs (one graph break per block).
 
     Its block tables are cached per (grid, config, step, layer) in Python objects, and VSA builds its table
     from a top-k on every call; none of that is traceable as a static graph. The work around the call (norms,
     RoPE, projections, FFN) is still compiled; the kernels themselves are the same ones eager mode runs.
+    ``torch.compiler.disable`` is applied on first use (it imports dynamo, which importing fastwan must not).
     """
-    return backend(q, k, v, meta=meta)
+    global _SPARSE_CALL
+    if _SPARSE_CALL is None:
+        _SPARSE_CALL = torch.compiler.disable(_sparse_call)
+    return _SPARSE_CALL(backend, q, k, v, meta)
 
 
 def attention(

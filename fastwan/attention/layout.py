@@ -153,6 +153,9 @@ class TokenLayout:
         self.tile_valid_counts = counts.to(dev)
         self.tile_full = (counts == self.block_size).to(dev)
         self.has_dummies = self.padded_tokens != self.num_tokens
+        n_full = int((counts == self.block_size).sum())
+        # True: every tile has a dummy slot; False: none has; None: mixed
+        self.all_tiles_partial = True if n_full == 0 else (False if n_full == self.num_tiles else None)
 
     # ------------------------------------------------------------------ reorder
     def _check(self, x: torch.Tensor, dim: int, expected: int, what: str) -> int:

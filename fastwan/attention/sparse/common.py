@@ -86,7 +86,8 @@ class SparseVideoBackend(AttentionBackend):
         return reasons
 
     def _fa4_ok(self, plan: BlockPlan | None, device, dtype) -> bool:
-        if plan is not None and (plan.token_pred is not None or plan.layout.block_size % 128):
+        if plan is not None and ((plan.token_pred is not None and plan.fa4_mask is None)
+                                 or plan.layout.block_size % 128):
             return False
         return not kernels.fa4_reasons(device, dtype)
 
@@ -111,7 +112,7 @@ class SparseVideoBackend(AttentionBackend):
             return f"kernel={self.kernel}"
         dev = torch.device(device)
         if self.kernel == "auto" and dev.type == "cuda" and self._fa4_ok(None, dev, torch.bfloat16):
-            return f"{_KERNEL_NAMES['fa4']} for tile-aligned 128-slot patterns, else {_KERNEL_NAMES['flex-compiled']}"
+            return f"{_KERNEL_NAMES['fa4']} for 128-slot tiles, else {_KERNEL_NAMES['flex-compiled']}"
         return _KERNEL_NAMES[self.resolve_kernel(dev)]
 
     def run_plan(self, plan: BlockPlan, q, k, v, scale: float | None) -> torch.Tensor:

@@ -11,9 +11,9 @@ block tables of one attention pattern and turns them, lazily and once, into what
   evaluates ``mask_mod`` everywhere, so there the ``mask_mod`` encodes the complete pattern (exact mode).
 * ``sdpa``  -- reference: dense ``scaled_dot_product_attention`` with the expanded boolean token mask
   (O(S^2) memory; the default on CPU).
-* ``fa4``   -- FlashAttention-4 (``flash_attn.cute``) block sparsity (``block_sparse_tensors=``) on sm90/sm100,
-  for patterns whose partial blocks come only from dummy key slots; those are masked by a CuTe ``mask_mod``
-  reading a per-key threshold from ``aux_tensors``.
+* ``fa4``   -- FlashAttention-4 (``flash_attn.cute``) block sparsity (``block_sparse_tensors=``) on sm90/sm100;
+  partial blocks are masked by a CuTe ``mask_mod``: dummy key slots (by slot index, or a per-key threshold
+  from ``aux_tensors``) or NATTEN neighborhoods (per-slot window bounds and coordinates in ``aux_tensors``).
 
 Kernel inputs are [B, S, H, D] (layout order); outputs too.
 """
@@ -134,20 +134,71 @@ def _fa4_check(device: torch.device, dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-@functools.lru_cache(maxsize=1)
-def _fa4_key_mask_mod():
-    """CuTe mask_mod: key n is attended iff n >= threshold[n] (threshold 0 = real key, > S = dummy slot)."""
+# CuTe mask_mods for the partial blocks of FA4 block sparsity (full blocks skip them). Three rules:
+#   "prefix":    every tile holds its real tokens in its first ``tile_tokens`` slots (grid divisible by the tile,
+#                slot padding only) -> key n is real iff n % block_size < tile_tokens; no memory reads;
+#   "threshold": key n is real iff n >= threshold[n] (0 at real keys, > P at dummy slots); one read per key;
+#   "na":        NATTEN neighborhood: per query slot the window bounds (lo, hi) per dim, per key slot its (t, h, w)
+#                (dummy key slots far outside every window); key in window iff lo <= c < hi and
+#                (c - lo) % dilation == 0 in all three dims.
+# fa4_mask_reference() evaluates the same rules in PyTorch (tests compare it with the exact token masks).
+@functools.cache
+def _fa4_mask_mod(kind: str, consts: tuple):
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute import utils as fa_utils
 
-    @cute.jit
-    def key_valid_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        threshold = aux_tensors[0]
-        limit = fa_utils.scalar_to_ssa(threshold[n_idx[0]], cutlass.Int32)
-        return n_idx >= limit
+    def i32(x):
+        return fa_utils.scalar_to_ssa(x, cutlass.Int32)
 
-    return key_valid_mask
+    if kind == "threshold":
+        @cute.jit
+        def key_valid_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            threshold = aux_tensors[0]
+            return n_idx >= i32(threshold[n_idx[0]])
+
+        return key_valid_mask
+    if kind == "prefix":
+        block_size, tile_tokens = consts
+
+        @cute.jit
+        def prefix_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            return (n_idx % i32(block_size)) < i32(tile_tokens)
+
+        return prefix_mask
+    if kind == "na":
+        dt, dh, dw = consts
+
+        @cute.jit
+        def na_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            win, kc = aux_tensors[0], aux_tensors[1]
+            m, n = m_idx[0], n_idx[0]
+            t, h, w = i32(kc[n, 0]), i32(kc[n, 1]), i32(kc[n, 2])
+            lt, lh, lw = i32(win[m, 0]), i32(win[m, 2]), i32(win[m, 4])
+            ok = (t >= lt) & (t < i32(win[m, 1])) & (h >= lh) & (h < i32(win[m, 3]))
+            ok = ok & (w >= lw) & (w < i32(win[m, 5]))
+            ok = ok & (((t - lt) % i32(dt)) == i32(0)) & (((h - lh) % i32(dh)) == i32(0))
+            return ok & (((w - lw) % i32(dw)) == i32(0))
+
+        return na_mask
+    raise ValueError(f"unknown FA4 mask kind {kind!r}")
+
+
+def fa4_mask_reference(tensors: dict, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """PyTorch evaluation of the FA4 partial-block rule of ``tensors`` (True = attend), broadcasting."""
+    kind, consts, aux = tensors["mask"]
+    if kind is None:
+        return torch.ones(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), dtype=torch.bool)
+    if kind == "threshold":
+        return (kv_idx >= aux[0][kv_idx]).expand(torch.broadcast_shapes(q_idx.shape, kv_idx.shape))
+    if kind == "prefix":
+        return ((kv_idx % consts[0]) < consts[1]).expand(torch.broadcast_shapes(q_idx.shape, kv_idx.shape))
+    win, kc = aux
+    ok = torch.ones(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), dtype=torch.bool)
+    for i, d in enumerate(consts):
+        c, lo, hi = kc[kv_idx, i], win[q_idx, 2 * i], win[q_idx, 2 * i + 1]
+        ok = ok & (c >= lo) & (c < hi) & (torch.remainder(c - lo, d) == 0)
+    return ok
 
 
 def run_fa4(q, k, v, tensors: dict, *, scale: float):
@@ -165,11 +216,23 @@ def run_fa4(q, k, v, tensors: dict, *, scale: float):
         fields["block_size"] = (tensors["block_size"], tensors["block_size"])
     bst = BlockSparseTensorsTorch(**fields)
     kwargs = {"softmax_scale": scale, "block_sparse_tensors": bst}
-    if tensors["threshold"] is not None:
-        kwargs["mask_mod"] = _fa4_key_mask_mod()
-        kwargs["aux_tensors"] = [tensors["threshold"]]
+    kind, consts, aux = tensors["mask"]
+    if kind is not None:
+        kwargs["mask_mod"] = _fa4_mask_mod(kind, consts)
+        if aux:
+            kwargs["aux_tensors"] = list(aux)
     out = flash_attn_func(q, k, v, **kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def fa4_key_mask(layout: TokenLayout) -> tuple:
+    """The (kind, consts, aux) mask for dummy key slots of ``layout`` (kind None: there are none)."""
+    if not layout.has_dummies:
+        return (None, (), ())
+    if tuple(layout.padded_grid) == tuple(layout.grid):  # slot padding only: real tokens first in every tile
+        return ("prefix", (layout.block_size, layout.tile_tokens), ())
+    p = layout.padded_tokens
+    return ("threshold", (), (torch.where(layout.key_valid, 0, p + 1).to(torch.int32),))
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -180,12 +243,20 @@ def compact(table: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
     return num.contiguous(), order.to(torch.int32).contiguous()
 
 
-def split_selected(selected: torch.Tensor, tile_full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def split_selected(selected: torch.Tensor, tile_full: torch.Tensor, uniform: bool | None = None
+                   ) -> tuple[torch.Tensor, ...]:
     """Top-k key tiles [..., k] (long) -> (full_num, full_idx, partial_num, partial_idx), all int32, [.., k].
 
     Full (no dummy slot) tiles come first in ``full_idx``, partial ones first in ``partial_idx``.
     """
     n = tile_full.numel()
+    k = selected.shape[-1]
+    if uniform is not None:  # all tiles partial (True) or all full (False): no sorting needed
+        all_partial = uniform
+        idx = selected.to(torch.int32)
+        zeros = torch.zeros(selected.shape[:-1], dtype=torch.int32, device=selected.device)
+        counts = torch.full_like(zeros, k)
+        return (zeros, idx, counts, idx) if all_partial else (counts, idx, zeros, idx)
     is_partial = (~tile_full[selected]).long()
     full_first = torch.sort(is_partial * n + selected, dim=-1).values % n
     partial_first = torch.sort((1 - is_partial) * n + selected, dim=-1).values % n
@@ -240,16 +311,20 @@ class BlockPlan:
             pattern restricted to real keys is exact).
         token_mask: optional callable returning the exact bool [P, P] token mask of ``token_pred`` (faster
             dense construction for the sdpa path).
+        fa4_mask: optional callable returning the FA4 partial-block rule ``(kind, consts, aux tensors)`` that
+            encodes ``token_pred`` and the dummy keys (see :func:`fa4_mask_reference`); without it a plan with
+            a ``token_pred`` cannot use FA4.
         width: kv-index width of the compact tables (>= the largest row count; keep it fixed per grid so
             compiled flex sees one shape).
         name: cache key of the compiled-path mask_mod on the layout.
     """
 
     def __init__(self, layout, any_blocks=None, full_blocks=None, *, selected=None, token_pred=None,
-                 token_mask=None, width=None, name="keys"):
+                 token_mask=None, fa4_mask=None, width=None, name="keys"):
         n = layout.num_tiles
         self.layout = layout
         self.token_pred = token_pred
+        self.fa4_mask = fa4_mask
         self._token_mask = token_mask
         self.name = name
         self._cache: dict = {}
@@ -301,7 +376,8 @@ class BlockPlan:
     def _compact(self):
         if "compact" not in self._cache:
             if self._selected is not None:
-                self._cache["compact"] = split_selected(self._selected, self.layout.tile_full)
+                self._cache["compact"] = split_selected(self._selected, self.layout.tile_full,
+                                                          self.layout.all_tiles_partial)
             else:
                 partial = self.any & ~self.full
                 self._cache["compact"] = (*compact(self.full, self.width), *compact(partial, self.width))
@@ -357,20 +433,16 @@ class BlockPlan:
         return m
 
     def fa4_tensors(self) -> dict:
+        """Block tables and the partial-block rule for :func:`run_fa4` (built once per plan)."""
         if "fa4" not in self._cache:
-            if self.token_pred is not None:
+            if self.token_pred is not None and self.fa4_mask is None:
                 raise ValueError(
-                    "kernel='fa4' needs a tile-aligned pattern (partial blocks only from padding); this "
-                    "neighborhood cuts through tiles. Use stride = tile and kernel_size multiples of the tile, "
-                    "or kernel='flex'."
+                    "kernel='fa4' has no rule for this plan's token-level pattern; use kernel='flex'."
                 )
             fn, fi, pn, pi = self._compact()
-            threshold = None
-            if self.layout.has_dummies:
-                p = self.layout.padded_tokens
-                threshold = torch.where(self.layout.key_valid, 0, p + 1).to(torch.int32)
+            mask = self.fa4_mask() if self.fa4_mask is not None else fa4_key_mask(self.layout)
             self._cache["fa4"] = {"full_num": fn, "full_idx": fi, "partial_num": pn, "partial_idx": pi,
-                                  "threshold": threshold, "block_size": self.layout.block_size}
+                                  "mask": mask, "block_size": self.layout.block_size}
         return self._cache["fa4"]
 
 

@@ -39,22 +39,37 @@ def na_neighbor_1d(
     ``x`` and ``y`` are long tensors of any broadcastable shapes (0-d inside a FlexAttention ``mask_mod``);
     ``x`` must be a real coordinate (``0 <= x < length``). Returns a bool tensor of the broadcast shape.
     """
-    k, s, d = kernel_size, stride, dilation
+    d = dilation
     gq, gk = x % d, y % d
-    xi, yi = x // d, y // d
-    lg = (length - gq + (d - 1)) // d
-    left = k // 2
-    right = k - 1 - left
+    start, end = _na_group_window(x // d, (length - gq + (d - 1)) // d, kernel_size, stride, causal)
+    yi = y // d
+    return (gq == gk) & (yi >= start) & (yi < end)
+
+
+def _na_group_window(xi, lg, k: int, s: int, causal: bool):
+    """Window [start, end) of a query at index ``xi`` of its dilation group (``lg`` positions)."""
     if causal:
         leader = torch.minimum((xi // s) * s + (s - 1), lg - 1)
-        start = (leader - (k - 1)).clamp(min=0)
-        end = torch.minimum(xi + 1, lg)
-    else:
-        leader = torch.minimum((xi // s) * s + s // 2, lg - 1)
-        shift = torch.where(leader + right >= lg, lg - right - leader - 1, torch.zeros_like(leader))
-        start = (leader - left).clamp(min=0) + shift
-        end = start + k
-    return (gq == gk) & (yi >= start) & (yi < end)
+        return (leader - (k - 1)).clamp(min=0), torch.minimum(xi + 1, lg)
+    left = k // 2
+    right = k - 1 - left
+    leader = torch.minimum((xi // s) * s + s // 2, lg - 1)
+    shift = torch.where(leader + right >= lg, lg - right - leader - 1, torch.zeros_like(leader))
+    start = (leader - left).clamp(min=0) + shift
+    return start, start + k
+
+
+def na_window_1d(x: torch.Tensor, length: int, kernel_size: int, stride: int, dilation: int, causal: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute key bounds of the window of query coordinates ``x`` (long): ``(lo, hi)``.
+
+    Key ``y`` is in the window iff ``lo <= y < hi`` and ``(y - lo) % dilation == 0`` (same as
+    :func:`na_neighbor_1d`).
+    """
+    d = dilation
+    g = x % d
+    start, end = _na_group_window(x // d, (length - g + (d - 1)) // d, kernel_size, stride, causal)
+    return start * d + g, (end - 1) * d + g + 1
 
 
 def na_mask_1d(length: int, kernel_size: int, stride: int = 1, dilation: int = 1, causal: bool = False,
@@ -145,6 +160,23 @@ class NeighborhoodSpec:
             return ok & na_neighbor_1d(cw[q_idx], cw[kv_idx], *params[2])
 
         return pred
+
+
+def na_fa4_aux(layout: TokenLayout, spec: NeighborhoodSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot data for the FA4 neighborhood ``mask_mod``: (windows int32 [P, 6], key coords int32 [P, 3]).
+
+    windows[q] = (lo_t, hi_t, lo_h, hi_h, lo_w, hi_w) of query slot q (dummy query slots use their clamped
+    coordinates); coords[k] = (t, h, w) of key slot k, and a large negative value at dummy key slots so no
+    window contains them.
+    """
+    c = layout.coords
+    bounds = []
+    for i, params in enumerate(zip(spec.grid, spec.kernel_size, spec.stride, spec.dilation, spec.is_causal)):
+        lo, hi = na_window_1d(c[:, i], *params)
+        bounds += [lo, hi]
+    windows = torch.stack(bounds, dim=1).to(torch.int32).contiguous()
+    coords = torch.where(layout.key_valid[:, None], c, torch.full_like(c, -(1 << 20)))
+    return windows, coords.to(torch.int32).contiguous()
 
 
 def na_tables(layout: TokenLayout, spec: NeighborhoodSpec) -> tuple[torch.Tensor, torch.Tensor, bool]:

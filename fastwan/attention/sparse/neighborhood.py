@@ -15,12 +15,14 @@ Config::
       "stride": 1,                  # 1 <= stride <= kernel_size
       "dilation": 1,                # kernel_size * dilation <= grid size
       "is_causal": false,           # bool or [bool, bool, bool]
-      "tile": "auto",               # or [t, h, w]; only affects speed, not the result
+      "tile": "auto",               # or [t, h, w]; only affects speed, not the result ("auto": the stride
+                                    # when it holds 96-128 tokens, else the fewest-slots tile)
       "block_size": null, "dense_steps": 0, "kernel": "auto", "kernel_options": {}
     }
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastwan.attention.base import AttentionMetadata
@@ -66,6 +68,17 @@ class NeighborhoodBackend(SparseVideoBackend):
                 )
         self._specs: dict = {}
 
+    def tile_for(self, grid) -> tuple[int, int, int]:
+        """``tile="auto"`` with a stride whose token count fills 3/4 to all of a block: the tile is the stride
+        (clamped to the grid), so GNA windows (kernel sizes that are odd multiples of the stride) fall on tile
+        boundaries -- block-sparse with full blocks only where the tile divides the grid. Otherwise the
+        fewest-slots tile of :func:`~fastwan.attention.layout.choose_tile`."""
+        if self.tile == "auto" and any(s > 1 for s in self.stride):
+            tile = tuple(min(s, g) for s, g in zip(self.stride, grid))
+            if 4 * math.prod(tile) >= 3 * (self.block_size or 128) and math.prod(tile) <= (self.block_size or 128):
+                return tile
+        return super().tile_for(grid)
+
     def spec(self, grid) -> masks.NeighborhoodSpec:
         """NATTEN parameters resolved for ``grid`` (``-1`` -> grid size), validated against it."""
         grid = tuple(grid)
@@ -102,6 +115,7 @@ class NeighborhoodBackend(SparseVideoBackend):
                 layout, any_, full,
                 token_pred=spec.token_predicate(layout),
                 token_mask=lambda: masks.na_token_mask(layout, spec),
+                fa4_mask=lambda: ("na", spec.dilation, masks.na_fa4_aux(layout, spec)),
                 name=f"na{spec.key()}",
             )
 

@@ -47,12 +47,19 @@ def topk_count(sparsity: float, num_tiles: int) -> int:
 
 
 def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-    """Mean over each tile's real tokens: [B, P, H, D] (layout order) -> [B, n_tiles, H, D]."""
+    """Mean over each tile's real tokens: [B, P, H, D] (layout order) -> fp32 [B, n_tiles, H, D].
+
+    One reduction over the slot axis with fp32 accumulation (no copy of x); when every tile keeps its real
+    tokens in its first ``tile_tokens`` slots (the tile divides the grid) only those slots are read.
+    """
     B, _, H, D = x.shape
     n, bs = layout.num_tiles, layout.block_size
-    weights = layout.key_valid.view(n, bs).to(x.dtype)
-    summed = torch.einsum("bnshd,ns->bnhd", x.reshape(B, n, bs, H, D), weights)
-    return summed / layout.tile_valid_counts.to(summed.dtype)[None, :, None, None]
+    xs = x.reshape(B, n, bs, H * D)
+    if tuple(layout.padded_grid) == tuple(layout.grid):
+        summed = xs[:, :, : layout.tile_tokens].sum(2, dtype=torch.float32)
+    else:
+        summed = (xs * layout.key_valid.view(1, n, bs, 1).to(x.dtype)).sum(2, dtype=torch.float32)
+    return (summed / layout.tile_valid_counts.to(torch.float32)[None, :, None]).view(B, n, H, D)
 
 
 class VideoSparseBackend(SparseVideoBackend):
@@ -74,10 +81,14 @@ class VideoSparseBackend(SparseVideoBackend):
                          kernel_options=kernel_options)
         self.sparsity = cfg.sparsity_option(sparsity)
 
-    def coarse(self, q, k, v, layout: TokenLayout, scale: float):
-        """Pooled attention over tiles: -> (scores fp32 [B, H, n, n], coarse output [B, n, H, D] in q.dtype)."""
-        qc, kc, vc = (tile_pool(t, layout).transpose(1, 2).float() for t in (q, k, v))  # [B, H, n, D]
+    def coarse(self, q, k, v, layout: TokenLayout, scale: float, *, with_output: bool = True):
+        """Pooled attention over tiles: -> (scores fp32 [B, H, n, n], coarse output [B, n, H, D] in q.dtype or
+        None when ``with_output`` is False -- the top-k needs the scores only)."""
+        qc, kc = (tile_pool(t, layout).transpose(1, 2) for t in (q, k))  # fp32 [B, H, n, D]
         scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+        if not with_output:
+            return scores, None
+        vc = tile_pool(v, layout).transpose(1, 2)
         out = torch.matmul(torch.softmax(scores, dim=-1), vc)
         return scores, out.transpose(1, 2).to(q.dtype)
 
@@ -94,7 +105,7 @@ class VideoSparseBackend(SparseVideoBackend):
         n = layout.num_tiles
         sparsity = 0.0 if self.is_dense_step(meta) else self.sparsity
         kk = topk_count(sparsity, n)
-        scores, coarse = self.coarse(q, k, v, layout, scale)
+        scores, coarse = self.coarse(q, k, v, layout, scale, with_output=gate is not None)
         selected = scores.topk(kk, dim=-1, sorted=False).indices  # [B, H, n, kk]
         fine = self.run_plan(BlockPlan(layout, selected=selected, name="keys"), q, k, v, scale)
         if gate is None:
