@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--cfg-modes", default="batched")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sparse-variants", default="sta-2x8x8-fa4,vsa-auto-fa4,gna-2x8x8-flex")
+    p.add_argument("--sparse-variants", default="sta-auto-fa4,vsa-auto-fa4,gna-auto-fa4")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="e2e.json")
     a = p.parse_args(argv)
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
             chosen = {v[0]: v for v in variants((21, 30, 52))}
             for label in a.sparse_variants.split(","):
                 _, name, conf, _ = chosen[label]
-                phase_fastwan(root, a.steps, a.guidance, name, "batched", False, res, attention_config=conf,
+                phase_fastwan(root, a.steps, a.guidance, name, "batched", a.compile, res, attention_config=conf,
                               tag=label)
         elif ph == "cfgab":
             phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res)

@@ -108,6 +108,12 @@ def main(argv=None) -> int:
     from fastwan.attention import AttentionDispatch
     from fastwan.models import load_transformer
 
+    import torch._dynamo.config as dcfg
+
+    # every variant shares the block code object (guards differ per variant and batch): allow the recompiles
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), 64 if "accumulated" not in name else 512))
     root = Path(a.ckpt)
     if not (root / "transformer").exists():
         make_checkpoint(root, "1.3b")

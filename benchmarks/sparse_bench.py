@@ -70,8 +70,10 @@ def sta_window(tile_grid, target=TARGET):
     return _pick(cands, target)
 
 
-def na_kernel(grid, stride=(1, 1, 1), target=TARGET):
-    """kernel_size with prod(k / L) near ``target``; with stride > 1 only odd multiples of the stride."""
+def na_kernel(grid, stride=(1, 1, 1), target=TARGET, closest=False):
+    """kernel_size with prod(k / L) near ``target``; with stride > 1 only odd multiples of the stride.
+
+    ``closest``: the density nearest to ``target`` (else a balanced shape within 25% of it wins)."""
     opts = []
     for L, s in zip(grid, stride):
         ks = [k for k in range(1, L + 1) if s == 1 or (k % s == 0 and (k // s) % 2 == 1)]
@@ -80,6 +82,8 @@ def na_kernel(grid, stride=(1, 1, 1), target=TARGET):
     for k in itertools.product(*opts):
         fr = [a / L for a, L in zip(k, grid)]
         cands.append((math.prod(fr), fr, list(k)))
+    if closest:
+        return min(cands, key=lambda c: (abs(math.log(c[0] / target)), max(c[1]) - min(c[1])))[2]
     return _pick(cands, target)
 
 
@@ -101,6 +105,8 @@ def variants(grid):
         ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, True),
         ("gna-auto-fa4", "NEIGHBORHOOD_ATTN",  # stride = the auto tile: GNA windows on tile boundaries
          {"kernel_size": na_kernel(grid, auto), "stride": auto, "tile": "auto", "kernel": "fa4"}, True),
+        ("gna-auto85-fa4", "NEIGHBORHOOD_ATTN",  # the same, kernel_size with the density closest to 15%
+         {"kernel_size": na_kernel(grid, auto, closest=True), "stride": auto, "tile": "auto", "kernel": "fa4"}, True),
         ("gna-2x8x8-fa4", "NEIGHBORHOOD_ATTN",
          {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "fa4"}, True),
         ("na-auto-fa4", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "fa4"},
@@ -230,6 +236,13 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     if name == "VIDEO_SPARSE_ATTN":
         row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
         row["select_ms"] = round(cuda_time(select, iters), 3)  # pooling + coarse scores + top-k + tables
+        sel = plan._selected
+
+        def tables():  # the block tables alone, from a given top-k
+            p2 = BlockPlan(layout, selected=sel)
+            return p2.fa4_tensors() if kind == "fa4" else p2.flex_block_mask(exact=False)
+
+        row["tables_ms"] = round(cuda_time(tables, iters), 4)
     row["dense_ms"] = dense_ms
     row["speedup"] = round(dense_ms / row["ms"], 2)
     return row
@@ -303,7 +316,10 @@ def main(argv=None):
         row["dense_kernel"] = dense_name
         results.append(row)
         if "error" not in row:
-            print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x "
+            extra = ""
+            if "tables_ms" in row:
+                extra = f", select {row['select_ms']:.3f} ms, tables {row['tables_ms']:.4f} ms"
+            print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x{extra} "
                   f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
                   f"err {row['max_err']:.2e})", flush=True)
         torch.cuda.empty_cache()

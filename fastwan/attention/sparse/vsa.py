@@ -49,8 +49,9 @@ def topk_count(sparsity: float, num_tiles: int) -> int:
 def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """Mean over each tile's real tokens: [B, P, H, D] (layout order) -> fp32 [B, n_tiles, H, D].
 
-    One reduction over the slot axis with fp32 accumulation (no copy of x); when every tile keeps its real
-    tokens in its first ``tile_tokens`` slots (the tile divides the grid) only those slots are read.
+    No copy of x: when every tile keeps its real tokens in its first ``tile_tokens`` slots (the tile divides
+    the grid) it is one fp32-accumulated sum over those slots; otherwise a batched [1, slots] x [slots, H*D]
+    product with 0/1 weights per tile (dummy slots contribute exactly zero whatever they hold), in x's dtype.
     """
     B, _, H, D = x.shape
     n, bs = layout.num_tiles, layout.block_size
@@ -58,7 +59,8 @@ def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     if tuple(layout.padded_grid) == tuple(layout.grid):
         summed = xs[:, :, : layout.tile_tokens].sum(2, dtype=torch.float32)
     else:
-        summed = (xs * layout.key_valid.view(1, n, bs, 1).to(x.dtype)).sum(2, dtype=torch.float32)
+        weights = layout.key_valid.view(1, n, 1, bs).to(x.dtype)
+        summed = torch.matmul(weights, xs).view(B, n, H * D).float()
     return (summed / layout.tile_valid_counts.to(torch.float32)[None, :, None]).view(B, n, H, D)
 
 
