@@ -247,9 +247,9 @@ def split_selected(selected: torch.Tensor, tile_full: torch.Tensor, uniform: boo
                    ) -> tuple[torch.Tensor, ...]:
     """Top-k key tiles [..., k] (long) -> (full_num, full_idx, partial_num, partial_idx), all int32, [.., k].
 
-    Full (no dummy slot) tiles come first in ``full_idx``, partial ones first in ``partial_idx``.
+    Full (no dummy slot) tiles come first in ``full_idx``, partial ones first in ``partial_idx`` (each kind in
+    the order of ``selected``).
     """
-    n = tile_full.numel()
     k = selected.shape[-1]
     if uniform is not None:  # all tiles partial (True) or all full (False): no sorting needed
         all_partial = uniform
@@ -257,12 +257,17 @@ def split_selected(selected: torch.Tensor, tile_full: torch.Tensor, uniform: boo
         zeros = torch.zeros(selected.shape[:-1], dtype=torch.int32, device=selected.device)
         counts = torch.full_like(zeros, k)
         return (zeros, idx, counts, idx) if all_partial else (counts, idx, zeros, idx)
-    is_partial = (~tile_full[selected]).long()
-    full_first = torch.sort(is_partial * n + selected, dim=-1).values % n
-    partial_first = torch.sort((1 - is_partial) * n + selected, dim=-1).values % n
-    p = is_partial.sum(-1, dtype=torch.int32)
-    f = (selected.shape[-1] - p).to(torch.int32)
-    return f, full_first.to(torch.int32), p, partial_first.to(torch.int32)
+    # stable partition by scatter (no sort): a full tile goes to its rank among the full ones, a partial tile
+    # to its rank among the partial ones, each list continuing with the other kind
+    is_partial = ~tile_full[selected]
+    rank_p = torch.cumsum(is_partial, dim=-1) - 1
+    rank_f = torch.cumsum(~is_partial, dim=-1) - 1
+    p = rank_p[..., -1:] + 1
+    f = k - p
+    sel32 = selected.to(torch.int32)
+    full_first = torch.empty_like(sel32).scatter_(-1, torch.where(is_partial, f + rank_p, rank_f), sel32)
+    partial_first = torch.empty_like(sel32).scatter_(-1, torch.where(is_partial, rank_p, p + rank_f), sel32)
+    return f[..., 0].to(torch.int32), full_first, p[..., 0].to(torch.int32), partial_first
 
 
 @functools.lru_cache(maxsize=1)
