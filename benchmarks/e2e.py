@@ -263,6 +263,8 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     log(f"{key}: {e2e:.2f}s ({entry['s_per_step']:.3f} s/step), peak {entry['peak_gib']:.2f} GiB, "
         f"vs diffusers {entry['vs_diffusers']}, vs dense {entry.get('vs_fastwan_dense_eager')}")
     del gen
+    if compile_:  # compiled blocks stay referenced by dynamo's cache (keeping the weights alive) until reset
+        torch._dynamo.reset()
     torch.cuda.empty_cache()
 
 
