@@ -55,5 +55,3 @@ def test_gelu_epilogue_matches_fp32_reference():
     err_fused, err_plain = (fused - ref).abs().max().item(), (plain - ref).abs().max().item()
     print(f"GELU epilogue max abs err {err_fused:.2e}, unfused bf16 {err_plain:.2e}")
     assert err_fused <= 2 * err_plain + 1e-5
-    erf = F.gelu(F.linear(x.float(), lin.weight.float(), lin.bias.float()))
-    assert (erf - ref).abs().max().item() > err_fused  # the tanh form is what is computed, not erf
