@@ -46,6 +46,8 @@ from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
 from fastwan.profiler.core import time_fn  # noqa: E402
 
 GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
+KERNEL_TIME = False  # --kernel-time
+DENSE: list = []  # the dense reference fn, set in main
 TARGET = 0.15  # attended fraction (85% sparsity)
 
 
@@ -128,6 +130,22 @@ def variants(grid):
 def cuda_time(fn, iters, warmup=2):
     """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
     return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+
+
+def kernel_ms(fn, calls=5) -> float:
+    """GPU kernel time of one call (ms): sum of the CUDA kernels torch.profiler records over ``calls`` calls,
+    divided by ``calls`` -- what the call costs on a GPU whose host runs ahead (as inside the DiT), without the
+    gaps a back-to-back loop of small calls can leave when the host is slower than the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / 1e3 / calls
 
 
 def wall(fn):
@@ -245,6 +263,10 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
         row["tables_ms"] = round(cuda_time(tables, iters), 4)
     row["dense_ms"] = dense_ms
     row["speedup"] = round(dense_ms / row["ms"], 2)
+    if KERNEL_TIME:
+        row["kernel_ms"] = round(kernel_ms(call), 3)
+        row["dense_kernel_ms"] = round(kernel_ms(lambda: DENSE[0](*qkv_raster)), 3)
+        row["kernel_speedup"] = round(row["dense_kernel_ms"] / row["kernel_ms"], 2)
     return row
 
 
@@ -255,7 +277,11 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=225.0, help="skip variants once this much time is spent")
     p.add_argument("--variants", default="", help="comma-separated substrings; only matching variants run")
     p.add_argument("--grids", default="", help="e.g. 21x30x52:12,21x45x80:40 (default: both Wan grids)")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="also report GPU kernel time per call (torch.profiler) for each variant and FA4 dense")
     args = p.parse_args(argv)
+    global KERNEL_TIME
+    KERNEL_TIME = args.kernel_time
     if not torch.cuda.is_available():
         sys.exit("sparse_bench needs a CUDA device.")
     t0 = time.perf_counter()
@@ -276,6 +302,7 @@ def main(argv=None):
     env["fa4_block_sparse"] = sk.fa4_reasons(dev, torch.bfloat16) or "ok"
     print(json.dumps(env), flush=True)
     dense_name, dense_fn = dense_kernel()
+    DENSE[:] = [dense_fn]
 
     # queue: core variants of every grid first, then the extras
     per_grid = {}
@@ -319,6 +346,9 @@ def main(argv=None):
             extra = ""
             if "tables_ms" in row:
                 extra = f", select {row['select_ms']:.3f} ms, tables {row['tables_ms']:.4f} ms"
+            if "kernel_ms" in row:
+                extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
+                          f"-> {row['kernel_speedup']:.2f}x")
             print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x{extra} "
                   f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
                   f"err {row['max_err']:.2e})", flush=True)
