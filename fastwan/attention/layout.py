@@ -98,6 +98,8 @@ class TokenLayout:
             origin), so a dummy query row has a well-defined, non-empty neighborhood.
         tile_valid_counts: long [num_tiles], real tokens per tile (>= 1).
         tile_full: bool [num_tiles], True where a tile has no dummy slot.
+        real_prefix_tiles: True when the tile divides the grid, so every tile's real tokens are its first
+            ``tile_tokens`` slots; all_tiles_partial: True / False / None (every / no / some tile has dummies).
     """
 
     def __init__(
@@ -153,6 +155,8 @@ class TokenLayout:
         self.tile_valid_counts = counts.to(dev)
         self.tile_full = (counts == self.block_size).to(dev)
         self.has_dummies = self.padded_tokens != self.num_tokens
+        # every tile holds its real tokens in its first tile_tokens slots (the tile divides the grid)
+        self.real_prefix_tiles = self.padded_grid == self.grid
         n_full = int((counts == self.block_size).sum())
         # True: every tile has a dummy slot; False: none has; None: mixed
         self.all_tiles_partial = True if n_full == 0 else (False if n_full == self.num_tiles else None)

@@ -229,7 +229,7 @@ def fa4_key_mask(layout: TokenLayout) -> tuple:
     """The (kind, consts, aux) mask for dummy key slots of ``layout`` (kind None: there are none)."""
     if not layout.has_dummies:
         return (None, (), ())
-    if tuple(layout.padded_grid) == tuple(layout.grid):  # slot padding only: real tokens first in every tile
+    if layout.real_prefix_tiles:  # slot padding only: real tokens first in every tile
         return ("prefix", (layout.block_size, layout.tile_tokens), ())
     p = layout.padded_tokens
     return ("threshold", (), (torch.where(layout.key_valid, 0, p + 1).to(torch.int32),))
@@ -251,12 +251,11 @@ def split_selected(selected: torch.Tensor, tile_full: torch.Tensor, uniform: boo
     the order of ``selected``).
     """
     k = selected.shape[-1]
-    if uniform is not None:  # all tiles partial (True) or all full (False): no sorting needed
-        all_partial = uniform
+    if uniform is not None:  # all tiles partial (True) or all full (False): nothing to partition
         idx = selected.to(torch.int32)
         zeros = torch.zeros(selected.shape[:-1], dtype=torch.int32, device=selected.device)
         counts = torch.full_like(zeros, k)
-        return (zeros, idx, counts, idx) if all_partial else (counts, idx, zeros, idx)
+        return (zeros, idx, counts, idx) if uniform else (counts, idx, zeros, idx)
     # stable partition by scatter (no sort): a full tile goes to its rank among the full ones, a partial tile
     # to its rank among the partial ones, each list continuing with the other kind
     is_partial = ~tile_full[selected]

@@ -56,7 +56,7 @@ def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     B, _, H, D = x.shape
     n, bs = layout.num_tiles, layout.block_size
     xs = x.reshape(B, n, bs, H * D)
-    if tuple(layout.padded_grid) == tuple(layout.grid):
+    if layout.real_prefix_tiles:
         summed = xs[:, :, : layout.tile_tokens].sum(2, dtype=torch.float32)
     else:
         weights = layout.key_valid.view(1, n, 1, bs).to(x.dtype)
