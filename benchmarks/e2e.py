@@ -114,16 +114,9 @@ def parse_backend(label: str) -> tuple[str, dict | None]:
 
 def attention_kernel_ms(fn) -> float:
     """CUDA time (ms) of the attention kernels in one call of fn, from torch.profiler."""
-    from profile_forward import classify
-    from torch.profiler import ProfilerActivity, profile
+    from profile_forward import kernel_groups
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and classify(e.name) == "attention") / 1e3
+    return kernel_groups(fn).get("attention", 0.0)
 
 
 @torch.no_grad()

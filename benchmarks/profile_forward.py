@@ -33,6 +33,22 @@ def classify(name: str) -> str:
     return "elementwise/other"
 
 
+def kernel_groups(fn, calls: int = 1) -> dict[str, float]:
+    """CUDA kernel time per call of ``fn`` (ms) by :func:`classify` group, from torch.profiler over ``calls``
+    calls after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    groups: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            groups[classify(e.name)] += e.device_time / 1e3 / calls
+    return dict(groups)
+
+
 def gemm_rate() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

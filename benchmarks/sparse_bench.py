@@ -133,19 +133,12 @@ def cuda_time(fn, iters, warmup=2):
 
 
 def kernel_ms(fn, calls=5) -> float:
-    """GPU kernel time of one call (ms): sum of the CUDA kernels torch.profiler records over ``calls`` calls,
-    divided by ``calls`` -- what the call costs on a GPU whose host runs ahead (as inside the DiT), without the
-    gaps a back-to-back loop of small calls can leave when the host is slower than the device."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU kernel time of one call (ms), summed over all kernels (torch.profiler, ``calls`` calls) -- what the
+    call costs on a GPU whose host runs ahead (as inside the DiT), without the gaps a back-to-back loop of
+    small calls can leave when the host is slower than the device."""
+    from profile_forward import kernel_groups
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total / 1e3 / calls
+    return sum(kernel_groups(fn, calls).values())
 
 
 def wall(fn):
