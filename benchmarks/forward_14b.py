@@ -3,13 +3,15 @@
 Random weights at the real 14B shapes are created once on the GPU (diffusers module); fastwan's DiT is built
 on the meta device and assigned the very same tensors (no copy), so both run identical weights.
 
-  python benchmarks/forward_14b.py --backend FLASH_ATTN --compile --out forward_14b.json
+  python benchmarks/forward_14b.py --backend FLASH_ATTN --compile [--variants t128,auto] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,10 @@ def main() -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="forward_14b.json")
+    p.add_argument("--variants", default="auto",
+                   help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
     a = p.parse_args()
     from diffusers import WanTransformer3DModel
 
@@ -49,27 +55,60 @@ def main() -> int:
     want = ref(*args, return_dict=False)[0].float()
     print(f"diffusers 14B forward: {res['diffusers_ms']:.0f} ms, peak {res['diffusers_peak_gib']:.1f} GiB", flush=True)
 
-    att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128)
-    with torch.device("meta"):
-        model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
-    model.load_state_dict(ref.state_dict(), assign=True, strict=True)
-    model.eval()
+    import torch._dynamo.config as dcfg
+
+    for name in ("recompile_limit", "cache_size_limit"):  # every variant compiles the same block code object
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), 64))
+    state = ref.state_dict()
     ref = None
     torch.cuda.empty_cache()
-    if a.compile:
-        for blk in model.blocks:
-            blk.compile(fullgraph=True)
-    got = model(*args).float()
-    res["rel_err_vs_diffusers"] = ((got - want).norm() / want.norm()).item()
-    del got, want
+    models = {}
+    for label in a.variants.split(","):
+        tile = label
+        if tile not in ("auto", "t128", "t192"):
+            raise SystemExit(f"variant {label!r}: use auto, t128 or t192")
+        conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t"))} if a.backend == "FLASH_ATTN" \
+            else None
+        att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
+        with torch.device("meta"):
+            model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
+        model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
+        model.eval()
+        if a.compile:
+            for blk in model.blocks:
+                blk.compile(fullgraph=True)
+        t0 = time.perf_counter()
+        got = model(*args).float()
+        torch.cuda.synchronize()
+        key = f"{label}: {att.describe('cuda')}{', compiled' if a.compile else ''}"
+        e = res.setdefault("fastwan", {})[label] = {"setup": key, "first_call_s": time.perf_counter() - t0,
+                                                     "rel_err_vs_diffusers": ((got - want).norm() / want.norm()).item()}
+        print(f"{key}: first call {e['first_call_s']:.1f} s, rel err {e['rel_err_vs_diffusers']:.2e}", flush=True)
+        del got
+        models[label] = model
+    del want
+    times = {label: [] for label in models}
     torch.cuda.reset_peak_memory_stats()
-    key = f"fastwan[{att.describe('cuda')}{', compiled' if a.compile else ''}]"
-    res["fastwan_ms"] = cuda_time(lambda: model(*args), warmup=1, iters=a.iters)
+    for r in range(a.rounds):  # interleaved, so clock/thermal drift hits every variant alike
+        for label, model in models.items():
+            times[label].append(cuda_time(lambda m=model: m(*args), warmup=0, iters=a.iters))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in times.items()), flush=True)
     res["fastwan_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    res["fastwan"] = key
-    res["speedup"] = res["diffusers_ms"] / res["fastwan_ms"]
-    print(f"{key} 14B forward: {res['fastwan_ms']:.0f} ms, peak {res['fastwan_peak_gib']:.1f} GiB, "
-          f"rel err {res['rel_err_vs_diffusers']:.2e}, speedup {res['speedup']:.2f}x", flush=True)
+    for label, model in models.items():
+        e = res["fastwan"][label]
+        e["ms"] = statistics.median(times[label])
+        e["rounds_ms"] = times[label]
+        e["speedup"] = res["diffusers_ms"] / e["ms"]
+        if a.profile:
+            from profile_forward import kernel_groups
+
+            e["kernel_ms"] = kernel_groups(lambda m=model: m(*args))
+    print(f"\ndiffusers: {res['diffusers_ms']:.0f} ms (peak {res['diffusers_peak_gib']:.1f} GiB)")
+    for e in res["fastwan"].values():
+        groups = ", ".join(f"{k} {v:.0f}" for k, v in e.get("kernel_ms", {}).items())
+        print(f"{e['setup']}: {e['ms']:.0f} ms ({e['speedup']:.3f}x, rel err {e['rel_err_vs_diffusers']:.2e})"
+              + (f" kernels: {groups}" if groups else ""))
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 

@@ -27,12 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import cuda_time, forward_inputs, make_checkpoint, versions  # noqa: E402
 from profile_forward import kernel_groups  # noqa: E402
 
-VARIANTS = {  # label: (compile, fuse_qkv, gelu_epilogue)
-    "eager": (False, False, False),
-    "compiled": (True, False, False),
-    "compiled+gelu": (True, False, True),
-    "compiled+qkv": (True, True, False),
-    "compiled+qkv+gelu": (True, True, True),
+VARIANTS = {  # label: how the model is set up (missing keys: False / None / "auto")
+    "eager": {},
+    "compiled": {"compile": True},
+    "compiled+gelu": {"compile": True, "gelu": True},
+    "compiled+qkv": {"compile": True, "qkv": True},
+    "compiled+qkv+gelu": {"compile": True, "qkv": True, "gelu": True},
+    # FA4's sm90 query tile (FLASH_ATTN fa4_tile_m; "auto" picks by shape). A variant may also carry Inductor
+    # "options" for torch.compile (RESULTS.md 8.2: {"triton.multi_kernel": 1} fails to compile on torch 2.11).
+    "gelu+t128": {"compile": True, "gelu": True, "tile": 128},
+    "gelu+t192": {"compile": True, "gelu": True, "tile": 192},
 }
 
 
@@ -112,22 +116,29 @@ def main(argv=None) -> int:
         make_checkpoint(root, "1.3b")
     res: dict = {"versions": versions(), "variants": {}}
     smi = Smi(Path(a.smi))
-    att = AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128)
-    res["attention"] = att.describe("cuda")
+    def dispatch(tile):
+        return AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128,
+                                         config={"fa4_tile_m": tile or "auto"})
+
+    res["attention"] = dispatch(None).describe("cuda")
     inputs = {b: forward_inputs(b) for b in (1, 2)}
     models = {}
     ref = None
     for label in a.variants.split(","):
-        comp, qkv, gelu = VARIANTS[label]
-        m = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda", attention=att)
+        v = VARIANTS[label]
+        comp, qkv, gelu = v.get("compile", False), v.get("qkv", False), v.get("gelu", False)
+        m = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda",
+                             attention=dispatch(v.get("tile")))
         m.set_fast_paths(fuse_qkv=qkv, gelu_epilogue=gelu)
         if comp:
             for blk in m.blocks:
-                blk.compile(fullgraph=True)
+                blk.compile(fullgraph=True, **({"options": v["options"]} if v.get("options") else {}))
         t0 = time.perf_counter()
         out = {b: m(*inputs[b]).float() for b in (1, 2)}
         torch.cuda.synchronize()
-        entry = res["variants"].setdefault(label, {"compile": comp, "fuse_qkv": qkv, "gelu_epilogue": gelu})
+        entry = res["variants"].setdefault(label, {"compile": comp, "fuse_qkv": qkv, "gelu_epilogue": gelu,
+                                                   "fa4_tile_m": v.get("tile") or "auto",
+                                                   "compile_options": v.get("options")})
         entry["warmup_s"] = time.perf_counter() - t0
         if ref is None:
             ref = out
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
         res["fa4_standalone_error"] = repr(exc)
 
     if a.cuda_graph:
-        label = next((lb for lb in models if VARIANTS[lb][0]), None)
+        label = next((lb for lb in models if VARIANTS[lb].get("compile")), None)
         try:
             m = models[label]
             static = [t.clone() for t in inputs[2]]

@@ -56,7 +56,7 @@ def gemm_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def breakdown(fn, label: str, out: dict) -> None:
+def breakdown(fn, label: str, out: dict, top_n: int = 15) -> None:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -64,19 +64,22 @@ def breakdown(fn, label: str, out: dict) -> None:
         torch.cuda.synchronize()
     groups: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             t = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
             groups[classify(evt.name)] += t / 1e3
-            per_kernel[evt.name[:90]] += t / 1e3
+            per_kernel[evt.name[:120]] += t / 1e3
+            counts[evt.name[:120]] += 1
     total = sum(groups.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top_n]
     out[label] = {"groups_ms": dict(groups), "kernel_total_ms": total,
-                  "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]}
+                  "top": [(k, v, counts[k]) for k, v in top]}
     print(f"--- {label}: kernel time {total:.1f} ms")
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"   {g:20s} {v:8.1f} ms")
-    for k, v in out[label]["top"][:8]:
-        print(f"      {v:8.1f} ms  {k}")
+    for k, v, c in out[label]["top"]:
+        print(f"      {v:8.2f} ms  x{c:<4d} {classify(k):18s} {k}")
 
 
 @torch.no_grad()
@@ -87,17 +90,19 @@ def main() -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--diffusers", action="store_true")
     p.add_argument("--out", default="profile.json")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--top", type=int, default=15, help="how many kernels to list, by total time")
     a = p.parse_args()
     from fastwan.attention import AttentionDispatch
     from fastwan.models import load_transformer
 
     res = {"gemm_tflops": gemm_rate()}
     print(f"bf16 GEMM 8192^3: {res['gemm_tflops']:.0f} TFLOP/s")
-    args = forward_inputs(1)
+    args = forward_inputs(a.batch)
     if a.diffusers:
         from diffusers import WanTransformer3DModel
         ref = WanTransformer3DModel.from_pretrained(Path(a.ckpt) / "transformer", torch_dtype=torch.bfloat16).cuda()
-        breakdown(lambda: ref(*args, return_dict=False), "diffusers", res)
+        breakdown(lambda: ref(*args, return_dict=False), "diffusers", res, a.top)
         del ref
         torch.cuda.empty_cache()
     att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128)
@@ -106,10 +111,10 @@ def main() -> int:
         for blk in model.blocks:
             blk.compile(fullgraph=True)
         model(*args)
-    breakdown(lambda: model(*args), f"fastwan[{a.backend}{',compiled' if a.compile else ''}]", res)
+    breakdown(lambda: model(*args), f"fastwan[{a.backend}{',compiled' if a.compile else ''}]", res, a.top)
     ms = cuda_time(lambda: model(*args), iters=5)
     res["forward_ms"] = ms
-    print(f"fastwan forward B=1: {ms:.1f} ms")
+    print(f"fastwan forward B={a.batch}: {ms:.1f} ms")
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 

@@ -47,6 +47,7 @@ from fastwan.profiler.core import time_fn  # noqa: E402
 
 GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
 KERNEL_TIME = False  # --kernel-time
+HOST_TIME = ""  # --host-time: directory for cProfile dumps ("" = off)
 DENSE: list = []  # the dense reference fn, set in main
 TARGET = 0.15  # attended fraction (85% sparsity)
 
@@ -139,6 +140,41 @@ def kernel_ms(fn, calls=5) -> float:
     from profile_forward import kernel_groups
 
     return sum(kernel_groups(fn, calls).values())
+
+
+def host_us(fn, calls=20) -> float:
+    """Host (CPU) time per call in microseconds, measured while the GPU is kept busy by a long sleep kernel,
+    so no launch waits for the device: what the call costs the host, whatever the GPU does."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))  # ~2 s of GPU cycles ahead of the launches below
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def host_profile(fn, path: Path, calls=20, top=25) -> str:
+    """cProfile of ``calls`` calls (GPU kept busy as in :func:`host_us`); the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    prof.dump_stats(str(path))
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
 
 
 def wall(fn):
@@ -260,6 +296,15 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
         row["kernel_ms"] = round(kernel_ms(call), 3)
         row["dense_kernel_ms"] = round(kernel_ms(lambda: DENSE[0](*qkv_raster)), 3)
         row["kernel_speedup"] = round(row["dense_kernel_ms"] / row["kernel_ms"], 2)
+    if HOST_TIME:
+        row["host_us"] = round(host_us(call), 1)
+        row["dense_host_us"] = round(host_us(lambda: DENSE[0](*qkv_raster)), 1)
+        tag = f"{'x'.join(map(str, grid))}-{label}"
+        text = host_profile(call, Path(HOST_TIME) / f"host-{tag}.prof")
+        (Path(HOST_TIME) / f"host-{tag}.txt").write_text(text)
+        if name == "VIDEO_SPARSE_ATTN":
+            row["select_host_us"] = round(host_us(select), 1)
+            row["fine_host_us"] = round(host_us(lambda: backend.run_plan(plan, q, k, v, scale)), 1)
     return row
 
 
@@ -272,9 +317,14 @@ def main(argv=None):
     p.add_argument("--grids", default="", help="e.g. 21x30x52:12,21x45x80:40 (default: both Wan grids)")
     p.add_argument("--kernel-time", action="store_true",
                    help="also report GPU kernel time per call (torch.profiler) for each variant and FA4 dense")
+    p.add_argument("--host-time", default="", metavar="DIR",
+                   help="also report host (CPU) time per call, GPU kept busy, and write cProfile dumps to DIR")
     args = p.parse_args(argv)
-    global KERNEL_TIME
+    global KERNEL_TIME, HOST_TIME
     KERNEL_TIME = args.kernel_time
+    HOST_TIME = args.host_time
+    if HOST_TIME:
+        Path(HOST_TIME).mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("sparse_bench needs a CUDA device.")
     t0 = time.perf_counter()
@@ -342,6 +392,10 @@ def main(argv=None):
             if "kernel_ms" in row:
                 extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
                           f"-> {row['kernel_speedup']:.2f}x")
+            if "host_us" in row:
+                extra += f"; host {row['host_us']:.0f} us/call (dense {row['dense_host_us']:.0f} us)"
+                if "select_host_us" in row:
+                    extra += f" = select {row['select_host_us']:.0f} + fine {row['fine_host_us']:.0f} us"
             print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x{extra} "
                   f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
                   f"err {row['max_err']:.2e})", flush=True)

@@ -3,6 +3,7 @@ what is tested is the capability -> reason logic, never a kernel."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["cc"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(kernels, "flash_installed", lambda v: v in state["fa"])
     monkeypatch.setattr(kernels, "flash_import_error", lambda v: None)
     monkeypatch.setattr(kernels, "sage_import_error", lambda: None)
@@ -347,3 +349,74 @@ def test_nvfp4_env_is_an_explicit_request_that_raises_off_blackwell():
 
     with pytest.raises(BackendUnavailableError, match="FASTVIDEO_NVFP4_FA4"):
         resolve_backend(None, device="cpu", dtype=torch.bfloat16, head_dim=128, env={"FASTVIDEO_NVFP4_FA4": "1"})
+
+
+# ---- FA4's sm90 query tile (fa4_tile_m) ------------------------------------------------------------------
+def test_fa4_tile_model_follows_waves_and_row_cost():
+    """The model is whole waves x tile_m x per-row cost, 192 only for a gain above FA4_SM90_MIN_GAIN: check it
+    against that arithmetic directly."""
+    sms = 132
+    # both tiles fill whole waves (S = 3 * 128 * 44 = 2 * 192 * 44 rows per head, 132 heads): 192's cheaper rows win
+    assert kernels.fa4_sm90_tile_m(1, 3 * 128 * 44, 132, sms) == 192
+    # one full wave of 128-row tiles against one 88-tile wave of 192-row tiles: 128 x 1.0 < 192 x 0.974
+    assert kernels.fa4_sm90_tile_m(1, 128 * sms, 1, sms) == 128
+
+    def brute(b, s, h):
+        cost = {}
+        for tm, rel in kernels.FA4_SM90_ROW_COST.items():
+            waves = -(-(b * h * -(-s // tm)) // sms)
+            cost[tm] = waves * tm * rel
+        return 192 if cost[192] / cost[128] < 1 - kernels.FA4_SM90_MIN_GAIN else 128
+
+    cases = [(1, 32760, 12), (2, 32760, 12), (1, 75600, 40), (2, 75600, 40), (1, 109120, 24), (3, 999, 5),
+             (2, 75600, 12), (2, 27280, 24), (2, 32760, 40)]
+    for b, s, h in cases:
+        assert kernels.fa4_sm90_tile_m(b, s, h, sms) == brute(b, s, h)
+    # the shapes measured in RESULTS.md section 8: 192 for B=1 at both Wan grids, 128 for 1.3B batched CFG
+    assert [kernels.fa4_sm90_tile_m(*c, sms) for c in cases[:3]] == [192, 128, 192]
+    # the backend calls it inside compiled blocks: it must trace into a constant without a graph break
+    x = torch.ones(1, 75600, 40, 8)
+    fn = torch.compile(lambda t: t * kernels.fa4_sm90_tile_m(t.shape[0], t.shape[1], t.shape[2], sms),
+                       fullgraph=True, backend="eager")
+    assert torch.equal(fn(x), x * brute(1, 75600, 40))
+
+
+@pytest.mark.parametrize("bad", [96, 0, True, "big", 192.5])
+def test_fa4_tile_m_rejects_values_outside_the_table(bad):
+    with pytest.raises(ValueError, match=r"fa4_tile_m=.*must be 'auto' or one of \[128, 192\]"):
+        FlashAttnBackend(fa4_tile_m=bad)
+
+
+def test_explicit_fa4_tile_is_a_reason_off_sm90_or_off_head_dim_128(fake_gpu):
+    fake_gpu(cc=(10, 0), fa={4})
+    text = "\n".join(FlashAttnBackend(fa4_tile_m=192).reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "fa4_tile_m=192 sets FA4's sm90 query tile for head dim 128; this device is sm100" in text
+    fake_gpu(cc=(9, 0), fa={4})
+    text = "\n".join(FlashAttnBackend(fa4_tile_m="192").reasons(device="cuda", dtype=BF16, head_dim=64))
+    assert "the head dim is 64" in text
+    text = "\n".join(FlashAttnBackend(version=2, fa4_tile_m=128).reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "but version=2" in text
+    fake_gpu(cc=(9, 0), fa={3, 4})  # FA3 would be picked on sm90: the tile needs FA4 pinned
+    text = "\n".join(FlashAttnBackend(fa4_tile_m=128).reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "FA3 was picked here (pin version=4)" in text
+    # auto never adds a reason
+    assert FlashAttnBackend().reasons(device="cuda", dtype=BF16, head_dim=64) == []
+
+
+def test_auto_fa4_tile_by_shape_on_sm90(fake_gpu, monkeypatch):
+    monkeypatch.setattr(kernels, "fa4_accepts_tiles", lambda: (True, "ok"))
+    fake_gpu(cc=(9, 0), fa={4})
+    b = FlashAttnBackend()
+    assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+
+    def q(*shape):
+        return SimpleNamespace(shape=shape, device=torch.device("cuda", 0))
+
+    want = kernels.fa4_sm90_tile_m(1, 75600, 40, 132)
+    assert b.tile_m_for(q(1, 75600, 40, 128), 4) == (0 if want == 128 else want)
+    assert b.tile_m_for(q(1, 128 * 132, 1, 128), 4) == 0  # 128 = FA4's default: public entry point
+    assert b.tile_m_for(q(1, 75600, 40, 64), 4) == 0  # not head dim 128: FA4's own choice
+    assert b.tile_m_for(q(1, 75600, 40, 128), 2) == 0  # not FA4
+    pinned = FlashAttnBackend(version=4, fa4_tile_m=192)
+    assert pinned.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+    assert pinned.tile_m_for(q(1, 128 * 132, 1, 128), 4) == 192

@@ -22,9 +22,10 @@ CALLS: list[dict] = []
 
 
 def fake_flash_kernel(version):
-    def run(q, k, v, scale):
+    def run(q, k, v, scale, *tile):
         strides_ok = all(x.stride(-1) == 1 for x in (q, k, v))
-        CALLS.append({"kernel": f"FA{version}", "scale": scale, "strides_ok": strides_ok})
+        CALLS.append({"kernel": f"FA{version}", "scale": scale, "strides_ok": strides_ok, **(
+            {"tile_m": tile[0]} if tile else {})})
         out = reference_attention(q, k, v, scale).to(q.dtype)
         return (out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])) if version in (3, 4) else out  # FA3/4: (out, lse)
 
@@ -65,6 +66,17 @@ def test_flash_backend_forward_path(version):
     assert CALLS == [{"kernel": f"FA{version}", "scale": 0.4, "strides_ok": True}]
 
 
+def test_fa4_tile_reaches_the_kernel_only_when_set():
+    q, k, v = qkv()
+    out = torch.ops.fastwan.flash_attn(q, k, v, 0.4, 4, 192)
+    torch.ops.fastwan.flash_attn(q, k, v, 0.4, 4)  # default 0: FA4's own tile, public entry point
+    assert rel_err(out, reference_attention(q, k, v, 0.4)) <= 1e-5
+    assert CALLS[0]["tile_m"] == 192 and "tile_m" not in CALLS[1]
+    # an explicit tile on a CPU tensor goes through the backend unchanged (its reasons() refuse it on resolve)
+    FlashAttnBackend(version=4, fa4_tile_m=128)(q, k, v, scale=0.4)
+    assert CALLS[2]["tile_m"] == 128
+
+
 def test_default_scale_and_non_contiguous_inputs():
     q, k, v = qkv(d=32)
     qn = torch.randn(1, 2, 12, 32).transpose(1, 2)  # [B, S, H, D] view with stride(-1) == 1
@@ -90,6 +102,7 @@ def test_nvfp4_backend_calls_the_nvfp4_op():
     "op,extra",
     [
         ("flash_attn", (0.3, 4)),
+        ("flash_attn", (0.3, 4, 192)),
         ("sage_attn", (0.3,)),
         ("nvfp4_flash_attn", (0.3,)),
         ("fp4_emulated_attn", (0.3, False)),

@@ -1,5 +1,6 @@
 """Bad input raises a clear error before any compute or file write."""
 import json
+import re
 import shutil
 
 import pytest
@@ -197,3 +198,29 @@ def test_unknown_backend_env(tiny_ckpts, monkeypatch):
 def test_bad_cfg_mode(tiny_ckpts):
     with pytest.raises(ValueError, match="cfg_mode"):
         VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", cfg_mode="parallel")
+
+
+@pytest.mark.parametrize("value,exc,words", [
+    ("yes", TypeError, "vae_tiling='yes' must be True, False or a dict"),
+    ({"tile_size": 256}, ValueError, "unknown keys ['tile_size']"),
+    ({"tile_sample_min_height": 100}, ValueError, "must be a positive multiple of the VAE's spatial factor 8"),
+    ({"tile_sample_min_width": 0}, ValueError, "tile_sample_min_width']=0 must be a positive multiple"),
+    ({"tile_sample_min_height": 64, "tile_sample_stride_height": 128}, ValueError,
+     "tile_sample_stride_height=128 exceeds tile_sample_min_height=64"),
+])
+def test_bad_vae_tiling(tiny_ckpts, monkeypatch, value, exc, words):
+    from fastwan.pipelines import generator
+
+    def no_load(*a, **k):  # checked before anything is loaded (the DiT is loaded first)
+        raise AssertionError("a component was loaded before vae_tiling was checked")
+
+    monkeypatch.setattr(generator, "load_transformer", no_load)
+    with pytest.raises(exc, match=re.escape(words)):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", vae_tiling=value)
+
+
+def test_vae_tiling_factor_follows_the_checkpoint(tiny_ckpts):
+    """Wan2.2 TI2V's VAE compresses 16x in space: 40 px tiles are refused there."""
+    with pytest.raises(ValueError, match="spatial factor 16"):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.2-ti2v"], device="cpu",
+                                       vae_tiling={"tile_sample_min_width": 40})

@@ -111,7 +111,7 @@ class FlashAttnBackend(AttentionBackend):
         min_compute_capability=(8, 0),
     )
 
-    def __init__(self, version: int | str | None = None, nvfp4: bool | None = None):
+    def __init__(self, version: int | str | None = None, nvfp4: bool | None = None, fa4_tile_m: int | str = "auto"):
         if version is None:
             version = envs.flash_attn_version()
         if version is not None:
@@ -124,6 +124,15 @@ class FlashAttnBackend(AttentionBackend):
         self.version: int | None = version
         self.nvfp4: bool = envs.nvfp4_fa4() if nvfp4 is None else bool(nvfp4)
         self._picked: dict[tuple[int, int], int] = {}  # (CUDA device index, head dim) -> FA version
+        if isinstance(fa4_tile_m, str) and fa4_tile_m.strip().isdigit():
+            fa4_tile_m = int(fa4_tile_m)
+        if fa4_tile_m != "auto" and (isinstance(fa4_tile_m, bool) or fa4_tile_m not in kernels.FA4_SM90_TILES):
+            raise ValueError(
+                f"FLASH_ATTN fa4_tile_m={fa4_tile_m!r} must be 'auto' or one of {sorted(kernels.FA4_SM90_TILES)} "
+                "(FA4's query tile on sm90 for head dim 128); leave it 'auto' to pick by shape."
+            )
+        self.fa4_tile_m: int | str = fa4_tile_m
+        self._sms: dict[int, int] = {}  # CUDA device index -> SM count, for sm90 devices (read when selecting)
 
     # ---- selection ---------------------------------------------------------------------------------
     @staticmethod
@@ -161,6 +170,10 @@ class FlashAttnBackend(AttentionBackend):
             if not why:
                 if cc is not None and head_dim is not None:
                     self._picked[(self._index(device), head_dim)] = ver
+                if cc == (9, 0):
+                    idx = self._index(device)
+                    if idx not in self._sms:
+                        self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
                 return ver, []
             rejected.extend(why)
         return None, rejected
@@ -176,7 +189,43 @@ class FlashAttnBackend(AttentionBackend):
         reasons.extend(r for r in why if r not in reasons)
         if self.nvfp4:
             reasons.extend(self._nvfp4_reasons(device, head_dim))
+        if self.fa4_tile_m != "auto":
+            reasons.extend(self._tile_reasons(device, head_dim))
         return reasons
+
+    def _tile_reasons(self, device: torch.device, head_dim: int | None) -> list[str]:
+        """Why an explicit ``fa4_tile_m`` cannot be honoured (it is a tile of FA4's sm90 kernel for D=128)."""
+        cc = self._cc(device)
+        rule = f"fa4_tile_m={self.fa4_tile_m} sets FA4's sm90 query tile for head dim 128"
+        fix = "leave fa4_tile_m='auto'"
+        reasons = []
+        if cc != (9, 0):
+            where = _sm(cc) if cc else device.type
+            reasons.append(f"{rule}; this device is {where} ({fix})")
+        if head_dim is not None and head_dim != 128:
+            reasons.append(f"{rule}; the head dim is {head_dim} ({fix})")
+        if self.version not in (None, 4) or self.nvfp4:
+            reasons.append(f"{rule}, but version={self.version}, nvfp4={self.nvfp4} ({fix})")
+        elif cc == (9, 0) and head_dim is not None and self.select(device, head_dim)[0] not in (None, 4):
+            reasons.append(f"{rule}, but FA{self.select(device, head_dim)[0]} was picked here (pin version=4)")
+        if cc == (9, 0) and not reasons:
+            ok, detail = kernels.fa4_accepts_tiles()
+            if not ok:
+                reasons.append(f"{rule}, but {detail} ({fix})")
+        return reasons
+
+    def tile_m_for(self, q: torch.Tensor, version: int) -> int:
+        """FA4's sm90 query tile for q [B, S, H, D] (0 = the kernel's default): the explicit ``fa4_tile_m``, or
+        with 'auto' :func:`fastwan.attention.kernels.fa4_sm90_tile_m` for head dim 128 on a known sm90 device."""
+        if version != 4:
+            return 0
+        if self.fa4_tile_m != "auto":
+            return int(self.fa4_tile_m)
+        sms = self._sms.get(self._index(q.device)) if q.device.type == "cuda" else None
+        if sms is None or q.shape[-1] != 128:
+            return 0
+        tm = kernels.fa4_sm90_tile_m(q.shape[0], q.shape[1], q.shape[2], sms)
+        return 0 if tm == 128 else tm  # 128 is FA4's own default: keep its public entry point
 
     def _nvfp4_reasons(self, device: torch.device, head_dim: int) -> list[str]:
         cc = self._cc(device)
@@ -243,7 +292,8 @@ class FlashAttnBackend(AttentionBackend):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if self.nvfp4:
             return torch.ops.fastwan.nvfp4_flash_attn(q, k, v, scale)
-        return torch.ops.fastwan.flash_attn(q, k, v, scale, self._version_for(q.device, q.shape[-1]))
+        ver = self._version_for(q.device, q.shape[-1])
+        return torch.ops.fastwan.flash_attn(q, k, v, scale, ver, self.tile_m_for(q, ver))
 
     def __repr__(self) -> str:
-        return f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4})"
+        return f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4}, fa4_tile_m={self.fa4_tile_m!r})"

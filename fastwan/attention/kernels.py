@@ -76,11 +76,63 @@ def flash_kernel(version: int) -> KernelFn:
     elif version == 4:
         from flash_attn.cute import flash_attn_func as fa4
 
-        def run(q, k, v, scale):
+        def run(q, k, v, scale, tile_m=0):
+            if tile_m:
+                return fa4_sm90_tiled(q, k, v, scale, tile_m)
             return fa4(q, k, v, softmax_scale=scale, causal=False)
     else:
         raise ValueError(f"FlashAttention version {version!r} is not 2, 3 or 4.")
     return run
+
+
+# FA4's sm90 forward tiles for head dim 128: tile_m -> (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap).
+# flash_attn.cute's own choice is 128 x 128 (two consumer warpgroups, P in registers). 192 x 128 (three consumer
+# warpgroups of 64 rows, P through shared memory) costs ~2.6% less per query row at the Wan shapes
+# (benchmarks/fa4_tiles.py, RESULTS.md section 8), but its 1.5x larger tiles leave a different last wave.
+FA4_SM90_TILES: dict[int, tuple[int, int, bool, bool]] = {128: (128, 128, True, True), 192: (192, 128, False, True)}
+FA4_SM90_ROW_COST: dict[int, float] = {128: 1.0, 192: 0.974}  # per query row, relative, measured on an H100
+FA4_SM90_MIN_GAIN = 0.01  # switch away from FA4's default only for a modelled gain above run-to-run noise
+
+
+def fa4_sm90_tile_m(batch: int, seqlen_q: int, heads: int, num_sms: int) -> int:
+    """The sm90 tile_m (128 or 192) for a ``[batch, seqlen_q, heads, 128]`` query.
+
+    FA4's sm90 forward runs one CTA per (query tile, head, batch) on one SM at a time, so its time is about
+    ``ceil(tiles / num_sms) * tile_m * row_cost``: whole waves times the per-tile time. 192 is picked when that
+    model puts it at least ``FA4_SM90_MIN_GAIN`` below 128 (e.g. B=1 at both Wan grids); otherwise FA4's
+    default 128 stays (e.g. the 1.3B model's batched-CFG shape, B=2 x 32,760 tokens x 12 heads, where the
+    model gives 0.5% and measurements scatter around zero).
+    """
+    def cost(tm: int) -> float:  # plain arithmetic: torch.compile traces it into a constant
+        tiles = batch * heads * -(-seqlen_q // tm)
+        return -(-tiles // num_sms) * tm * FA4_SM90_ROW_COST[tm]
+
+    return 192 if cost(192) < cost(128) * (1.0 - FA4_SM90_MIN_GAIN) else 128
+
+
+def fa4_sm90_tiled(q, k, v, scale: float, tile_m: int):
+    """FA4 forward with the sm90 tile configuration ``FA4_SM90_TILES[tile_m]`` (flash_attn.cute's
+    ``_flash_attn_fwd``; the public ``flash_attn_func`` does not take tile sizes). q, k, v: [B, S, H, D]."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    tm, tn, rs, overlap = FA4_SM90_TILES[tile_m]
+    return _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, tile_mn=(tm, tn), mma_pv_is_rs=rs,
+                           intra_wg_overlap=overlap)
+
+
+@functools.cache
+def fa4_accepts_tiles() -> tuple[bool, str]:
+    """Whether the installed flash_attn.cute forward takes explicit sm90 tiles (``_flash_attn_fwd(tile_mn=,
+    mma_pv_is_rs=, intra_wg_overlap=)``). Imports flash_attn.cute."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception as exc:
+        return False, f"flash_attn.cute.interface._flash_attn_fwd does not import ({type(exc).__name__}: {exc})"
+    params = inspect.signature(_flash_attn_fwd).parameters
+    missing = [p for p in ("tile_mn", "mma_pv_is_rs", "intra_wg_overlap") if p not in params]
+    if missing:
+        return False, f"flash_attn.cute's _flash_attn_fwd has no {'/'.join(missing)} argument"
+    return True, "ok"
 
 
 def import_error(loader: Callable[[], KernelFn]) -> str | None:

@@ -30,10 +30,13 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Ten
 
 
 @torch.library.custom_op("fastwan::flash_attn", mutates_args=())
-def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int) -> torch.Tensor:
-    """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute)."""
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int,
+               tile_m: int = 0) -> torch.Tensor:
+    """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute). ``tile_m``: FA4's
+    sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice."""
     fn = kernels.flash_kernel(version)
-    return _finish(fn(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale), q)
+    args = (_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale)
+    return _finish(fn(*args, tile_m) if tile_m else fn(*args), q)
 
 
 @torch.library.custom_op("fastwan::nvfp4_flash_attn", mutates_args=())

@@ -95,6 +95,7 @@ class VideoGenerator:
         vae_dtype: torch.dtype | None = None,
         fuse_qkv: bool = False,
         gelu_epilogue: bool = True,
+        vae_tiling: bool | Mapping[str, int] = False,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -106,6 +107,12 @@ class VideoGenerator:
         the attention call is a graph break, so the default becomes ``fullgraph=False``). ``fuse_qkv`` (one
         QKV GEMM per self-attention; off by default: no gain measured on an H100) and ``gelu_epilogue`` (FFN
         bias + GELU inside the GEMM on CUDA; -1.8% forward time) keep the math and only change bf16 rounding.
+
+        ``vae_tiling`` decodes in overlapping spatial tiles (diffusers' ``AutoencoderKLWan.enable_tiling``): about
+        5x less decode memory at 720p for about 2x the decode time; True uses diffusers' tile sizes, a dict sets
+        ``tile_sample_min_height/_width`` and ``tile_sample_stride_height/_width`` (pixels, multiples of the
+        VAE's spatial factor, stride <= tile). On CUDA the VAE's 3-D conv weights are stored channels-last
+        (measured: decode -9%, decode memory -10%).
         """
         # ---- argument checks (before any work) ----
         if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
@@ -135,6 +142,7 @@ class VideoGenerator:
             raise ValueError(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = _attention_config(attention_config)
         ckpt = resolve(model, allow_pickle=allow_pickle)
+        tiling = _vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         head_dim = ckpt.transformer_config.attention_head_dim
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config)
@@ -162,6 +170,12 @@ class VideoGenerator:
         vae = diffusers.AutoencoderKLWan.from_pretrained(
             ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=None if allow_pickle else True
         ).to(device).eval()
+        if device.type == "cuda":  # cuDNN's channels-last 3-D convolutions: -9% decode time, -10% decode memory
+            for mod in vae.modules():
+                if isinstance(mod, torch.nn.Conv3d):
+                    mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        if tiling is not None:
+            vae.enable_tiling(**tiling)
         scheduler = _load_scheduler(ckpt.folder("scheduler"))
         return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                    transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
@@ -390,6 +404,38 @@ def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch
         logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
                     "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
     return kwargs
+
+
+VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
+                   "tile_sample_stride_width")
+
+
+def _vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
+    """vae_tiling (False / True / dict of tile sizes) -> enable_tiling kwargs, or None for no tiling. Checked
+    against the VAE's config.json before anything is loaded."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"vae_tiling={value!r} must be True, False or a dict with keys among {VAE_TILING_KEYS}.")
+    unknown = sorted(set(value) - set(VAE_TILING_KEYS))
+    if unknown:
+        raise ValueError(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
+    from fastwan.models.loading import read_json
+
+    c = read_json(vae_folder / "config.json", missing="the VAE component needs it.")
+    factor = int(c.get("scale_factor_spatial") or 2 ** len(c.get("temperal_downsample", (0, 0, 0))))
+    out = {}
+    for key, v in value.items():
+        if not _is_int(v) or v <= 0 or v % factor:
+            raise ValueError(f"vae_tiling[{key!r}]={v!r} must be a positive multiple of the VAE's spatial factor "
+                             f"{factor} (pixels), e.g. {factor * 32}.")
+        out[key] = int(v)
+    for axis in ("height", "width"):
+        tile, stride = out.get(f"tile_sample_min_{axis}"), out.get(f"tile_sample_stride_{axis}")
+        if tile is not None and stride is not None and stride > tile:
+            raise ValueError(f"vae_tiling: tile_sample_stride_{axis}={stride} exceeds tile_sample_min_{axis}={tile}; "
+                             "tiles must overlap or touch (stride <= tile).")
+    return out
 
 
 def _attention_config(value) -> dict | None:

@@ -1,0 +1,140 @@
+"""FA4 (flash_attn.cute) dense forward at the Wan shapes under different sm90 tile configurations.
+
+    python benchmarks/fa4_tiles.py [--rounds 3] [--calls 30] [--out fa4_tiles.json]
+
+The H100 runs Wan's attention at its power cap (RESULTS.md 7.1), so a configuration that moves fewer bytes
+through shared memory per FLOP can run faster even when the stand-alone peak is the same. Each configuration
+(tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap) is timed in interleaved rounds of ``--calls`` back-to-back
+calls (CUDA events, median per round; the figure is the median over rounds), with the SM clock and power
+that ``nvidia-smi`` reports during the round. Output of every configuration is compared with the default's.
+Configurations the kernel cannot build are reported as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # name: (batch, tokens, heads)
+    "1.3B-480p-B1": (1, 32760, 12),
+    "1.3B-480p-B2": (2, 32760, 12),
+    "1.3B-720p-B2": (2, 75600, 12),
+    "14B-480p-B2": (2, 32760, 40),
+    "14B-720p-B1": (1, 75600, 40),
+    "14B-720p-B2": (2, 75600, 40),
+    "5B-720p-B2": (2, 27280, 24),
+}
+CONFIGS = [  # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); the first is FA4's sm90 default for D=128
+    (128, 128, True, True),
+    (128, 176, True, True),
+    (128, 160, True, True),
+    (128, 192, True, True),
+    (128, 144, True, True),
+    (128, 128, False, True),
+    (192, 128, False, True),
+]
+
+
+def smi() -> tuple[float, float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout.split("\n")[0]
+        mhz, w = (float(x) for x in out.split(","))
+        return mhz, w
+    except Exception:
+        return float("nan"), float("nan")
+
+
+def timed_round(fn, calls: int) -> tuple[float, float, float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    samples = []
+    for i in range(calls):
+        starts[i].record()
+        fn()
+        ends[i].record()
+        if i == calls // 2:
+            samples.append(smi())  # mid-round clock/power (the queue holds the rest of the round)
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return ms, samples[0][0], samples[0][1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--shapes", default="1.3B-480p-B2,14B-720p-B1")
+    p.add_argument("--configs", default="", help="indices into CONFIGS to run (default: all), e.g. 0,6")
+    p.add_argument("--out", default="fa4_tiles.json")
+    a = p.parse_args(argv)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [],
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    from fastwan.attention.kernels import fa4_sm90_tile_m
+
+    for shape in a.shapes.split(","):
+        b, n, h = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        flops = 4 * b * h * n * n * 128
+        fns, ref = {}, None
+        chosen = [CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else CONFIGS
+        for cfg in chosen:
+            tm, tn, rs, ol = cfg
+
+            def fn(tm=tm, tn=tn, rs=rs, ol=ol, qkv=(q, k, v)):
+                return _flash_attn_fwd(*qkv, softmax_scale=128 ** -0.5, tile_mn=(tm, tn), mma_pv_is_rs=rs,
+                                       intra_wg_overlap=ol)[0]
+            try:
+                t0 = time.perf_counter()
+                out = fn()
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+            except Exception as exc:
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                print(f"{shape} {cfg}: cannot build ({msg})", flush=True)
+                res["rows"].append({"shape": shape, "config": list(cfg), "error": msg})
+                continue
+            if ref is None:
+                ref = out
+            err = float((out.float() - ref.float()).abs().max())
+            print(f"{shape} {cfg}: built in {compile_s:.1f} s, max |out - default| {err:.2e}", flush=True)
+            fns[cfg] = (fn, err)
+        per = {cfg: [] for cfg in fns}
+        for _ in range(a.rounds):
+            for cfg, (fn, _) in fns.items():
+                fn()
+                per[cfg].append(timed_round(fn, a.calls))
+        for cfg, rounds in per.items():
+            ms = statistics.median(r[0] for r in rounds)
+            row = {"shape": shape, "config": list(cfg), "ms": round(ms, 3),
+                   "rounds_ms": [round(r[0], 3) for r in rounds],
+                   "tflops": round(flops / ms / 1e9, 1), "sm_mhz": statistics.median(r[1] for r in rounds),
+                   "power_w": statistics.median(r[2] for r in rounds), "max_err_vs_default": fns[cfg][1]}
+            row["model_pick"] = fa4_sm90_tile_m(b, n, h, res["sms"])
+            res["rows"].append(row)
+        del q, k, v, fns, ref
+        torch.cuda.empty_cache()
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"\n{'shape':<14} {'tile_m x tile_n':<16} {'rs':<3} {'ol':<3} {'ms':>9} {'TFLOP/s':>8} {'MHz':>6} {'W':>5} "
+          f"{'model':>5}")
+    for r in res["rows"]:
+        tm, tn, rs, ol = r["config"]
+        if "error" in r:
+            print(f"{r['shape']:<14} {f'{tm}x{tn}':<16} {int(rs):<3} {int(ol):<3} cannot build")
+            continue
+        print(f"{r['shape']:<14} {f'{tm}x{tn}':<16} {int(rs):<3} {int(ol):<3} {r['ms']:>9.2f} {r['tflops']:>8.0f} "
+              f"{r['sm_mhz']:>6.0f} {r['power_w']:>5.0f} {r['model_pick']:>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
