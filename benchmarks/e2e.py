@@ -261,14 +261,18 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     torch.cuda.empty_cache()
 
 
-def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict) -> None:
+def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict,
+                 compile_: bool = False) -> None:
     """Batched vs sequential CFG, interleaved runs on one generator (same weights, same process)."""
     from fastwan import VideoGenerator
 
-    gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend)
+    gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
+                                         enable_torch_compile=compile_)
     kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
               guidance_scale=guidance, seed=0, save_video=False, return_frames=False)
-    gen.generate_video(PROMPT, **{**kw, "num_inference_steps": 2})  # warm-up (FA4 JIT), not timed
+    for mode in ("sequential", "batched"):  # warm-up (FA4 JIT; with --compile, a graph per batch size)
+        gen.cfg_mode = mode
+        gen.generate_video(PROMPT, **{**kw, "num_inference_steps": 2})
     per_step: dict[str, list[float]] = {"sequential": [], "batched": []}
     peaks: dict[str, float] = {}
     for _ in range(repeats):
@@ -279,11 +283,13 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
             peaks[mode] = r.peak_memory / 2**30
     out = {m: {"s_per_step_runs": v, "s_per_step_median": statistics.median(v), "spread": max(v) - min(v),
                "peak_gib": peaks[m]} for m, v in per_step.items()}
-    res[f"cfg_ab[{backend},{steps} steps,x{repeats}]"] = out
+    res[f"cfg_ab[{backend},{steps} steps,x{repeats}{',compiled' if compile_ else ''}]"] = out
     for m, o in out.items():
         log(f"cfg {m}: median {o['s_per_step_median']:.4f} s/step (runs {[round(x, 4) for x in o['s_per_step_runs']]}),"
             f" peak {o['peak_gib']:.2f} GiB")
     del gen
+    if compile_:
+        torch._dynamo.reset()
     torch.cuda.empty_cache()
 
 
@@ -323,7 +329,7 @@ def main(argv=None) -> int:
                 phase_fastwan(root, a.steps, a.guidance, name, "batched", a.compile, res, attention_config=conf,
                               tag=label)
         elif ph == "cfgab":
-            phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res)
+            phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res, a.compile)
         elif ph == "fastwan":
             for mode in a.cfg_modes.split(","):
                 phase_fastwan(root, a.steps, a.guidance, a.backend, mode, a.compile, res)

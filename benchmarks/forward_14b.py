@@ -3,7 +3,7 @@
 Random weights at the real 14B shapes are created once on the GPU (diffusers module); fastwan's DiT is built
 on the meta device and assigned the very same tensors (no copy), so both run identical weights.
 
-  python benchmarks/forward_14b.py --backend FLASH_ATTN --compile [--variants t128,auto] [--profile]
+  python benchmarks/forward_14b.py --backend FLASH_ATTN --compile [--variants t128+nofn,auto] [--profile]
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="forward_14b.json")
     p.add_argument("--variants", default="auto",
-                   help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m)")
+                   help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
+                        "+nofn for the Inductor norms instead of the fused Triton ones")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
     a = p.parse_args()
@@ -65,9 +66,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     models = {}
     for label in a.variants.split(","):
-        tile = label
-        if tile not in ("auto", "t128", "t192"):
-            raise SystemExit(f"variant {label!r}: use auto, t128 or t192")
+        tile, _, norms = label.partition("+")
+        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn"):
+            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn")
         conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t"))} if a.backend == "FLASH_ATTN" \
             else None
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
@@ -75,6 +76,7 @@ def main() -> int:
             model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
         model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
         model.eval()
+        model.set_fast_paths(fused_norms=norms != "nofn")
         if a.compile:
             for blk in model.blocks:
                 blk.compile(fullgraph=True)

@@ -37,6 +37,10 @@ VARIANTS = {  # label: how the model is set up (missing keys: False / None / "au
     # "options" for torch.compile (RESULTS.md 8.2: {"triton.multi_kernel": 1} fails to compile on torch 2.11).
     "gelu+t128": {"compile": True, "gelu": True, "tile": 128},
     "gelu+t192": {"compile": True, "gelu": True, "tile": 192},
+    # single-pass Triton norms (fastwan.models.fused; set_fast_paths(fused_norms=...)); the variants above
+    # run without them, as before they existed
+    "gelu+fn": {"compile": True, "gelu": True, "fn": True},
+    "gelu+fn+t128": {"compile": True, "gelu": True, "fn": True, "tile": 128},
 }
 
 
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
         comp, qkv, gelu = v.get("compile", False), v.get("qkv", False), v.get("gelu", False)
         m = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda",
                              attention=dispatch(v.get("tile")))
-        m.set_fast_paths(fuse_qkv=qkv, gelu_epilogue=gelu)
+        m.set_fast_paths(fuse_qkv=qkv, gelu_epilogue=gelu, fused_norms=v.get("fn", False))
         if comp:
             for blk in m.blocks:
                 blk.compile(fullgraph=True, **({"options": v["options"]} if v.get("options") else {}))
@@ -138,6 +142,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         entry = res["variants"].setdefault(label, {"compile": comp, "fuse_qkv": qkv, "gelu_epilogue": gelu,
                                                    "fa4_tile_m": v.get("tile") or "auto",
+                                                   "fused_norms": v.get("fn", False),
                                                    "compile_options": v.get("options")})
         entry["warmup_s"] = time.perf_counter() - t0
         if ref is None:

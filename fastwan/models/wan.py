@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
+from fastwan.models import fused
 from fastwan.models.config import WanConfig
 
 # Parameter-name components kept in fp32 whatever the model dtype (as Diffusers does for Wan).
@@ -106,6 +107,7 @@ class WanAttention(nn.Module):
         self.norm_k = RMSNorm(inner, eps)
         self.to_gate_compress: nn.Linear | None = None  # VSA checkpoints add it (see WanTransformer)
         self.to_qkv: nn.Linear | None = None  # set by fuse_qkv() (self-attention only)
+        self.fused_norms = True  # single-pass Triton norms on CUDA (WanTransformer.set_fast_paths)
 
     def fuse_qkv(self) -> None:
         """Replace to_q/to_k/to_v by one [3*inner, dim] projection (one GEMM instead of three).
@@ -132,15 +134,25 @@ class WanAttention(nn.Module):
         context: torch.Tensor | None = None,
         rope: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
+        fused_ok: bool = False,
     ) -> torch.Tensor:
-        """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]."""
+        """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]. ``fused_ok``: the fused norm
+        kernels run for these activations (decided once per forward, outside compiled code)."""
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
         else:
             src = x if context is None else context
             q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
-        q = self.norm_q(q).unflatten(-1, (self.heads, self.head_dim))
-        k = self.norm_k(k).unflatten(-1, (self.heads, self.head_dim))
+        if (self.fused_norms and fused_ok and rope is not None
+                and self.norm_q.weight.dtype == self.norm_k.weight.dtype == q.dtype):
+            # one pass per tensor: RMSNorm + weight + RoPE (fastwan.models.fused, same roundings as below)
+            q = torch.ops.fastwan.rms_rope(q, self.norm_q.weight, rope, self.norm_q.eps, self.head_dim)
+            k = torch.ops.fastwan.rms_rope(k, self.norm_k.weight, rope, self.norm_k.eps, self.head_dim)
+            q, k = (t.unflatten(-1, (self.heads, self.head_dim)) for t in (q, k))
+            rope = None
+        else:
+            q = self.norm_q(q).unflatten(-1, (self.heads, self.head_dim))
+            k = self.norm_k(k).unflatten(-1, (self.heads, self.head_dim))
         v = v.unflatten(-1, (self.heads, self.head_dim))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -193,6 +205,7 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, cfg.ffn_dim)
         self.norm3 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.fused_norms = True  # single-pass Triton norms on CUDA (WanTransformer.set_fast_paths)
 
     def forward(
         self,
@@ -202,18 +215,38 @@ class WanBlock(nn.Module):
         rope: torch.Tensor,
         attn: AttentionDispatch,
         meta: AttentionMetadata | None = None,
+        fused_ok: bool = False,
     ) -> torch.Tensor:
-        """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> [B, S, C]."""
+        """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> [B, S, C].
+        ``fused_ok``: the fused norm kernels can run for x (:func:`fastwan.models.fused.usable`, decided by the
+        caller outside compiled code)."""
         if temb.dim() == 4:
             mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).unbind(2)  # 6 x [B, S, C]
         else:
             mod = (self.scale_shift_table + temb.float()).unsqueeze(2).unbind(1)  # 6 x [B, 1, C]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod
+        if self.fused_norms and fused_ok:
+            return self._forward_fused(x, context, rope, attn, meta, mod)
         h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
         x = (x.float() + self.attn1(h, attn, rope=rope, meta=meta) * gate1).type_as(x)
         h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
         x = x + self.attn2(h, attn, context=context)
         h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
+        return (x.float() + self.ffn(h).float() * gate2).type_as(x)
+
+    def _forward_fused(self, x, context, rope, attn, meta, mod) -> torch.Tensor:
+        """forward() with each residual + norm (+ modulation) in one single-pass kernel (fastwan.models.fused);
+        the same math and bf16 roundings."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod
+        ops = torch.ops.fastwan
+        h = ops.norm_mod(x, None, None, scale1, shift1, self.norm1.eps)
+        y = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True)
+        if self.norm2 is not None:
+            x, h = ops.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None, self.norm2.eps)
+        else:
+            x = h = (x.float() + y * gate1).type_as(x)
+        x, h = ops.residual_norm_mod(x, self.attn2(h, attn, context=context), None, None, None, scale2, shift2,
+                                     self.norm3.eps)
         return (x.float() + self.ffn(h).float() * gate2).type_as(x)
 
 
@@ -272,13 +305,18 @@ class WanTransformer(nn.Module):
             a = blk.attn1
             a.to_gate_compress = nn.Linear(self.config.inner_dim, self.config.inner_dim)
 
-    def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None) -> None:
+    def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None,
+                       fused_norms: bool | None = None) -> None:
         """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
 
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
         gelu_epilogue: FFN bias + GELU(tanh) in the first FFN GEMM's epilogue on CUDA.
+        fused_norms: residual + LayerNorm + modulation and q/k RMSNorm + RoPE as single-pass Triton kernels on
+        CUDA (:mod:`fastwan.models.fused`); the PyTorch path elsewhere.
         """
         for blk in self.blocks:
+            if fused_norms is not None:
+                blk.fused_norms = blk.attn1.fused_norms = bool(fused_norms)
             if fuse_qkv:
                 blk.attn1.fuse_qkv()
             elif fuse_qkv is False and blk.attn1.to_qkv is not None:
@@ -333,12 +371,13 @@ class WanTransformer(nn.Module):
             rope = layout.permute(rope, dim=1)
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute(mod, dim=1)
+        fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
         for i, block in enumerate(self.blocks):
             meta = None
             if self.attention.sparse:
                 meta = AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps,
                                          layer_index=i, layout=layout)
-            x = block(x, context, mod, rope, self.attention, meta)
+            x = block(x, context, mod, rope, self.attention, meta, fused_ok=fused_ok)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
 

@@ -95,6 +95,7 @@ class VideoGenerator:
         vae_dtype: torch.dtype | None = None,
         fuse_qkv: bool = False,
         gelu_epilogue: bool = True,
+        fused_norms: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
@@ -106,7 +107,9 @@ class VideoGenerator:
         ``enable_torch_compile`` compiles each DiT block (``fullgraph=True`` by default; with a sparse backend
         the attention call is a graph break, so the default becomes ``fullgraph=False``). ``fuse_qkv`` (one
         QKV GEMM per self-attention; off by default: no gain measured on an H100) and ``gelu_epilogue`` (FFN
-        bias + GELU inside the GEMM on CUDA; -1.8% forward time) keep the math and only change bf16 rounding.
+        bias + GELU inside the GEMM on CUDA; -1.8% forward time) and ``fused_norms`` (residual + LayerNorm +
+        modulation and q/k RMSNorm + RoPE as single-pass Triton kernels on CUDA) keep the math and only change
+        bf16 rounding.
 
         ``vae_tiling`` decodes in overlapping spatial tiles (diffusers' ``AutoencoderKLWan.enable_tiling``): about
         5x less decode memory at 720p for about 2x the decode time; True uses diffusers' tile sizes, a dict sets
@@ -128,7 +131,7 @@ class VideoGenerator:
             cfg_gate_step = envs.validate_cfg_gate_step(cfg_gate_step)
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
-        for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue),
+        for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
                            ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} must be True or False.")
@@ -157,7 +160,7 @@ class VideoGenerator:
             for e in ckpt.experts
         ]
         for t in transformers_:
-            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue)
+            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms)
         if enable_torch_compile:
             kwargs = compile_kwargs
             for t in transformers_:

@@ -55,3 +55,73 @@ def test_gelu_epilogue_matches_fp32_reference():
     err_fused, err_plain = (fused - ref).abs().max().item(), (plain - ref).abs().max().item()
     print(f"GELU epilogue max abs err {err_fused:.2e}, unfused bf16 {err_plain:.2e}")
     assert err_fused <= 2 * err_plain + 1e-5
+
+
+def _within_one_bf16_step(got, ref, what):
+    """Same math and roundings as the PyTorch path: at most one bf16 rounding step apart (fp32 summation order)."""
+    got, ref = got.float(), ref.float()
+    diff = (got - ref).abs()
+    tol = ref.abs() * 2.0**-7 + 1e-3
+    print(f"{what}: max |diff| {diff.max().item():.2e}, elements differing {(diff > 0).float().mean().item():.2%}")
+    assert torch.isfinite(got).all() and bool((diff <= tol).all()), what
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("C,head_dim,per_token", [(1536, 128, False), (5120, 128, False), (3072, 128, True),
+                                                  (40, 8, False)])
+def test_fused_norm_kernels_match_the_pytorch_path(C, head_dim, per_token):
+    pytest.importorskip("triton")
+    from fastwan.models import fused
+    from fastwan.models.wan import rope_tables
+
+    assert fused.usable(torch.empty(1, 1, C, device="cuda", dtype=torch.bfloat16))
+    ops = torch.ops.fastwan
+    B, grid = 2, (3, 11, 7)
+    S = grid[0] * grid[1] * grid[2]
+    g = torch.Generator("cuda").manual_seed(C)
+    x, y = (torch.randn(B, S, C, device="cuda", generator=g).bfloat16() for _ in range(2))
+    mods = torch.randn(B, S if per_token else 1, 4, C, device="cuda", generator=g)
+    gate, scale, shift, _ = mods.unbind(2)  # strided views, as the block passes them
+    w, b = torch.randn(C, device="cuda", generator=g), torch.randn(C, device="cuda", generator=g)
+    _within_one_bf16_step(ops.norm_mod(x, None, None, scale, shift, 1e-6),
+                          fused.norm_mod_reference(x, None, None, scale, shift, 1e-6), f"norm_mod C={C}")
+    r, h = ops.residual_norm_mod(x, y, gate, w, b, None, None, 1e-6)
+    r_ref = fused.residual_reference(x, y, gate)
+    _within_one_bf16_step(r, r_ref, f"residual C={C}")
+    _within_one_bf16_step(h, fused.norm_mod_reference(r, w, b, None, None, 1e-6), f"residual + affine LN C={C}")
+    r, h = ops.residual_norm_mod(x, y, None, None, None, scale, shift, 1e-6)
+    _within_one_bf16_step(h, fused.norm_mod_reference(r, None, None, scale, shift, 1e-6), f"residual + mod C={C}")
+    wq = torch.randn(C, device="cuda", generator=g).bfloat16()
+    table = rope_tables(grid, head_dim, 1024, torch.device("cuda"))
+    _within_one_bf16_step(ops.rms_rope(x, wq, table, 1e-6, head_dim),
+                          fused.rms_rope_reference(x, wq, table, 1e-6, head_dim), f"rms_rope C={C}")
+
+
+@torch.no_grad()
+def test_fused_norms_in_the_compiled_dit():
+    """The whole DiT, compiled, fused norms on vs off: the same forward within bf16 noise."""
+    pytest.importorskip("flash_attn.cute")
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import WanConfig, WanTransformer
+
+    cfg = WanConfig(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, text_dim=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = WanTransformer(cfg).to(torch.bfloat16)
+    for blk in model.blocks:
+        blk.scale_shift_table.data = blk.scale_shift_table.data.float()
+        blk.norm2.weight.data, blk.norm2.bias.data = blk.norm2.weight.data.float(), blk.norm2.bias.data.float()
+    g = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(1, 16, 5, 30, 52, device="cuda", generator=g)
+    t = torch.tensor([700.0], device="cuda")
+    text = torch.randn(1, 512, 4096, device="cuda", generator=g).bfloat16()
+    model.set_attention(AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128))
+    model.set_fast_paths(fused_norms=False)
+    ref = model(x, t, text).float()
+    model.set_fast_paths(fused_norms=True)
+    for blk in model.blocks:
+        blk.compile(fullgraph=True)
+    got = model(x, t, text).float()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    print(f"compiled + fused norms vs eager plain norms: rel L2 {rel:.3e}")
+    assert torch.isfinite(got).all() and rel <= 3e-2

@@ -1,0 +1,234 @@
+"""Single-pass row kernels for the Wan block's norms (Triton on CUDA), as ``torch.library`` custom ops.
+
+Inductor compiles the block's LayerNorm + modulation and q/k RMSNorm + RoPE into looped reductions when the
+hidden size is above 1,024 (Wan: 1,536 / 3,072 / 5,120), which read every row twice; on an H100 they move
+0.8 GB in 0.55 ms (1.45 TB/s, RESULTS.md 8.2). These kernels hold a whole row in registers and read each input
+once. Each op has the same math as the plain PyTorch path in :mod:`fastwan.models.wan` (fp32 statistics, the
+same bf16 roundings), which is also the op's implementation off CUDA or without Triton.
+
+Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 1, C] or [B, S, C] views):
+
+* ``norm_mod(x, weight?, bias?, scale?, shift?, eps) -> h``:
+  ``h = (LN(x) [* weight + bias]) [* (1 + scale) + shift]`` rounded to x's dtype;
+* ``residual_norm_mod(x, y, gate?, weight?, bias?, scale?, shift?, eps) -> (r, h)``:
+  ``r = x + y [* gate]`` (fp32, rounded to x's dtype), then ``h = norm_mod(r, ...)``;
+* ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
+  interleaved-pair RoPE of :func:`fastwan.models.wan.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+MAX_C = 16384  # one row in registers
+
+
+@functools.cache
+def triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _kernel_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] <= MAX_C and triton_ok()
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the model routes its norms through these ops for activations ``x``: where the Triton kernels run
+    (CUDA, fp16/bf16, C <= MAX_C, Triton importable). The ops themselves also accept anything else (they run
+    their PyTorch reference then), which is how the CPU tests exercise the fused wiring."""
+    return _kernel_ok(x)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def norm_mod_reference(x, weight, bias, scale, shift, eps: float) -> torch.Tensor:
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    h = F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+    if scale is not None:
+        h = h * (1 + scale) + shift
+    return h.to(x.dtype)
+
+
+def residual_reference(x, y, gate) -> torch.Tensor:
+    return (x.float() + (y.float() * gate if gate is not None else y.float())).to(x.dtype)
+
+
+def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
+    y = F.rms_norm(x, (x.shape[-1],), eps=eps).to(weight.dtype) * weight
+    if table is None:
+        return y
+    B, S, C = y.shape
+    yh = y.view(B, S, C // head_dim, head_dim)
+    swapped = yh.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    out = yh * table[..., :head_dim] + swapped * table[..., head_dim:]
+    return out.type_as(y).view(B, S, C)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def norm_rows(X, Y, G, g_sb, g_ss, W, BIAS, SC, sc_sb, sc_ss, SH, sh_sb, sh_ss, R, H, S, C, eps,
+                  HAS_Y: tl.constexpr, HAS_G: tl.constexpr, AFFINE: tl.constexpr, MOD: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        b = row // S
+        s = row - b * S
+        offs = tl.arange(0, BLOCK)
+        m = offs < C
+        base = row * C
+        x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_Y:
+            y = tl.load(Y + base + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_G:
+                y = y * tl.load(G + b * g_sb + s * g_ss + offs, mask=m, other=0.0).to(tl.float32)
+            r = (x + y).to(R.dtype.element_ty)
+            tl.store(R + base + offs, r, mask=m)
+            x = r.to(tl.float32)
+        mean = tl.sum(x, axis=0) / C
+        d = tl.where(m, x - mean, 0.0)
+        var = tl.sum(d * d, axis=0) / C
+        h = d * tl.rsqrt(var + eps)
+        if AFFINE:
+            h = h * tl.load(W + offs, mask=m, other=0.0).to(tl.float32) \
+                + tl.load(BIAS + offs, mask=m, other=0.0).to(tl.float32)
+        if MOD:
+            sc = tl.load(SC + b * sc_sb + s * sc_ss + offs, mask=m, other=0.0).to(tl.float32)
+            sh = tl.load(SH + b * sh_sb + s * sh_ss + offs, mask=m, other=0.0).to(tl.float32)
+            h = h * (1.0 + sc) + sh
+        tl.store(H + base + offs, h.to(H.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def rms_rope_rows(X, W, T, OUT, S, C, D, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        s = row % S
+        offs = tl.arange(0, BLOCK)
+        m = offs < C
+        base = row * C
+        x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        # the PyTorch path rounds twice: rms_norm's output, then the product with the weight
+        y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
+        if ROPE:
+            p = offs ^ 1  # the other channel of the pair (2i, 2i+1); D is even, so it stays in the head
+            xp = tl.load(X + base + p, mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(W + p, mask=m, other=0.0).to(tl.float32)
+            yp = ((xp * rstd).to(OUT.dtype.element_ty).to(tl.float32) * wp).to(OUT.dtype.element_ty).to(tl.float32)
+            c = offs % D
+            cos = tl.load(T + s * 2 * D + c, mask=m, other=0.0)
+            sin = tl.load(T + s * 2 * D + D + c, mask=m, other=0.0)
+            y = y * cos + yp * sin
+        tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
+
+    return triton, norm_rows, rms_rope_rows
+
+
+def _launch_cfg(C: int) -> tuple[int, int]:
+    import triton
+
+    block = triton.next_power_of_2(C)
+    return block, min(16, max(4, block // 256))
+
+
+def _row_strides(t: torch.Tensor | None, S: int) -> tuple[torch.Tensor | None, int, int]:
+    """A [B or 1, 1 or S, C] view -> (tensor with unit channel stride, batch stride, token stride); a size-1
+    batch or token dim is broadcast (stride 0)."""
+    if t is None:
+        return None, 0, 0
+    if t.dim() != 3 or t.shape[1] not in (1, S):
+        raise ValueError(f"modulation/gate tensor of shape {tuple(t.shape)}: expected [B, 1, C] or [B, {S}, C]")
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, (t.stride(0) if t.shape[0] > 1 else 0), (t.stride(1) if t.shape[1] > 1 else 0)
+
+
+def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r):
+    triton, norm_rows, _ = _kernels()
+    x = x.contiguous()
+    B, S, C = x.shape
+    h = torch.empty_like(x)
+    y = y.contiguous() if y is not None else None
+    gate, g_sb, g_ss = _row_strides(gate, S)
+    scale, sc_sb, sc_ss = _row_strides(scale, S)
+    shift, sh_sb, sh_ss = _row_strides(shift, S)
+    block, warps = _launch_cfg(C)
+    dummy = x
+    norm_rows[(B * S,)](
+        x, y if y is not None else dummy, gate if gate is not None else dummy, g_sb, g_ss,
+        weight if weight is not None else dummy, bias if bias is not None else dummy,
+        scale if scale is not None else dummy, sc_sb, sc_ss, shift if shift is not None else dummy, sh_sb, sh_ss,
+        r if r is not None else dummy, h, S, C, eps,
+        HAS_Y=y is not None, HAS_G=gate is not None, AFFINE=weight is not None, MOD=scale is not None,
+        BLOCK=block, num_warps=warps,
+    )
+    return h
+
+
+# ---------------------------------------------------------------------------------------------- ops
+@torch.library.custom_op("fastwan::norm_mod", mutates_args=())
+def norm_mod(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
+             shift: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over C (fp32 statistics) with optional affine and modulation; x [B, S, C] -> h like x."""
+    if not _kernel_ok(x):
+        return norm_mod_reference(x, weight, bias, scale, shift, eps)
+    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None)
+
+
+@torch.library.custom_op("fastwan::residual_norm_mod", mutates_args=())
+def residual_norm_mod(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, scale: torch.Tensor | None, shift: torch.Tensor | None,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + y [* gate] (rounded to x's dtype), h = norm_mod(r, ...): x, y [B, S, C] -> (r, h)."""
+    if not _kernel_ok(x):
+        r = residual_reference(x, y, gate)
+        return r, norm_mod_reference(r, weight, bias, scale, shift, eps)
+    r = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return r, _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r)
+
+
+@torch.library.custom_op("fastwan::rms_rope", mutates_args=())
+def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, eps: float,
+             head_dim: int) -> torch.Tensor:
+    """RMSNorm over C times ``weight`` (x's dtype), then RoPE with ``table`` [1, S, 1, 2 * head_dim] (None:
+    no rotation). x [B, S, C] -> like x."""
+    if table is not None and (table.shape[1] != x.shape[1] or table.shape[-1] != 2 * head_dim):
+        raise ValueError(f"rms_rope: table {tuple(table.shape)} does not fit x {tuple(x.shape)} with head_dim "
+                         f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
+    if not _kernel_ok(x) or weight.dtype != x.dtype:
+        return rms_rope_reference(x, weight, table, eps, head_dim)
+    triton, _, rms_rope_rows = _kernels()
+    x = x.contiguous()
+    B, S, C = x.shape
+    out = torch.empty_like(x)
+    block, warps = _launch_cfg(C)
+    t = table.contiguous() if table is not None else x
+    rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
+                            BLOCK=block, num_warps=warps)
+    return out
+
+
+@norm_mod.register_fake
+def _(x, weight, bias, scale, shift, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@residual_norm_mod.register_fake
+def _(x, y, gate, weight, bias, scale, shift, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@rms_rope.register_fake
+def _(x, weight, table, eps, head_dim):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,0 +1,126 @@
+"""Fused norm ops (fastwan.models.fused): their math against float64 formulas, their schemas/fake impls, and the
+block's fused wiring against the plain path. The Triton kernels themselves need a GPU (tests/gpu); here the ops
+run their PyTorch reference, and ``fused.usable`` is forced on so the DiT takes the fused route on the CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastwan.attention import AttentionDispatch
+from fastwan.models import fused, load_transformer
+from fastwan.models.wan import rope_tables
+
+ops = torch.ops.fastwan
+
+
+def data(B=2, S=7, C=24, dtype=torch.float32, per_token=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randn(B, S, C, generator=g).to(dtype) for _ in range(2))
+    T = S if per_token else 1
+    mods = torch.randn(B, T, 4, C, generator=g)  # a [B, T, 4, C] table whose unbind gives strided views
+    gate, scale, shift, _ = mods.unbind(2)
+    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g)
+    return x, y, gate, scale, shift, w, b
+
+
+def ln64(x, w=None, b=None, eps=1e-6):
+    x = x.double()
+    h = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    return h * w.double() + b.double() if w is not None else h
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_norm_mod_and_residual_match_float64_formulas(per_token):
+    x, y, gate, scale, shift, w, b = data(per_token=per_token)
+    h = ops.norm_mod(x, None, None, scale, shift, 1e-6)
+    want = ln64(x) * (1 + scale.double()) + shift.double()
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
+    r, h2 = ops.residual_norm_mod(x, y, gate, w, b, None, None, 1e-6)
+    r64 = x.double() + y.double() * gate.double()
+    torch.testing.assert_close(r.double(), r64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h2.double(), ln64(r64, w, b), rtol=1e-4, atol=1e-4)
+    r3, h3 = ops.residual_norm_mod(x, y, None, None, None, scale, shift, 1e-6)
+    torch.testing.assert_close(r3.double(), x.double() + y.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h3.double(), ln64(x.double() + y.double()) * (1 + scale.double()) + shift.double(),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_rms_rope_matches_a_float64_rotation():
+    B, (T, H, W), heads, D = 2, (2, 3, 2), 2, 12
+    S, C = T * H * W, heads * D
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(B, S, C, generator=g), torch.randn(C, generator=g)
+    table = rope_tables((T, H, W), D, 64, torch.device("cpu"))
+    out = ops.rms_rope(x, w, table, 1e-6, D)
+    x64 = x.double()
+    y = (x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).view(B, S, heads, D // 2, 2)
+    # rotate each pair (2i, 2i+1) by its angle: cos/sin straight from the table's cos half and signed-sin half
+    cos = table[0, :, 0, :D].double().view(1, S, 1, D // 2, 2)[..., 0]
+    sin = table[0, :, 0, D + 1::2].double().view(1, S, 1, D // 2)
+    a, bb = y[..., 0], y[..., 1]
+    want = torch.stack((a * cos - bb * sin, a * sin + bb * cos), -1).view(B, S, C)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_rope(x, w, None, 1e-6, D).double(), y.reshape(B, S, C), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit x"):
+        ops.rms_rope(x[:, :5], w, table, 1e-6, D)
+
+
+@pytest.mark.parametrize("op,args", [
+    ("norm_mod", lambda d: (d[0], d[5], d[6], d[3], d[4], 1e-6)),
+    ("residual_norm_mod", lambda d: (d[0], d[1], d[2], None, None, d[3], d[4], 1e-6)),
+    ("rms_rope", lambda d: (d[0], d[5], None, 1e-6, 12)),
+])
+def test_opcheck(op, args):
+    result = torch.library.opcheck(getattr(ops, op).default, args(data()))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_modulation_shape_is_checked():
+    x, y, gate, scale, shift, w, b = data(S=7)
+    with pytest.raises(ValueError, match="expected \\[B, 1, C\\] or \\[B, 7, C\\]"):
+        fused._row_strides(scale.expand(2, 3, 24), 7)
+
+
+@pytest.fixture
+def fused_route(monkeypatch):
+    """The DiT takes the fused route on the CPU (the ops run their PyTorch reference there)."""
+    monkeypatch.setattr(fused, "usable", lambda x: True)
+
+
+@pytest.mark.parametrize("variant,dtype", [("wan2.1", torch.float32), ("wan2.1", torch.bfloat16),
+                                           ("wan2.2-ti2v", torch.float32)])
+def test_fused_route_matches_plain_route(tiny_ckpts, fused_route, variant, dtype):
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=dtype, head_dim=12)
+    model = load_transformer(tiny_ckpts[variant] / "transformer", dtype=dtype, device="cpu", attention=attn)
+    c = model.config.in_channels
+    g = torch.Generator().manual_seed(3)
+    x, text = torch.randn(2, c, 3, 6, 10, generator=g), torch.randn(2, 9, model.config.text_dim, generator=g)
+    t = torch.stack([torch.full((45,), 901.0), torch.full((45,), 17.0)]) if variant == "wan2.2-ti2v" \
+        else torch.tensor([700.0, 300.0])
+    with torch.no_grad():
+        model.set_fast_paths(fused_norms=False)
+        want = model(x, t, text)
+        model.set_fast_paths(fused_norms=True)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with prof:
+            got = model(x, t, text)
+    calls = [e.name for e in prof.events() if e.name.startswith("fastwan::")]
+    n = model.config.num_layers
+    assert calls.count("fastwan::norm_mod") == n and calls.count("fastwan::residual_norm_mod") == 2 * n
+    assert calls.count("fastwan::rms_rope") == 2 * n
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_fused_route_compiles_fullgraph(tiny_ckpts, fused_route):
+    torch._dynamo.reset()
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+    model = load_transformer(tiny_ckpts["wan2.1"] / "transformer", dtype=torch.float32, device="cpu", attention=attn)
+    x, t, text = torch.randn(1, 16, 3, 8, 8), torch.tensor([700.0]), torch.randn(1, 9, 32)
+    with torch.no_grad():
+        want = model(x, t, text)
+        for blk in model.blocks:
+            blk.compile(fullgraph=True, backend="aot_eager")  # any graph break raises
+        got = model(x, t, text)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
