@@ -109,26 +109,24 @@ def _kernels():
         tl.store(H + base + offs, h.to(H.dtype.element_ty), mask=m)
 
     @triton.jit
-    def rms_rope_rows(X, W, T, OUT, S, C, D, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_rope_rows(X, W, T, OUT, S, C, D, eps, ROPE: tl.constexpr, HALF: tl.constexpr):
+        # the row as [pairs, 2]: channel 2i and its RoPE partner 2i+1 side by side, one load for both
         row = tl.program_id(0).to(tl.int64)
         s = row % S
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]
         m = offs < C
         base = row * C
         x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
+        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / C + eps)
         w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
         # the PyTorch path rounds twice: rms_norm's output, then the product with the weight
         y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
         if ROPE:
-            p = offs ^ 1  # the other channel of the pair (2i, 2i+1); D is even, so it stays in the head
-            xp = tl.load(X + base + p, mask=m, other=0.0).to(tl.float32)
-            wp = tl.load(W + p, mask=m, other=0.0).to(tl.float32)
-            yp = ((xp * rstd).to(OUT.dtype.element_ty).to(tl.float32) * wp).to(OUT.dtype.element_ty).to(tl.float32)
-            c = offs % D
-            cos = tl.load(T + s * 2 * D + c, mask=m, other=0.0)
-            sin = tl.load(T + s * 2 * D + D + c, mask=m, other=0.0)
-            y = y * cos + yp * sin
+            c = offs % D  # D is even: a pair never straddles two heads
+            cos_e, cos_o = tl.split(tl.load(T + s * 2 * D + c, mask=m, other=0.0))
+            sin_e, sin_o = tl.split(tl.load(T + s * 2 * D + D + c, mask=m, other=0.0))  # signed: -sin, +sin
+            y_e, y_o = tl.split(y)
+            y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
         tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
 
     return triton, norm_rows, rms_rope_rows
@@ -214,7 +212,7 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
     block, warps = _launch_cfg(C)
     t = table.contiguous() if table is not None else x
     rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
-                            BLOCK=block, num_warps=warps)
+                            HALF=block // 2, num_warps=warps)
     return out
 
 
