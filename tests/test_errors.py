@@ -207,6 +207,8 @@ def test_bad_cfg_mode(tiny_ckpts):
     ({"tile_sample_min_width": 0}, ValueError, "tile_sample_min_width']=0 must be a positive multiple"),
     ({"tile_sample_min_height": 64, "tile_sample_stride_height": 128}, ValueError,
      "tile_sample_stride_height=128 exceeds tile_sample_min_height=64"),
+    ({"tile_sample_stride_width": 512}, ValueError,  # against diffusers' default tile of 256
+     "tile_sample_stride_width=512 exceeds tile_sample_min_width=256"),
 ])
 def test_bad_vae_tiling(tiny_ckpts, monkeypatch, value, exc, words):
     from fastwan.pipelines import generator

@@ -87,10 +87,16 @@ def fused_route(monkeypatch):
     monkeypatch.setattr(fused, "usable", lambda x: True)
 
 
-@pytest.mark.parametrize("variant,dtype", [("wan2.1", torch.float32), ("wan2.1", torch.bfloat16),
-                                           ("wan2.2-ti2v", torch.float32)])
-def test_fused_route_matches_plain_route(tiny_ckpts, fused_route, variant, dtype):
-    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=dtype, head_dim=12)
+@pytest.mark.parametrize("variant,dtype,backend,conf", [
+    ("wan2.1", torch.float32, "TORCH_SDPA", None),
+    ("wan2.1", torch.bfloat16, "TORCH_SDPA", None),
+    ("wan2.2-ti2v", torch.float32, "TORCH_SDPA", None),
+    # sparse: tile-major token order with padded slots (3 x 3 x 5 tokens, tiles 2 x 2 x 4), per-token modulation
+    ("wan2.1", torch.float32, "SLIDING_TILE_ATTN", {"tile": [2, 2, 4], "window": 1}),
+    ("wan2.2-ti2v", torch.float32, "VIDEO_SPARSE_ATTN", {"tile": [2, 2, 4], "sparsity": 0.5}),
+])
+def test_fused_route_matches_plain_route(tiny_ckpts, fused_route, variant, dtype, backend, conf):
+    attn = AttentionDispatch.resolve(backend, device="cpu", dtype=dtype, head_dim=12, config=conf)
     model = load_transformer(tiny_ckpts[variant] / "transformer", dtype=dtype, device="cpu", attention=attn)
     c = model.config.in_channels
     g = torch.Generator().manual_seed(3)

@@ -411,6 +411,7 @@ def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch
 
 VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
                    "tile_sample_stride_width")
+VAE_TILING_DEFAULTS = (256, 192)  # AutoencoderKLWan's tile_sample_min_* and tile_sample_stride_* (pixels)
 
 
 def _vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
@@ -433,9 +434,10 @@ def _vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
             raise ValueError(f"vae_tiling[{key!r}]={v!r} must be a positive multiple of the VAE's spatial factor "
                              f"{factor} (pixels), e.g. {factor * 32}.")
         out[key] = int(v)
-    for axis in ("height", "width"):
-        tile, stride = out.get(f"tile_sample_min_{axis}"), out.get(f"tile_sample_stride_{axis}")
-        if tile is not None and stride is not None and stride > tile:
+    for axis in ("height", "width"):  # a size not given keeps diffusers' default (tile 256, stride 192 pixels)
+        tile = out.get(f"tile_sample_min_{axis}", VAE_TILING_DEFAULTS[0])
+        stride = out.get(f"tile_sample_stride_{axis}", VAE_TILING_DEFAULTS[1])
+        if stride > tile:
             raise ValueError(f"vae_tiling: tile_sample_stride_{axis}={stride} exceeds tile_sample_min_{axis}={tile}; "
                              "tiles must overlap or touch (stride <= tile).")
     return out
