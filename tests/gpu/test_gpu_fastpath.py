@@ -10,24 +10,31 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@torch.no_grad()
-def test_compiled_flash_matches_eager():
+def _wan13b_small_grid():
+    """Random weights at the Wan2.1-1.3B width (fp32 where the loader keeps fp32), FLASH_ATTN, and inputs of a
+    5 x 15 x 26 token grid: (model, (latents, timestep, text))."""
     pytest.importorskip("flash_attn.cute")
     from fastwan.attention import AttentionDispatch
-    from fastwan.models import WanConfig, WanTransformer
+    from fastwan.models import WanConfig, WanTransformer, keep_in_fp32
 
     cfg = WanConfig(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, text_dim=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = WanTransformer(cfg).to(torch.bfloat16)
-    for blk in model.blocks:  # what the loader keeps in fp32
-        blk.scale_shift_table.data = blk.scale_shift_table.data.float()
+    for name, prm in model.named_parameters():
+        if keep_in_fp32(name):
+            prm.data = prm.data.float()
     g = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(1, 16, 5, 30, 52, device="cuda", generator=g)
     t = torch.tensor([700.0], device="cuda")
     text = torch.randn(1, 512, 4096, device="cuda", generator=g).bfloat16()
-
     model.set_attention(AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128))
+    return model, (x, t, text)
+
+
+@torch.no_grad()
+def test_compiled_flash_matches_eager():
+    model, (x, t, text) = _wan13b_small_grid()
     ref = model(x, t, text).float()
     for blk in model.blocks:
         blk.compile(fullgraph=True)
@@ -88,7 +95,7 @@ def test_fused_norm_kernels_match_the_pytorch_path(C, head_dim, per_token):
     gate, scale, shift, _ = mods.unbind(2)  # strided views, as the block passes them
     w, b = torch.randn(C, device="cuda", generator=g), torch.randn(C, device="cuda", generator=g)
     _within_bf16_steps(ops.norm_mod(x, None, None, scale, shift, 1e-6),
-                          fused.norm_mod_reference(x, None, None, scale, shift, 1e-6), f"norm_mod C={C}")
+                       fused.norm_mod_reference(x, None, None, scale, shift, 1e-6), f"norm_mod C={C}")
     r, h = ops.residual_norm_mod(x, y, gate, w, b, None, None, 1e-6)
     r_ref = fused.residual_reference(x, y, gate)
     _within_bf16_steps(r, r_ref, f"residual C={C}")
@@ -101,28 +108,13 @@ def test_fused_norm_kernels_match_the_pytorch_path(C, head_dim, per_token):
     pair = normed.unflatten(-1, (-1, 2)).abs().sum(-1, keepdim=True).expand(*normed.shape[:-1], -1, 2).flatten(-2)
     _within_bf16_steps(ops.rms_rope(x, wq, None, 1e-6, head_dim), normed, f"rms (no rope) C={C}")
     _within_bf16_steps(ops.rms_rope(x, wq, table, 1e-6, head_dim),
-                          fused.rms_rope_reference(x, wq, table, 1e-6, head_dim), f"rms_rope C={C}", scale=pair)
+                       fused.rms_rope_reference(x, wq, table, 1e-6, head_dim), f"rms_rope C={C}", scale=pair)
 
 
 @torch.no_grad()
 def test_fused_norms_in_the_compiled_dit():
     """The whole DiT, compiled, fused norms on vs off: the same forward within bf16 noise."""
-    pytest.importorskip("flash_attn.cute")
-    from fastwan.attention import AttentionDispatch
-    from fastwan.models import WanConfig, WanTransformer
-
-    cfg = WanConfig(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, text_dim=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WanTransformer(cfg).to(torch.bfloat16)
-    for blk in model.blocks:
-        blk.scale_shift_table.data = blk.scale_shift_table.data.float()
-        blk.norm2.weight.data, blk.norm2.bias.data = blk.norm2.weight.data.float(), blk.norm2.bias.data.float()
-    g = torch.Generator("cuda").manual_seed(1)
-    x = torch.randn(1, 16, 5, 30, 52, device="cuda", generator=g)
-    t = torch.tensor([700.0], device="cuda")
-    text = torch.randn(1, 512, 4096, device="cuda", generator=g).bfloat16()
-    model.set_attention(AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128))
+    model, (x, t, text) = _wan13b_small_grid()
     model.set_fast_paths(fused_norms=False)
     ref = model(x, t, text).float()
     model.set_fast_paths(fused_norms=True)
