@@ -129,7 +129,7 @@ def _kernels():
             y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
         tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
 
-    return triton, norm_rows, rms_rope_rows
+    return norm_rows, rms_rope_rows
 
 
 def _launch_cfg(C: int) -> tuple[int, int]:
@@ -152,7 +152,7 @@ def _row_strides(t: torch.Tensor | None, S: int) -> tuple[torch.Tensor | None, i
 
 
 def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r):
-    triton, norm_rows, _ = _kernels()
+    norm_rows, _ = _kernels()
     x = x.contiguous()
     B, S, C = x.shape
     h = torch.empty_like(x)
@@ -205,7 +205,7 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
                          f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
     if not _kernel_ok(x) or weight.dtype != x.dtype:
         return rms_rope_reference(x, weight, table, eps, head_dim)
-    triton, _, rms_rope_rows = _kernels()
+    _, rms_rope_rows = _kernels()
     x = x.contiguous()
     B, S, C = x.shape
     out = torch.empty_like(x)
