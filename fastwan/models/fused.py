@@ -61,14 +61,12 @@ def residual_reference(x, y, gate) -> torch.Tensor:
 
 
 def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
+    from fastwan.models.wan import apply_rope  # wan imports this module
+
     y = F.rms_norm(x, (x.shape[-1],), eps=eps).to(weight.dtype) * weight
     if table is None:
         return y
-    B, S, C = y.shape
-    yh = y.view(B, S, C // head_dim, head_dim)
-    swapped = yh.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    out = yh * table[..., :head_dim] + swapped * table[..., head_dim:]
-    return out.type_as(y).view(B, S, C)
+    return apply_rope(y.unflatten(-1, (-1, head_dim)), table).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
