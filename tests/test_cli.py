@@ -28,3 +28,18 @@ def test_cli_bad_input_is_a_clean_error(tmp_path):
     assert r.returncode == 2
     assert "num_frames=8" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_cli_vae_tiling_reaches_the_generator(monkeypatch):
+    from fastwan import VideoGenerator, cli
+
+    seen = {}
+
+    def fake_from_pretrained(model, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")  # the CLI turns it into a clean error (exit 2)
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake_from_pretrained)
+    assert cli.main(["generate", "--prompt", "x", "--vae-tiling"]) == 2
+    assert seen["vae_tiling"] is True
+    assert cli.main(["generate", "--prompt", "x"]) == 2 and seen["vae_tiling"] is False
