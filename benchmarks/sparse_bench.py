@@ -23,6 +23,7 @@ environment and every row; a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -142,16 +143,23 @@ def kernel_ms(fn, calls=5) -> float:
     return sum(kernel_groups(fn, calls).values())
 
 
+@contextlib.contextmanager
+def gpu_kept_busy():
+    """A block whose CUDA launches never wait for the device: a ~2 s sleep kernel is queued ahead of them."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))
+    yield
+    torch.cuda.synchronize()
+
+
 def host_us(fn, calls=20) -> float:
-    """Host (CPU) time per call in microseconds, measured while the GPU is kept busy by a long sleep kernel,
-    so no launch waits for the device: what the call costs the host, whatever the GPU does."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e9))  # ~2 s of GPU cycles ahead of the launches below
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
+    """Host (CPU) time per call in microseconds, with the GPU kept busy: what the call costs the host,
+    whatever the GPU does."""
+    with gpu_kept_busy():
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        dt = time.perf_counter() - t
     return dt / calls * 1e6
 
 
@@ -161,14 +169,12 @@ def host_profile(fn, path: Path, calls=20, top=25) -> str:
     import io
     import pstats
 
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e9))
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
+    with gpu_kept_busy():
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
     prof.dump_stats(str(path))
     buf = io.StringIO()
     st = pstats.Stats(prof, stream=buf)

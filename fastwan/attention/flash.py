@@ -206,8 +206,10 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(f"{rule}; the head dim is {head_dim} ({fix})")
         if self.version not in (None, 4) or self.nvfp4:
             reasons.append(f"{rule}, but version={self.version}, nvfp4={self.nvfp4} ({fix})")
-        elif cc == (9, 0) and head_dim is not None and self.select(device, head_dim)[0] not in (None, 4):
-            reasons.append(f"{rule}, but FA{self.select(device, head_dim)[0]} was picked here (pin version=4)")
+        elif cc == (9, 0) and head_dim is not None:
+            picked = self.select(device, head_dim)[0]
+            if picked not in (None, 4):
+                reasons.append(f"{rule}, but FA{picked} was picked here (pin version=4)")
         if cc == (9, 0) and not reasons:
             ok, detail = kernels.fa4_accepts_tiles()
             if not ok:
