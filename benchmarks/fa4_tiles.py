@@ -7,7 +7,8 @@ through shared memory per FLOP can run faster even when the stand-alone peak is 
 (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap) is timed in interleaved rounds of ``--calls`` back-to-back
 calls (CUDA events, median per round; the figure is the median over rounds), with the SM clock and power
 that ``nvidia-smi`` reports during the round. Output of every configuration is compared with the default's.
-Configurations the kernel cannot build are reported as such.
+Configurations the kernel cannot build are reported as such. ``--split`` adds, for batch > 1, each configuration
+run as one call per batch element (what two sequential-CFG forwards do).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--shapes", default="1.3B-480p-B2,14B-720p-B1")
     p.add_argument("--configs", default="", help="indices into CONFIGS to run (default: all), e.g. 0,6")
+    p.add_argument("--split", action="store_true",
+                   help="also time each configuration as one call per batch element (batch > 1 shapes)")
     p.add_argument("--out", default="fa4_tiles.json")
     a = p.parse_args(argv)
     from flash_attn.cute.interface import _flash_attn_fwd
@@ -87,12 +90,18 @@ def main(argv=None) -> int:
         flops = 4 * b * h * n * n * 128
         fns, ref = {}, None
         chosen = [CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else CONFIGS
+        chosen = [(*c, False) for c in chosen] + ([(*c, True) for c in chosen] if a.split and b > 1 else [])
         for cfg in chosen:
-            tm, tn, rs, ol = cfg
+            tm, tn, rs, ol, split = cfg
 
-            def fn(tm=tm, tn=tn, rs=rs, ol=ol, qkv=(q, k, v)):
-                return _flash_attn_fwd(*qkv, softmax_scale=128 ** -0.5, tile_mn=(tm, tn), mma_pv_is_rs=rs,
-                                       intra_wg_overlap=ol)[0]
+            def fn(tm=tm, tn=tn, rs=rs, ol=ol, split=split, qkv=(q, k, v)):
+                kw = dict(softmax_scale=128 ** -0.5, tile_mn=(tm, tn), mma_pv_is_rs=rs, intra_wg_overlap=ol)
+                if not split:
+                    return _flash_attn_fwd(*qkv, **kw)[0]
+                out = torch.empty_like(qkv[0])  # one call per batch element, into slices of one output
+                for i in range(out.shape[0]):
+                    _flash_attn_fwd(*(t[i:i + 1] for t in qkv), out=out[i:i + 1], **kw)
+                return out
             try:
                 t0 = time.perf_counter()
                 out = fn()
@@ -127,11 +136,12 @@ def main(argv=None) -> int:
     print(f"\n{'shape':<14} {'tile_m x tile_n':<16} {'rs':<3} {'ol':<3} {'ms':>9} {'TFLOP/s':>8} {'MHz':>6} {'W':>5} "
           f"{'model':>5}")
     for r in res["rows"]:
-        tm, tn, rs, ol = r["config"]
+        tm, tn, rs, ol, split = r["config"]
+        tile = f"{tm}x{tn}" + (" per-b" if split else "")
         if "error" in r:
-            print(f"{r['shape']:<14} {f'{tm}x{tn}':<16} {int(rs):<3} {int(ol):<3} cannot build")
+            print(f"{r['shape']:<14} {tile:<16} {int(rs):<3} {int(ol):<3} cannot build")
             continue
-        print(f"{r['shape']:<14} {f'{tm}x{tn}':<16} {int(rs):<3} {int(ol):<3} {r['ms']:>9.2f} {r['tflops']:>8.0f} "
+        print(f"{r['shape']:<14} {tile:<16} {int(rs):<3} {int(ol):<3} {r['ms']:>9.2f} {r['tflops']:>8.0f} "
               f"{r['sm_mhz']:>6.0f} {r['power_w']:>5.0f} {r['model_pick']:>5}")
     return 0
 

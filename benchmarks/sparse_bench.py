@@ -10,7 +10,9 @@ permuted into the layout, block masks built beforehand and cached):
 
 * ``mask_ms``     building the layout-dependent block mask once (fresh backend, empty caches);
 * ``compile_s``   the first call (torch.compile / FA4 JIT);
-* ``ms``          median of ``--iters`` calls, CUDA events; ``speedup`` = dense ms / ms;
+* ``ms``          median of ``--iters`` calls, CUDA events; ``speedup`` = dense ms / ms (with ``--rounds R``:
+                  sparse and dense timed alternately R times, medians of the per-round medians);
+* ``graph_ms``    (``--graph``) ms per call of 10 calls replayed from one CUDA graph, and the same for dense;
 * ``attended``    fraction of the N^2 real (query, key) pairs the pattern attends (1 - sparsity);
 * ``work``        fraction of N^2 that the kernel computes (listed blocks x block^2, padding included);
 * ``max_err``     max |out - reference| over 256 random real query rows (fp32 masked attention reference).
@@ -48,6 +50,8 @@ from fastwan.profiler.core import time_fn  # noqa: E402
 
 GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
 KERNEL_TIME = False  # --kernel-time
+GRAPH = False  # --graph
+ROUNDS = 1  # --rounds
 HOST_TIME = ""  # --host-time: directory for cProfile dumps ("" = off)
 DENSE: list = []  # the dense reference fn, set in main
 TARGET = 0.15  # attended fraction (85% sparsity)
@@ -65,12 +69,16 @@ def _pick(candidates, target):
     return min(candidates, key=lambda c: abs(math.log(c[0] / target)))[2]
 
 
-def sta_window(tile_grid, target=TARGET):
-    """Odd window (tiles), w <= tiles per dim, with tile density prod(w) / prod(n) near ``target``."""
+def sta_window(tile_grid, target=TARGET, closest=False):
+    """Odd window (tiles), w <= tiles per dim, with tile density prod(w) / prod(n) near ``target``.
+
+    ``closest``: the density nearest to ``target`` (else a balanced shape within 25% of it wins)."""
     cands = []
     for w in itertools.product(*[range(1, n + 1, 2) for n in tile_grid]):
         fr = [a / n for a, n in zip(w, tile_grid)]
         cands.append((math.prod(fr), fr, list(w)))
+    if closest:
+        return min(cands, key=lambda c: (abs(math.log(c[0] / target)), max(c[1]) - min(c[1])))[2]
     return _pick(cands, target)
 
 
@@ -93,10 +101,10 @@ def na_kernel(grid, stride=(1, 1, 1), target=TARGET, closest=False):
 
 def variants(grid):
     """(label, backend name, config, core?) in priority order; core variants run first on every grid."""
-    def sta(tile, kernel, core, options=None):
+    def sta(tile, kernel, core, options=None, closest=False):
         probe = create_backend("SLIDING_TILE_ATTN", {"tile": tile}).layout(grid, "cpu")
-        tag = "x".join(map(str, tile)) if tile != "auto" else "auto"
-        conf = {"tile": tile, "window": sta_window(probe.tile_grid), "kernel": kernel}
+        tag = ("x".join(map(str, tile)) if tile != "auto" else "auto") + ("85" if closest else "")
+        conf = {"tile": tile, "window": sta_window(probe.tile_grid, closest=closest), "kernel": kernel}
         if options:
             conf["kernel_options"] = options
         return (f"sta-{tag}-{kernel}" + ("-bn128" if options else ""), "SLIDING_TILE_ATTN", conf, core)
@@ -105,6 +113,7 @@ def variants(grid):
     auto = list(choose_tile(grid))  # the tile "auto" picks (fewest slots)
     return [
         sta("auto", "fa4", True),
+        sta("auto", "fa4", True, closest=True),  # the window whose density is nearest to 15%
         sta([2, 8, 8], "fa4", True),
         ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, True),
         ("gna-auto-fa4", "NEIGHBORHOOD_ATTN",  # stride = the auto tile: GNA windows on tile boundaries
@@ -132,6 +141,30 @@ def variants(grid):
 def cuda_time(fn, iters, warmup=2):
     """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
     return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+
+
+def graph_ms(fn, calls=10, replays=5) -> float:
+    """ms per call of ``calls`` calls captured in one CUDA graph (median of ``replays`` replays, CUDA events):
+    the device time of back-to-back calls with no launch gaps from the host."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocator, JIT)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times[1:])
 
 
 def kernel_ms(fn, calls=5) -> float:
@@ -285,7 +318,18 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
         check_plan = plan
     ref = reference_rows(q, k, v, check_plan, rows, scale)
     row["max_err"] = float((out[:, rows].float() - ref).abs().max())
-    row["ms"] = round(cuda_time(call, iters), 3)
+    dense = DENSE[0] if DENSE else None
+    if ROUNDS > 1:  # interleaved with the dense call, so both see the same clocks
+        sparse_t, dense_t = [], []
+        for _ in range(ROUNDS):
+            sparse_t.append(cuda_time(call, iters))
+            dense_t.append(cuda_time(lambda: dense(*qkv_raster), iters))
+        row["ms"] = round(statistics.median(sparse_t), 3)
+        row["ms_rounds"] = [round(t, 3) for t in sparse_t]
+        row["dense_ms_rounds"] = [round(t, 3) for t in dense_t]
+        dense_ms = statistics.median(dense_t)
+    else:
+        row["ms"] = round(cuda_time(call, iters), 3)
     if name == "VIDEO_SPARSE_ATTN":
         row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
         row["select_ms"] = round(cuda_time(select, iters), 3)  # pooling + coarse scores + top-k + tables
@@ -296,8 +340,15 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
             return p2.fa4_tensors() if kind == "fa4" else p2.flex_block_mask(exact=False)
 
         row["tables_ms"] = round(cuda_time(tables, iters), 4)
-    row["dense_ms"] = dense_ms
+    row["dense_ms"] = round(dense_ms, 3)
     row["speedup"] = round(dense_ms / row["ms"], 2)
+    if GRAPH:
+        try:
+            row["graph_ms"] = round(graph_ms(call), 3)
+            row["dense_graph_ms"] = round(graph_ms(lambda: dense(*qkv_raster)), 3)
+            row["graph_speedup"] = round(row["dense_graph_ms"] / row["graph_ms"], 2)
+        except Exception as exc:  # a kernel that cannot be captured: say so, keep the other figures
+            row["graph_error"] = f"{type(exc).__name__}: {exc}"
     if KERNEL_TIME:
         row["kernel_ms"] = round(kernel_ms(call), 3)
         row["dense_kernel_ms"] = round(kernel_ms(lambda: DENSE[0](*qkv_raster)), 3)
@@ -325,9 +376,16 @@ def main(argv=None):
                    help="also report GPU kernel time per call (torch.profiler) for each variant and FA4 dense")
     p.add_argument("--host-time", default="", metavar="DIR",
                    help="also report host (CPU) time per call, GPU kept busy, and write cProfile dumps to DIR")
+    p.add_argument("--graph", action="store_true",
+                   help="also time 10 calls captured in a CUDA graph, for each variant and FA4 dense")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each variant and FA4 dense alternately this many times (medians); 1: dense once "
+                        "per grid")
     args = p.parse_args(argv)
-    global KERNEL_TIME, HOST_TIME
+    global KERNEL_TIME, HOST_TIME, GRAPH, ROUNDS
     KERNEL_TIME = args.kernel_time
+    GRAPH = args.graph
+    ROUNDS = max(1, args.rounds)
     HOST_TIME = args.host_time
     if HOST_TIME:
         Path(HOST_TIME).mkdir(parents=True, exist_ok=True)
@@ -398,11 +456,14 @@ def main(argv=None):
             if "kernel_ms" in row:
                 extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
                           f"-> {row['kernel_speedup']:.2f}x")
+            if "graph_ms" in row:
+                extra += f"; CUDA graph {row['graph_ms']:.3f} vs dense {row['dense_graph_ms']:.3f} ms " \
+                         f"-> {row['graph_speedup']:.2f}x"
             if "host_us" in row:
                 extra += f"; host {row['host_us']:.0f} us/call (dense {row['dense_host_us']:.0f} us)"
                 if "select_host_us" in row:
                     extra += f" = select {row['select_host_us']:.0f} + fine {row['fine_host_us']:.0f} us"
-            print(f"  {label}: {row['ms']:.2f} ms vs dense {dense_ms:.2f} -> {row['speedup']:.2f}x{extra} "
+            print(f"  {label}: {row['ms']:.2f} ms vs dense {row['dense_ms']:.2f} -> {row['speedup']:.2f}x{extra} "
                   f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
                   f"err {row['max_err']:.2e})", flush=True)
         torch.cuda.empty_cache()

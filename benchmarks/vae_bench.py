@@ -7,6 +7,8 @@ For each size, decodes one random latent video ([1, 16, (frames-1)/4+1, H/8, W/8
 * ``fp32`` / ``bf16``        the VAE's dtype;
 * ``bf16+cudnn-bench``       ``torch.backends.cudnn.benchmark = True`` (cuDNN picks conv algorithms by timing);
 * ``bf16+channels-last``     weights and latents in ``torch.channels_last_3d``;
+* ``...+fused-norms``         the decoder's RMSNorm + SiLU pairs as one Triton pass each
+                             (``fastwan.models.vae_norms.fuse_decoder_norms``, what fastwan's generator does);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes).
 
 Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memory above the weights, and the
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+tiling")
+VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
+            "bf16+tiling")
 
 
 def decode_fn(vae, z):
@@ -56,11 +59,16 @@ def main(argv=None) -> int:
             torch.backends.cudnn.benchmark = variant == "bf16+cudnn-bench"
             vae = AutoencoderKLWan.from_pretrained(Path(a.ckpt) / "vae", torch_dtype=dtype).cuda().eval()
             z = z32.to(dtype)
-            if variant == "bf16+channels-last":
+            if variant.startswith("bf16+channels-last"):
                 for mod in vae.modules():  # the 5-D conv weights (to() would also touch 1-D/2-D tensors)
                     if isinstance(mod, torch.nn.Conv3d):
                         mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 z = z.contiguous(memory_format=torch.channels_last_3d)
+            if variant.endswith("+fused-norms"):
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from fastwan.models.vae_norms import fuse_decoder_norms
+
+                fuse_decoder_norms(vae)
             if variant == "bf16+tiling":
                 vae.enable_tiling()
             run = decode_fn(vae, z)
@@ -98,13 +106,13 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         torch.backends.cudnn.benchmark = False
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"\n{'size':<10} {'variant':<20} {'ms':>9} {'peak GiB':>9} {'max diff':>9}")
+    print(f"\n{'size':<10} {'variant':<30} {'ms':>9} {'peak GiB':>9} {'max diff':>9}")
     for r in res["rows"]:
         if "error" in r:
-            print(f"{r['size']:<10} {r['variant']:<20} {r['error']}")
+            print(f"{r['size']:<10} {r['variant']:<30} {r['error']}")
             continue
         d = "-" if r["max_diff_vs_bf16"] is None else f"{r['max_diff_vs_bf16']:.3f}"
-        print(f"{r['size']:<10} {r['variant']:<20} {r['ms']:>9.1f} {r['peak_above_weights_gib']:>9.2f} {d:>9}")
+        print(f"{r['size']:<10} {r['variant']:<30} {r['ms']:>9.1f} {r['peak_above_weights_gib']:>9.2f} {d:>9}")
     return 0
 
 

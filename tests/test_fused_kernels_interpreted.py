@@ -1,5 +1,6 @@
-"""The Triton kernels of fastwan.models.fused run on the CPU under Triton's interpreter (TRITON_INTERPRET=1):
-their indexing (strided per-batch / per-token modulation, RoPE channel pairs, rows wider than a power of two)
+"""The Triton kernels of fastwan.models.fused and fastwan.models.vae_norms run on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1): their indexing (strided per-batch / per-token modulation, RoPE channel pairs and heads, rows
+wider than a power of two, channels-first and channels-last VAE activations)
 against the PyTorch references, in fp32 so no bf16 rounding hides a wrong index. Roundings are checked on the
 GPU (tests/gpu/test_gpu_fastpath.py); the interpreter does not round bf16 like the hardware."""
 from __future__ import annotations
@@ -21,7 +22,8 @@ from fastwan.models.wan import rope_tables
 fused._kernel_ok = lambda x: True  # fp32 CPU tensors through the kernels (the interpreter runs them)
 ops = torch.ops.fastwan
 worst = 0.0
-for C, D, grid, per_token in [(24, 12, (1, 2, 3), False), (40, 8, (2, 3, 2), True), (1536, 128, (1, 1, 3), True)]:
+for C, D, grid, per_token in [(24, 12, (1, 2, 3), False), (40, 8, (2, 3, 2), True), (48, 16, (1, 2, 2), False),
+                              (1536, 128, (1, 1, 3), True)]:
     S, B = grid[0] * grid[1] * grid[2], 2
     g = torch.Generator().manual_seed(C)
     x, y = torch.randn(B, S, C, generator=g), torch.randn(B, S, C, generator=g)
@@ -43,6 +45,18 @@ for C, D, grid, per_token in [(24, 12, (1, 2, 3), False), (40, 8, (2, 3, 2), Tru
                                                            sc, shift if sc is not None else None, 1e-6))]
     for got, want in pairs:
         assert got.shape == want.shape
+        worst = max(worst, float(((got - want).abs() / (want.abs() + 1)).max()))
+from fastwan.models import vae_norms
+
+vae_norms.kernel_ok = lambda x: vae_norms._layout(x) is not None  # CPU tensors through the Triton kernel
+for C, shape, bias in [(5, (2, 5, 3, 7, 9), True), (96, (1, 96, 2, 4, 33), False), (3, (1, 3, 1, 1, 2), True)]:
+    g = torch.Generator().manual_seed(C)
+    x = torch.randn(*shape, generator=g)
+    gamma, b = torch.randn(C, 1, 1, 1, generator=g), (torch.randn(C, 1, 1, 1, generator=g) if bias else None)
+    want = vae_norms.rms_silu_reference(x, gamma, b)
+    for xin in (x, x.contiguous(memory_format=torch.channels_last_3d)):
+        got = ops.rms_silu(xin, gamma, b)
+        assert got.shape == want.shape and got.stride() == xin.stride()
         worst = max(worst, float(((got - want).abs() / (want.abs() + 1)).max()))
 print(f"WORST {worst:.3e}")
 """

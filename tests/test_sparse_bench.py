@@ -51,10 +51,27 @@ def test_run_variant_on_cpu(monkeypatch):
         row = sb.run_variant(label, name, {**conf, "kernel": "sdpa"}, grid, heads, qkv, 1, dense_ms=1.0)
         assert row["max_err"] < 1e-4, row
         assert 0 < row["attended"] <= row["work"] + 1e-9 and row["block_density"] <= 1
-        assert row["speedup"] > 0
+        assert row["speedup"] > 0 and row["dense_ms"] == 1.0
+    # --rounds 3: the variant and the dense reference alternate, and the speedup uses the adjacent dense times
+    monkeypatch.setattr(sb, "ROUNDS", 3)
+    monkeypatch.setattr(sb, "DENSE", [lambda q, k, v: q * 1.0])
+    row = sb.run_variant("sta", "SLIDING_TILE_ATTN", {**cases[0][2], "kernel": "sdpa"}, grid, heads, qkv, 1,
+                         dense_ms=1e6)
+    assert len(row["ms_rounds"]) == len(row["dense_ms_rounds"]) == 3
+    assert row["dense_ms"] < 1e6 and row["speedup"] == round(row["dense_ms"] / row["ms"], 2)
 
 
 @pytest.mark.parametrize("grid", [(21, 30, 52)])
 def test_sta_window_search_balanced(grid):
     w = sb.sta_window((11, 4, 7))
     assert w == [5, 3, 3]
+
+
+def test_sta_window_closest_to_target():
+    """closest=True: the odd window whose tile density is nearest to 15% (7x3x13 tiles: 39/273 = 14.3%)."""
+    tiles = (7, 3, 13)
+    w = sb.sta_window(tiles, closest=True)
+    best = min(abs(math.log(a * b * c / math.prod(tiles) / 0.15)) for a in range(1, 8, 2) for b in range(1, 4, 2)
+               for c in range(1, 14, 2))
+    assert abs(math.log(math.prod(w) / math.prod(tiles) / 0.15)) == best
+    assert math.prod(w) == 39

@@ -127,7 +127,35 @@ def _kernels():
             y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
         tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
 
-    return norm_rows, rms_rope_rows
+    @triton.jit
+    def rms_rope_heads(X, W, T, OUT, S, C, H, eps, ROPE: tl.constexpr, HP: tl.constexpr, HALF_D: tl.constexpr):
+        # the row as [heads, pairs, 2] (heads padded to HP): the RoPE table of the token is loaded once, as
+        # [pairs, 2], and broadcast over the heads -- not gathered per channel (40 times at the 14B width)
+        row = tl.program_id(0).to(tl.int64)
+        s = row % S
+        hh = tl.arange(0, HP)[:, None, None]
+        tab = tl.arange(0, HALF_D)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, pairs, 2]
+        offs = hh * (2 * HALF_D) + tab
+        m = (hh < H) & (tab >= 0)
+        base = row * C
+        x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(tl.sum(tl.sum(x * x, axis=2), axis=1), axis=0) / C + eps)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
+        if ROPE:
+            cos_e, cos_o = tl.split(tl.load(T + s * 4 * HALF_D + tab))
+            sin_e, sin_o = tl.split(tl.load(T + s * 4 * HALF_D + 2 * HALF_D + tab))  # signed: -sin, +sin
+            y_e, y_o = tl.split(y)
+            y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
+        tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
+
+    return norm_rows, rms_rope_rows, rms_rope_heads
+
+
+def heads_layout_ok(C: int, head_dim: int) -> bool:
+    """Whether rms_rope runs its [heads, pairs, 2] kernel (one RoPE-table load per token): C = heads x head_dim
+    with a power-of-two head_dim >= 2; other shapes run the [pairs, 2] row kernel (a table gather per channel)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0 and C % head_dim == 0
 
 
 def _launch_cfg(C: int) -> tuple[int, int]:
@@ -150,7 +178,7 @@ def _row_strides(t: torch.Tensor | None, S: int) -> tuple[torch.Tensor | None, i
 
 
 def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r):
-    norm_rows, _ = _kernels()
+    norm_rows = _kernels()[0]
     x = x.contiguous()
     B, S, C = x.shape
     h = torch.empty_like(x)
@@ -203,12 +231,21 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
                          f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
     if not _kernel_ok(x) or weight.dtype != x.dtype:
         return rms_rope_reference(x, weight, table, eps, head_dim)
-    _, rms_rope_rows = _kernels()
+    _, rms_rope_rows, rms_rope_heads = _kernels()
     x = x.contiguous()
     B, S, C = x.shape
     out = torch.empty_like(x)
-    block, warps = _launch_cfg(C)
     t = table.contiguous() if table is not None else x
+    heads = C // head_dim
+    if heads_layout_ok(C, head_dim):
+        import triton
+
+        hp = triton.next_power_of_2(heads)
+        _, warps = _launch_cfg(hp * head_dim)
+        rms_rope_heads[(B * S,)](x, weight.contiguous(), t, out, S, C, heads, eps, ROPE=table is not None,
+                                 HP=hp, HALF_D=head_dim // 2, num_warps=warps)
+        return out
+    block, warps = _launch_cfg(C)
     rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
                             HALF=block // 2, num_warps=warps)
     return out

@@ -21,6 +21,7 @@ import torch
 from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.models import load_transformer
+from fastwan.models.vae_norms import fuse_decoder_norms
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
 from fastwan.pipelines.text import encode_prompts
 
@@ -108,8 +109,8 @@ class VideoGenerator:
         the attention call is a graph break, so the default becomes ``fullgraph=False``). ``fuse_qkv`` (one
         QKV GEMM per self-attention; off by default: no gain measured on an H100) and ``gelu_epilogue`` (FFN
         bias + GELU inside the GEMM on CUDA; -1.8% forward time) and ``fused_norms`` (residual + LayerNorm +
-        modulation and q/k RMSNorm + RoPE as single-pass Triton kernels on CUDA) keep the math and only change
-        bf16 rounding.
+        modulation and q/k RMSNorm + RoPE in the DiT, RMSNorm + SiLU in the VAE decoder, as single-pass Triton
+        kernels on CUDA) keep the math and only change bf16 rounding.
 
         ``vae_tiling`` decodes in overlapping spatial tiles (diffusers' ``AutoencoderKLWan.enable_tiling``): about
         5x less decode memory at 720p for about 2x the decode time; True uses diffusers' tile sizes, a dict sets
@@ -177,6 +178,8 @@ class VideoGenerator:
             for mod in vae.modules():
                 if isinstance(mod, torch.nn.Conv3d):
                     mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        if fused_norms:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.models.vae_norms)
+            fuse_decoder_norms(vae)
         if tiling is not None:
             vae.enable_tiling(**tiling)
         scheduler = _load_scheduler(ckpt.folder("scheduler"))
