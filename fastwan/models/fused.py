@@ -127,42 +127,18 @@ def _kernels():
             y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
         tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def rms_rope_heads(X, W, T, OUT, S, C, H, eps, ROPE: tl.constexpr, HP: tl.constexpr, HALF_D: tl.constexpr):
-        # the row as [heads, pairs, 2] (heads padded to HP): the RoPE table of the token is loaded once, as
-        # [pairs, 2], and broadcast over the heads -- not gathered per channel (40 times at the 14B width)
-        row = tl.program_id(0).to(tl.int64)
-        s = row % S
-        hh = tl.arange(0, HP)[:, None, None]
-        tab = tl.arange(0, HALF_D)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, pairs, 2]
-        offs = hh * (2 * HALF_D) + tab
-        m = (hh < H) & (tab >= 0)
-        base = row * C
-        x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(tl.sum(x * x, axis=2), axis=1), axis=0) / C + eps)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
-        if ROPE:
-            cos_e, cos_o = tl.split(tl.load(T + s * 4 * HALF_D + tab))
-            sin_e, sin_o = tl.split(tl.load(T + s * 4 * HALF_D + 2 * HALF_D + tab))  # signed: -sin, +sin
-            y_e, y_o = tl.split(y)
-            y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
-        tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
-
-    return norm_rows, rms_rope_rows, rms_rope_heads
+    return norm_rows, rms_rope_rows
 
 
-def heads_layout_ok(C: int, head_dim: int) -> bool:
-    """Whether rms_rope runs its [heads, pairs, 2] kernel (one RoPE-table load per token): C = heads x head_dim
-    with a power-of-two head_dim >= 2; other shapes run the [pairs, 2] row kernel (a table gather per channel)."""
-    return head_dim >= 2 and head_dim & (head_dim - 1) == 0 and C % head_dim == 0
-
-
-def _launch_cfg(C: int) -> tuple[int, int]:
+# Warps per row program, measured on an H100 (benchmarks/fused_bench.py, RESULTS.md 9.3): fewer warps with more
+# elements per thread beat wide programs at every Wan width -- the LayerNorm kernel is fastest at 4 warps up to
+# 8,192-wide blocks, the RMSNorm + RoPE kernel (four fp32 operands per element) at 32 elements per thread.
+def _launch_cfg(C: int, per_thread: int) -> tuple[int, int]:
+    """(power-of-two block >= C, warps: at most ``per_thread`` elements per thread, 4 to 16 warps)."""
     import triton
 
     block = triton.next_power_of_2(C)
-    return block, min(16, max(4, block // 256))
+    return block, min(16, max(4, block // (32 * per_thread)))
 
 
 def _row_strides(t: torch.Tensor | None, S: int) -> tuple[torch.Tensor | None, int, int]:
@@ -186,7 +162,7 @@ def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r):
     gate, g_sb, g_ss = _row_strides(gate, S)
     scale, sc_sb, sc_ss = _row_strides(scale, S)
     shift, sh_sb, sh_ss = _row_strides(shift, S)
-    block, warps = _launch_cfg(C)
+    block, warps = _launch_cfg(C, per_thread=64)
     dummy = x
     norm_rows[(B * S,)](
         x, y if y is not None else dummy, gate if gate is not None else dummy, g_sb, g_ss,
@@ -231,21 +207,12 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
                          f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
     if not _kernel_ok(x) or weight.dtype != x.dtype:
         return rms_rope_reference(x, weight, table, eps, head_dim)
-    _, rms_rope_rows, rms_rope_heads = _kernels()
+    _, rms_rope_rows = _kernels()
     x = x.contiguous()
     B, S, C = x.shape
     out = torch.empty_like(x)
     t = table.contiguous() if table is not None else x
-    heads = C // head_dim
-    if heads_layout_ok(C, head_dim):
-        import triton
-
-        hp = triton.next_power_of_2(heads)
-        _, warps = _launch_cfg(hp * head_dim)
-        rms_rope_heads[(B * S,)](x, weight.contiguous(), t, out, S, C, heads, eps, ROPE=table is not None,
-                                 HP=hp, HALF_D=head_dim // 2, num_warps=warps)
-        return out
-    block, warps = _launch_cfg(C)
+    block, warps = _launch_cfg(C, per_thread=32)
     rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
                             HALF=block // 2, num_warps=warps)
     return out
