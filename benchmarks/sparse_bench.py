@@ -351,11 +351,11 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
             row["graph_error"] = f"{type(exc).__name__}: {exc}"
     if KERNEL_TIME:
         row["kernel_ms"] = round(kernel_ms(call), 3)
-        row["dense_kernel_ms"] = round(kernel_ms(lambda: DENSE[0](*qkv_raster)), 3)
+        row["dense_kernel_ms"] = round(kernel_ms(lambda: dense(*qkv_raster)), 3)
         row["kernel_speedup"] = round(row["dense_kernel_ms"] / row["kernel_ms"], 2)
     if HOST_TIME:
         row["host_us"] = round(host_us(call), 1)
-        row["dense_host_us"] = round(host_us(lambda: DENSE[0](*qkv_raster)), 1)
+        row["dense_host_us"] = round(host_us(lambda: dense(*qkv_raster)), 1)
         tag = f"{'x'.join(map(str, grid))}-{label}"
         text = host_profile(call, Path(HOST_TIME) / f"host-{tag}.prof")
         (Path(HOST_TIME) / f"host-{tag}.txt").write_text(text)

@@ -1,6 +1,6 @@
 """The Triton kernels of fastwan.models.fused and fastwan.models.vae_norms run on the CPU under Triton's interpreter
-(TRITON_INTERPRET=1): their indexing (strided per-batch / per-token modulation, RoPE channel pairs and heads, rows
-wider than a power of two, channels-first and channels-last VAE activations)
+(TRITON_INTERPRET=1): their indexing (strided per-batch / per-token modulation, RoPE channel pairs, rows wider
+than a power of two, channels-first and channels-last VAE activations)
 against the PyTorch references, in fp32 so no bf16 rounding hides a wrong index. Roundings are checked on the
 GPU (tests/gpu/test_gpu_fastpath.py); the interpreter does not round bf16 like the hardware."""
 from __future__ import annotations
