@@ -261,33 +261,56 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     torch.cuda.empty_cache()
 
 
+def unshared_cfg(model):
+    """A forward_cfg that runs the two CFG passes in full (the pre-sharing loop), for A/B runs."""
+    def forward_cfg(x, ts, cond, uncond, *, batched=True, **kw):
+        if batched:
+            return model(torch.cat([x, x]), ts.expand(2, *ts.shape[1:]), torch.cat([cond, uncond]), **kw).chunk(2)
+        return model(x, ts, cond, **kw), model(x, ts, uncond, **kw)
+    return forward_cfg
+
+
 def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict,
-                 compile_: bool = False) -> None:
-    """Batched vs sequential CFG, interleaved runs on one generator (same weights, same process)."""
+                 compile_: bool = False, modes: tuple[str, ...] = ("sequential", "batched")) -> None:
+    """CFG variants, interleaved runs on one generator (same weights, same process). A mode is batched or
+    sequential, optionally "-unshared": both passes in full, without forward_cfg's shared start."""
     from fastwan import VideoGenerator
 
     gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          enable_torch_compile=compile_)
     kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
-              guidance_scale=guidance, seed=0, save_video=False, return_frames=False)
-    for mode in ("sequential", "batched"):  # warm-up (FA4 JIT; with --compile, a graph per batch size)
-        gen.cfg_mode = mode
-        gen.generate_video(PROMPT, **{**kw, "num_inference_steps": 2})
-    per_step: dict[str, list[float]] = {"sequential": [], "batched": []}
+              guidance_scale=guidance, seed=0, save_video=False)
+
+    def run(mode, gen=gen, **extra):
+        gen.cfg_mode = mode.removesuffix("-unshared")
+        for m in gen.transformers:
+            if mode.endswith("-unshared"):
+                m.forward_cfg = unshared_cfg(m)
+            elif "forward_cfg" in m.__dict__:
+                del m.forward_cfg
+        return gen.generate_video(PROMPT, **{**kw, **extra})
+
+    for mode in modes:  # warm-up (FA4 JIT; with --compile, a graph per batch size)
+        run(mode, num_inference_steps=2)
+    per_step: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, float] = {}
+    frames: dict[str, np.ndarray] = {}
     for _ in range(repeats):
-        for mode in ("sequential", "batched"):
-            gen.cfg_mode = mode
-            r = gen.generate_video(PROMPT, **kw)
+        for mode in modes:
+            r = run(mode)
             per_step[mode].append(r.timings["denoising"] / steps)
             peaks[mode] = r.peak_memory / 2**30
+            frames[mode] = r.frames
+    first = modes[0]
     out = {m: {"s_per_step_runs": v, "s_per_step_median": statistics.median(v), "spread": max(v) - min(v),
-               "peak_gib": peaks[m]} for m, v in per_step.items()}
+               "peak_gib": peaks[m], f"max_abs_vs_{first}": int(np.abs(frames[m].astype(int)
+                                                                       - frames[first].astype(int)).max())}
+           for m, v in per_step.items()}
     res[f"cfg_ab[{backend},{steps} steps,x{repeats}{',compiled' if compile_ else ''}]"] = out
     for m, o in out.items():
         log(f"cfg {m}: median {o['s_per_step_median']:.4f} s/step (runs {[round(x, 4) for x in o['s_per_step_runs']]}),"
-            f" peak {o['peak_gib']:.2f} GiB")
-    del gen
+            f" peak {o['peak_gib']:.2f} GiB, max |frames - {first}| {o[f'max_abs_vs_{first}']}")
+    del run, gen
     if compile_:
         torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -302,7 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--backends", default="TORCH_SDPA[flash],TORCH_SDPA[cudnn],FLASH_ATTN,SAGE_ATTN")
     p.add_argument("--backend", default="FLASH_ATTN")
-    p.add_argument("--cfg-modes", default="batched")
+    p.add_argument("--cfg-modes", default="auto", help="fastwan phase: cfg_mode values, comma-separated")
+    p.add_argument("--cfg-ab-modes", default="sequential,batched",
+                   help="cfgab phase: batched|sequential, each optionally with -unshared (no shared start)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-variants", default="sta-auto-fa4,vsa-auto-fa4,gna-auto-fa4")
@@ -329,7 +354,8 @@ def main(argv=None) -> int:
                 phase_fastwan(root, a.steps, a.guidance, name, "batched", a.compile, res, attention_config=conf,
                               tag=label)
         elif ph == "cfgab":
-            phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res, a.compile)
+            phase_cfg_ab(root, a.steps, a.guidance, a.backend, a.repeats, res, a.compile,
+                         tuple(a.cfg_ab_modes.split(",")))
         elif ph == "fastwan":
             for mode in a.cfg_modes.split(","):
                 phase_fastwan(root, a.steps, a.guidance, a.backend, mode, a.compile, res)

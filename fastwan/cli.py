@@ -26,7 +26,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--attention-config", default=None, help="JSON file with the sparse backend's settings")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks")
     p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
-    p.add_argument("--cfg-mode", choices=("batched", "sequential"), default="batched")
+    p.add_argument("--cfg-mode", choices=("auto", "batched", "sequential"), default="auto",
+                   help="CFG as one batch of 2, two passes, or auto (two passes for large videos on CUDA)")
     p.add_argument("--vae-tiling", action="store_true",
                    help="decode in spatial tiles (diffusers' VAE tiling): ~5x less decode memory, ~2x slower decode")
     p.add_argument("--device", default=None)

@@ -9,16 +9,21 @@ SIZE = dict(height=64, width=64, num_frames=5)
 
 
 def record_batches(gen):
-    """Wrap every expert's forward; return the list of (expert, batch size) per call."""
+    """Wrap every expert's forward and forward_cfg; return the list of (expert, passes) per call (a CFG call
+    counts its two passes, batched or not)."""
     calls = []
     for i, m in enumerate(gen.transformers):
-        orig = m.forward
+        orig, orig_cfg = m.forward, m.forward_cfg
 
         def fwd(x, *a, _orig=orig, _i=i, **k):
             calls.append((_i, x.shape[0]))
             return _orig(x, *a, **k)
 
-        m.forward = fwd
+        def fwd_cfg(x, *a, _orig=orig_cfg, _i=i, **k):
+            calls.append((_i, 2 * x.shape[0]))
+            return _orig(x, *a, **k)
+
+        m.forward, m.forward_cfg = fwd, fwd_cfg
     return calls
 
 
@@ -69,12 +74,46 @@ def test_gate_refreshes_after_expert_switch(tiny_ckpts):
 
 
 def test_sequential_equals_batched(tiny_ckpts):
-    batched = run(make(tiny_ckpts["wan2.1"]), steps=4)
+    batched = run(make(tiny_ckpts["wan2.1"], cfg_mode="batched"), steps=4)
     gen = make(tiny_ckpts["wan2.1"], cfg_mode="sequential")
     calls = record_batches(gen)
     seq = run(gen, steps=4)
-    assert [b for _, b in calls] == [1] * 8
+    assert [b for _, b in calls] == [2] * 4
     assert np.abs(batched.frames.astype(int) - seq.frames.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2-ti2v"])
+def test_forward_cfg_equals_two_forwards(tiny_ckpts, variant):
+    """forward_cfg computes the passes' shared start once; its outputs equal two plain forwards (fp32, eager:
+    the same ops on the same values, so equal to rounding of the batch-2 GEMMs)."""
+    gen = make(tiny_ckpts[variant])
+    model = gen.transformers[0]
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, cfg.in_channels, 2, 8, 6, generator=g)
+    tokens = 2 * 4 * 3
+    t = torch.tensor([500.0])
+    ts = t.expand(1, tokens) if gen.checkpoint.expand_timesteps else t
+    cond, uncond = (torch.randn(1, 7, cfg.text_dim, generator=g) for _ in range(2))
+    with torch.no_grad():
+        want = model(x, ts, cond), model(x, ts, uncond)
+        assert not torch.allclose(want[0], want[1], atol=1e-3)  # the two passes differ
+        for batched in (True, False):
+            got = model.forward_cfg(x, ts, cond, uncond, batched=batched)
+            for a, b in zip(got, want):
+                assert a.shape == b.shape == x.shape[:1] + b.shape[1:]
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one sample"):
+        model.forward_cfg(torch.cat([x, x]), ts, cond, uncond)
+
+
+def test_auto_cfg_mode(tiny_ckpts):
+    gen = make(tiny_ckpts["wan2.1"])
+    assert gen.cfg_mode == "auto"
+    assert gen._cfg_batched(10**6)  # off CUDA: one batch
+    gen.device = torch.device("cuda")  # the decision alone (nothing runs)
+    from fastwan.pipelines.generator import AUTO_SEQUENTIAL_TOKENS
+    assert gen._cfg_batched(AUTO_SEQUENTIAL_TOKENS - 1) and not gen._cfg_batched(AUTO_SEQUENTIAL_TOKENS)
 
 
 def test_no_cfg_when_scale_is_one(tiny_ckpts):

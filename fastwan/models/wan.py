@@ -143,9 +143,9 @@ class WanAttention(nn.Module):
         else:
             src = x if context is None else context
             q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
-        if (self.fused_norms and fused_ok and rope is not None
-                and self.norm_q.weight.dtype == self.norm_k.weight.dtype == q.dtype):
-            # one pass per tensor: RMSNorm + weight + RoPE (fastwan.models.fused, same roundings as below)
+        if self.fused_norms and fused_ok and self.norm_q.weight.dtype == self.norm_k.weight.dtype == q.dtype:
+            # one pass per tensor: RMSNorm + weight (+ RoPE for self-attention) (fastwan.models.fused, same
+            # roundings as below)
             q = torch.ops.fastwan.rms_rope(q, self.norm_q.weight, rope, self.norm_q.eps, self.head_dim)
             k = torch.ops.fastwan.rms_rope(k, self.norm_k.weight, rope, self.norm_k.eps, self.head_dim)
             q, k = (t.unflatten(-1, (self.heads, self.head_dim)) for t in (q, k))
@@ -207,6 +207,13 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.fused_norms = True  # single-pass Triton norms on CUDA (WanTransformer.set_fast_paths)
 
+    def modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """temb: [B, 6, C] or per-token [B, S, 6, C] -> (shift1, scale1, gate1, shift2, scale2, gate2), fp32
+        [B, 1, C] or [B, S, C] views."""
+        if temb.dim() == 4:
+            return (self.scale_shift_table.unsqueeze(0) + temb.float()).unbind(2)  # 6 x [B, S, C]
+        return (self.scale_shift_table + temb.float()).unsqueeze(2).unbind(1)  # 6 x [B, 1, C]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -220,33 +227,46 @@ class WanBlock(nn.Module):
         """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> [B, S, C].
         ``fused_ok``: the fused norm kernels can run for x (:func:`fastwan.models.fused.usable`, decided by the
         caller outside compiled code)."""
-        if temb.dim() == 4:
-            mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).unbind(2)  # 6 x [B, S, C]
-        else:
-            mod = (self.scale_shift_table + temb.float()).unsqueeze(2).unbind(1)  # 6 x [B, 1, C]
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod
-        if self.fused_norms and fused_ok:
-            return self._forward_fused(x, context, rope, attn, meta, mod)
+        mod = self.modulation(temb)
+        x, h = self._video_half(x, mod, rope, attn, meta, fused_ok)
+        return self._text_half(x, h, context, mod, attn, fused_ok)
+
+    def video_half(self, x, temb, rope, attn, meta=None, fused_ok: bool = False):
+        """The part of the block that does not read the text: norm1 + modulation, self-attention, gated residual,
+        norm2. x [B, S, C] -> (x, h): the residual stream and the cross-attention input, both [B, S, C].
+
+        Classifier-free guidance runs it once for the conditional and unconditional passes of the first block
+        (:meth:`WanTransformer.forward_cfg`): their inputs are equal up to here."""
+        return self._video_half(x, self.modulation(temb), rope, attn, meta, fused_ok)
+
+    def text_half(self, x, h, context, temb, attn, fused_ok: bool = False):
+        """The rest of the block: cross-attention over ``context`` [B, L, C], norm3 + modulation, FFN, gated
+        residual. (x, h) from :meth:`video_half` (batch 1 broadcasts nothing: pass equal batches) -> [B, S, C]."""
+        return self._text_half(x, h, context, self.modulation(temb), attn, fused_ok)
+
+    def _video_half(self, x, mod, rope, attn, meta, fused_ok):
+        shift1, scale1, gate1 = mod[:3]
+        if self.fused_norms and fused_ok:  # residual + norm (+ modulation) in single-pass kernels, same roundings
+            h = torch.ops.fastwan.norm_mod(x, None, None, scale1, shift1, self.norm1.eps)
+            y = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True)
+            if self.norm2 is None:
+                x = (x.float() + y * gate1).type_as(x)
+                return x, x
+            return torch.ops.fastwan.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None,
+                                                       self.norm2.eps)
         h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
         x = (x.float() + self.attn1(h, attn, rope=rope, meta=meta) * gate1).type_as(x)
         h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
-        x = x + self.attn2(h, attn, context=context)
-        h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
-        return (x.float() + self.ffn(h).float() * gate2).type_as(x)
+        return x, h
 
-    def _forward_fused(self, x, context, rope, attn, meta, mod) -> torch.Tensor:
-        """forward() with each residual + norm (+ modulation) in one single-pass kernel (fastwan.models.fused);
-        the same math and bf16 roundings."""
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod
-        ops = torch.ops.fastwan
-        h = ops.norm_mod(x, None, None, scale1, shift1, self.norm1.eps)
-        y = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True)
-        if self.norm2 is not None:
-            x, h = ops.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None, self.norm2.eps)
+    def _text_half(self, x, h, context, mod, attn, fused_ok):
+        shift2, scale2, gate2 = mod[3:]
+        if self.fused_norms and fused_ok:
+            y = self.attn2(h, attn, context=context, fused_ok=True)
+            x, h = torch.ops.fastwan.residual_norm_mod(x, y, None, None, None, scale2, shift2, self.norm3.eps)
         else:
-            x = h = (x.float() + y * gate1).type_as(x)
-        x, h = ops.residual_norm_mod(x, self.attn2(h, attn, context=context), None, None, None, scale2, shift2,
-                                     self.norm3.eps)
+            x = x + self.attn2(h, attn, context=context)
+            h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
         return (x.float() + self.ffn(h).float() * gate2).type_as(x)
 
 
@@ -294,6 +314,7 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.attention = attention
         self._rope_cache: dict = {}
+        self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
 
     # -- attention ----------------------------------------------------------------------------------------
     def set_attention(self, dispatch: AttentionDispatch) -> None:
@@ -339,7 +360,60 @@ class WanTransformer(nn.Module):
                                                  device)}
         return self._rope_cache[key]
 
+    def compile_blocks(self, **kwargs) -> None:
+        """Regional torch.compile: each block's forward, and the two halves of the first block that
+        :meth:`forward_cfg` calls separately (``kwargs`` go to ``torch.compile``)."""
+        for block in self.blocks:
+            block.compile(**kwargs)
+        first = self.blocks[0]
+        self._first_halves = (torch.compile(first.video_half, **kwargs), torch.compile(first.text_half, **kwargs))
+
     # -- forward ------------------------------------------------------------------------------------------
+    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor):
+        """Patch embedding (tile-major token order under a sparse backend), RoPE table, time and text
+        embeddings -> (x [B, S, C], rope, temb, mod, context [B_text, L, C], grid, layout)."""
+        if self.attention is None:
+            raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
+        _, _, Fr, Hh, Ww = latents.shape
+        pt, ph, pw = self.config.patch_size
+        if Fr % pt or Hh % ph or Ww % pw:
+            raise ValueError(
+                f"latent grid {Fr}x{Hh}x{Ww} is not divisible by patch_size {self.config.patch_size}; "
+                "choose a height/width that is a multiple of the VAE factor times the patch size."
+            )
+        grid = (Fr // pt, Hh // ph, Ww // pw)
+        x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, C]
+        rope = self._rope(grid, x.device)
+        temb, mod, context = self.condition_embedder(timestep, text.to(self.dtype))
+        layout = self.attention.layout_for(grid, x.device)
+        if layout is not None:  # sparse backend: tile-major token order, once per forward
+            x = layout.permute(x, dim=1)
+            rope = layout.permute(rope, dim=1)
+            if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
+                mod = layout.permute(mod, dim=1)
+        return x, rope, temb, mod, context, grid, layout
+
+    def _meta(self, grid, layout, i: int, step_index, num_steps) -> AttentionMetadata | None:
+        if not self.attention.sparse:
+            return None
+        return AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps, layer_index=i, layout=layout)
+
+    def _head(self, x: torch.Tensor, temb: torch.Tensor, grid, layout) -> torch.Tensor:
+        """[B, S, C] (layout order) -> prediction [B, C_out, F, H, W]."""
+        if layout is not None:
+            x = layout.unpermute(x, dim=1)
+        if temb.dim() == 3:  # per-token: [B, S, C]
+            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
+        else:
+            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).unsqueeze(2).unbind(1)
+        x = (fp32_layer_norm(x, self.norm_out) * (1 + scale) + shift).type_as(x)
+        x = self.proj_out(x)  # [B, S, C_out * pt * ph * pw]
+        B = x.shape[0]
+        T, H, W = grid
+        pt, ph, pw = self.config.patch_size
+        x = x.view(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(B, -1, T * pt, H * ph, W * pw)
+
     def forward(
         self,
         latents: torch.Tensor,
@@ -351,42 +425,54 @@ class WanTransformer(nn.Module):
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
-        if self.attention is None:
-            raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
-        B, _, Fr, Hh, Ww = latents.shape
-        pt, ph, pw = self.config.patch_size
-        if Fr % pt or Hh % ph or Ww % pw:
-            raise ValueError(
-                f"latent grid {Fr}x{Hh}x{Ww} is not divisible by patch_size {self.config.patch_size}; "
-                "choose a height/width that is a multiple of the VAE factor times the patch size."
-            )
-        grid = (Fr // pt, Hh // ph, Ww // pw)
-        x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, C]
-        rope = self._rope(grid, x.device)
-        temb, mod, context = self.condition_embedder(timestep, text.to(self.dtype))
-
-        layout = self.attention.layout_for(grid, x.device)
-        if layout is not None:  # sparse backend: tile-major token order, once per forward
-            x = layout.permute(x, dim=1)
-            rope = layout.permute(rope, dim=1)
-            if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
-                mod = layout.permute(mod, dim=1)
+        x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
         for i, block in enumerate(self.blocks):
-            meta = None
-            if self.attention.sparse:
-                meta = AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps,
-                                         layer_index=i, layout=layout)
+            meta = self._meta(grid, layout, i, step_index, num_steps)
             x = block(x, context, mod, rope, self.attention, meta, fused_ok=fused_ok)
-        if layout is not None:
-            x = layout.unpermute(x, dim=1)
+        return self._head(x, temb, grid, layout)
 
-        if temb.dim() == 3:  # per-token: [B, S, C]
-            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
-        else:
-            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).unsqueeze(2).unbind(1)
-        x = (fp32_layer_norm(x, self.norm_out) * (1 + scale) + shift).type_as(x)
-        x = self.proj_out(x)  # [B, S, C_out * pt * ph * pw]
-        T, H, W = grid
-        x = x.view(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return x.reshape(B, -1, T * pt, H * ph, W * pw)
+    def forward_cfg(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        text_uncond: torch.Tensor,
+        *,
+        batched: bool = True,
+        step_index: int | None = None,
+        num_steps: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conditional and unconditional predictions of one CFG step, as ``forward(latents, timestep, text)``
+        and ``forward(latents, timestep, text_uncond)`` would give them.
+
+        The two passes see the same latents and timestep, and the text enters a Wan block only at its
+        cross-attention, so everything up to the first block's cross-attention (patch and time embeddings, the
+        first self-attention with its projections and norms) is computed once, at batch 1. The passes then run
+        as one batch of 2 (``batched``) or one after the other (less memory).
+
+        latents [1, C_in, F, H, W]; timestep [1] (or per-token [1, S]); text, text_uncond [1, L, text_dim]
+        -> (cond, uncond), each [1, C_out, F, H, W].
+        """
+        if latents.shape[0] != 1 or text.shape[0] != 1 or text_uncond.shape[0] != 1:
+            raise ValueError(
+                f"forward_cfg takes one sample: latents batch {latents.shape[0]}, text batch {text.shape[0]}, "
+                f"text_uncond batch {text_uncond.shape[0]} (each must be 1); call forward() for batches."
+            )
+        x, rope, temb, mod, context, grid, layout = self._embed(
+            latents, timestep, torch.cat([text, text_uncond.to(text.dtype)]))
+        fused_ok = fused.usable(x)
+        video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
+        attn = self.attention
+        x, h = video_half(x, mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps), fused_ok)
+
+        def rest(x, h, ctx):
+            x = text_half(x, h, ctx, mod, attn, fused_ok)
+            for i, block in enumerate(self.blocks[1:], start=1):
+                x = block(x, ctx, mod, rope, attn, self._meta(grid, layout, i, step_index, num_steps),
+                          fused_ok=fused_ok)
+            return self._head(x, temb, grid, layout)
+
+        if batched:
+            return rest(torch.cat([x, x]), torch.cat([h, h]), context).chunk(2)
+        return rest(x, h, context[:1]), rest(x, h, context[1:])
