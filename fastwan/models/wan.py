@@ -223,12 +223,18 @@ class WanBlock(nn.Module):
         attn: AttentionDispatch,
         meta: AttentionMetadata | None = None,
         fused_ok: bool = False,
-    ) -> torch.Tensor:
-        """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> [B, S, C].
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> (x, pending).
+
         ``fused_ok``: the fused norm kernels can run for x (:func:`fastwan.models.fused.usable`, decided by the
-        caller outside compiled code)."""
+        caller outside compiled code). On that path the block leaves its last residual (``x + ffn * gate``)
+        to the next block, whose first norm kernel adds it while it reads x anyway (one pass over the
+        activations fewer): it returns ``pending = (ffn output, gate)``, which the next block takes as
+        ``pending`` (and :func:`fastwan.models.fused.residual_reference` applies after the last block).
+        Otherwise ``pending`` is None and x includes everything."""
         mod = self.modulation(temb)
-        x, h = self._video_half(x, mod, rope, attn, meta, fused_ok)
+        x, h = self._video_half(x, mod, rope, attn, meta, fused_ok, pending)
         return self._text_half(x, h, context, mod, attn, fused_ok)
 
     def video_half(self, x, temb, rope, attn, meta=None, fused_ok: bool = False):
@@ -237,23 +243,28 @@ class WanBlock(nn.Module):
 
         Classifier-free guidance runs it once for the conditional and unconditional passes of the first block
         (:meth:`WanTransformer.forward_cfg`): their inputs are equal up to here."""
-        return self._video_half(x, self.modulation(temb), rope, attn, meta, fused_ok)
+        return self._video_half(x, self.modulation(temb), rope, attn, meta, fused_ok, None)
 
     def text_half(self, x, h, context, temb, attn, fused_ok: bool = False):
         """The rest of the block: cross-attention over ``context`` [B, L, C], norm3 + modulation, FFN, gated
-        residual. (x, h) from :meth:`video_half` (batch 1 broadcasts nothing: pass equal batches) -> [B, S, C]."""
+        residual. (x, h) from :meth:`video_half`, with the batch of ``context`` -> (x, pending) as forward()."""
         return self._text_half(x, h, context, self.modulation(temb), attn, fused_ok)
 
-    def _video_half(self, x, mod, rope, attn, meta, fused_ok):
+    def _video_half(self, x, mod, rope, attn, meta, fused_ok, pending):
         shift1, scale1, gate1 = mod[:3]
+        ops = torch.ops.fastwan
         if self.fused_norms and fused_ok:  # residual + norm (+ modulation) in single-pass kernels, same roundings
-            h = torch.ops.fastwan.norm_mod(x, None, None, scale1, shift1, self.norm1.eps)
+            if pending is not None:  # the previous block's FFN residual, added by the norm kernel
+                x, h = ops.residual_norm_mod(x, pending[0], pending[1], None, None, scale1, shift1, self.norm1.eps)
+            else:
+                h = ops.norm_mod(x, None, None, scale1, shift1, self.norm1.eps)
             y = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True)
             if self.norm2 is None:
                 x = (x.float() + y * gate1).type_as(x)
                 return x, x
-            return torch.ops.fastwan.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None,
-                                                       self.norm2.eps)
+            return ops.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None, self.norm2.eps)
+        if pending is not None:
+            x = fused.residual_reference(x, *pending)
         h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
         x = (x.float() + self.attn1(h, attn, rope=rope, meta=meta) * gate1).type_as(x)
         h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
@@ -264,10 +275,10 @@ class WanBlock(nn.Module):
         if self.fused_norms and fused_ok:
             y = self.attn2(h, attn, context=context, fused_ok=True)
             x, h = torch.ops.fastwan.residual_norm_mod(x, y, None, None, None, scale2, shift2, self.norm3.eps)
-        else:
-            x = x + self.attn2(h, attn, context=context)
-            h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
-        return (x.float() + self.ffn(h).float() * gate2).type_as(x)
+            return x, (self.ffn(h), gate2)
+        x = x + self.attn2(h, attn, context=context)
+        h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
+        return (x.float() + self.ffn(h).float() * gate2).type_as(x), None
 
 
 class TimeTextEmbedding(nn.Module):
@@ -398,8 +409,10 @@ class WanTransformer(nn.Module):
             return None
         return AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps, layer_index=i, layout=layout)
 
-    def _head(self, x: torch.Tensor, temb: torch.Tensor, grid, layout) -> torch.Tensor:
-        """[B, S, C] (layout order) -> prediction [B, C_out, F, H, W]."""
+    def _head(self, x: torch.Tensor, pending, temb: torch.Tensor, grid, layout) -> torch.Tensor:
+        """[B, S, C] (layout order) and the last block's pending residual -> prediction [B, C_out, F, H, W]."""
+        if pending is not None:
+            x = fused.residual_reference(x, *pending)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
         if temb.dim() == 3:  # per-token: [B, S, C]
@@ -427,10 +440,11 @@ class WanTransformer(nn.Module):
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
         x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
+        pending = None
         for i, block in enumerate(self.blocks):
             meta = self._meta(grid, layout, i, step_index, num_steps)
-            x = block(x, context, mod, rope, self.attention, meta, fused_ok=fused_ok)
-        return self._head(x, temb, grid, layout)
+            x, pending = block(x, context, mod, rope, self.attention, meta, fused_ok=fused_ok, pending=pending)
+        return self._head(x, pending, temb, grid, layout)
 
     def forward_cfg(
         self,
@@ -467,11 +481,11 @@ class WanTransformer(nn.Module):
         x, h = video_half(x, mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps), fused_ok)
 
         def rest(x, h, ctx):
-            x = text_half(x, h, ctx, mod, attn, fused_ok)
+            x, pending = text_half(x, h, ctx, mod, attn, fused_ok)
             for i, block in enumerate(self.blocks[1:], start=1):
-                x = block(x, ctx, mod, rope, attn, self._meta(grid, layout, i, step_index, num_steps),
-                          fused_ok=fused_ok)
-            return self._head(x, temb, grid, layout)
+                x, pending = block(x, ctx, mod, rope, attn, self._meta(grid, layout, i, step_index, num_steps),
+                                   fused_ok=fused_ok, pending=pending)
+            return self._head(x, pending, temb, grid, layout)
 
         if batched:
             return rest(torch.cat([x, x]), torch.cat([h, h]), context).chunk(2)
