@@ -12,15 +12,19 @@ permuted into the layout, block masks built beforehand and cached):
 * ``compile_s``   the first call (torch.compile / FA4 JIT);
 * ``ms``          median of ``--iters`` calls, CUDA events; ``speedup`` = dense ms / ms (with ``--rounds R``:
                   sparse and dense timed alternately R times, medians of the per-round medians);
+* ``stream_ms``   (with ``--rounds R``) ms per call of ``--iters`` back-to-back calls between two events, one
+                  synchronisation at the end: the host queues ahead as in the DiT, so the per-call launch
+                  latency that ``ms`` (one synchronised call at a time) includes is hidden; dense alike;
 * ``graph_ms``    (``--graph``) ms per call of 10 calls replayed from one CUDA graph, and the same for dense;
 * ``attended``    fraction of the N^2 real (query, key) pairs the pattern attends (1 - sparsity);
 * ``work``        fraction of N^2 that the kernel computes (listed blocks x block^2, padding included);
 * ``max_err``     max |out - reference| over 256 random real query rows (fp32 masked attention reference).
 
 VSA's top-k selection is per call; its ``ms`` includes pooling, coarse attention, top-k and block-mask
-construction, and ``fine_ms`` is the block-sparse kernel alone. A variant that fails prints its error and the
-run goes on; variants left when ``--budget-s`` is spent are skipped (listed). The JSON (``--out``) holds the
-environment and every row; a short table is printed last.
+construction (``select_ms``: all of these, as ``VideoSparseBackend.select`` runs them; ``tables_ms``: top-k and
+block tables from given tile scores), and ``fine_ms`` is the block-sparse kernel alone. A variant that fails
+prints its error and the run goes on; variants left when ``--budget-s`` is spent are skipped (listed). The JSON
+(``--out``) holds the environment and every row; a short table is printed last.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from fastwan.attention.base import AttentionMetadata  # noqa: E402
 from fastwan.attention.layout import choose_tile  # noqa: E402
 from fastwan.attention.registry import create_backend  # noqa: E402
 from fastwan.attention.sparse import kernels as sk  # noqa: E402
+from fastwan.attention.sparse import vsa_kernels  # noqa: E402
 from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
 from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
 from fastwan.profiler.core import time_fn  # noqa: E402
@@ -141,6 +146,19 @@ def variants(grid):
 def cuda_time(fn, iters, warmup=2):
     """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
     return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+
+
+def stream_ms(fn, calls: int) -> float:
+    """ms per call of ``calls`` back-to-back calls timed as one span (CUDA events, one sync at the end)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def graph_ms(fn, calls=10, replays=5) -> float:
@@ -280,10 +298,8 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     meta = AttentionMetadata(grid=meta_grid, step_index=None, num_steps=None, layer_index=0, layout=layout)
     kind = backend.resolve_kernel(dev, q.dtype)
     if name == "VIDEO_SPARSE_ATTN":
-        def select():
-            scores, _ = backend.coarse(q, k, v, layout, scale, with_output=False)
-            sel = scores.topk(topk_count(backend.sparsity, layout.num_tiles), dim=-1, sorted=False).indices
-            plan = BlockPlan(layout, selected=sel)
+        def select():  # exactly what the backend's call does before its fine kernel (no gate: no coarse output)
+            plan, _ = backend.select(q, k, v, layout, scale, backend.sparsity, with_output=False)
             if kind == "fa4":
                 plan.fa4_tensors()
             else:
@@ -311,19 +327,24 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     real = torch.nonzero(layout.key_valid.cpu()).flatten()
     rows = real[torch.randperm(real.numel(), generator=g)[:256]].to(dev)
     if name == "VIDEO_SPARSE_ATTN":  # the same selection as the call (deterministic on the same inputs)
-        scores, _ = backend.coarse(q, k, v, layout, scale)
-        sel = scores.topk(topk_count(backend.sparsity, layout.num_tiles), dim=-1, sorted=False).indices
-        check_plan = BlockPlan(layout, selected=sel)
+        check_plan, _ = backend.select(q, k, v, layout, scale, backend.sparsity)
     else:
         check_plan = plan
     ref = reference_rows(q, k, v, check_plan, rows, scale)
     row["max_err"] = float((out[:, rows].float() - ref).abs().max())
     dense = DENSE[0] if DENSE else None
     if ROUNDS > 1:  # interleaved with the dense call, so both see the same clocks
-        sparse_t, dense_t = [], []
+        sparse_t, dense_t, sparse_s, dense_s = [], [], [], []
         for _ in range(ROUNDS):
             sparse_t.append(cuda_time(call, iters))
             dense_t.append(cuda_time(lambda: dense(*qkv_raster), iters))
+            sparse_s.append(stream_ms(call, iters))
+            dense_s.append(stream_ms(lambda: dense(*qkv_raster), iters))
+        row["stream_ms"] = round(statistics.median(sparse_s), 3)
+        row["dense_stream_ms"] = round(statistics.median(dense_s), 3)
+        row["stream_speedup"] = round(row["dense_stream_ms"] / row["stream_ms"], 2)
+        row["stream_rounds"] = [round(t, 3) for t in sparse_s]
+        row["dense_stream_rounds"] = [round(t, 3) for t in dense_s]
         row["ms"] = round(statistics.median(sparse_t), 3)
         row["ms_rounds"] = [round(t, 3) for t in sparse_t]
         row["dense_ms_rounds"] = [round(t, 3) for t in dense_t]
@@ -333,10 +354,12 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     if name == "VIDEO_SPARSE_ATTN":
         row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
         row["select_ms"] = round(cuda_time(select, iters), 3)  # pooling + coarse scores + top-k + tables
-        sel = plan._selected
+        pooled = [t.transpose(1, 2) for t in vsa_kernels.pool_tiles(q, k, None, layout)]
+        scores = torch.matmul(pooled[0], pooled[1].transpose(-1, -2))
+        kk = topk_count(backend.sparsity, layout.num_tiles)
 
-        def tables():  # the block tables alone, from a given top-k
-            p2 = BlockPlan(layout, selected=sel)
+        def tables():  # top-k + block tables alone, from given tile scores (the backend's kernel or torch path)
+            p2 = backend.plan_from_scores(scores, layout, kk)
             return p2.fa4_tensors() if kind == "fa4" else p2.flex_block_mask(exact=False)
 
         row["tables_ms"] = round(cuda_time(tables, iters), 4)
@@ -453,6 +476,9 @@ def main(argv=None):
             extra = ""
             if "tables_ms" in row:
                 extra = f", select {row['select_ms']:.3f} ms, tables {row['tables_ms']:.4f} ms"
+            if "stream_ms" in row:
+                extra += (f"; back-to-back {row['stream_ms']:.3f} vs dense {row['dense_stream_ms']:.3f} ms "
+                          f"-> {row['stream_speedup']:.2f}x")
             if "kernel_ms" in row:
                 extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
                           f"-> {row['kernel_speedup']:.2f}x")

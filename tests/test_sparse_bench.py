@@ -37,6 +37,7 @@ def test_run_variant_on_cpu(monkeypatch):
         return fn(), time.perf_counter() - t
 
     monkeypatch.setattr(sb, "cuda_time", cpu_time)
+    monkeypatch.setattr(sb, "stream_ms", lambda fn, calls: cpu_time(fn, calls))
     monkeypatch.setattr(sb, "wall", cpu_wall)
     grid, heads = (5, 7, 9), 2
     g = torch.Generator().manual_seed(0)
@@ -58,6 +59,7 @@ def test_run_variant_on_cpu(monkeypatch):
     row = sb.run_variant("sta", "SLIDING_TILE_ATTN", {**cases[0][2], "kernel": "sdpa"}, grid, heads, qkv, 1,
                          dense_ms=1e6)
     assert len(row["ms_rounds"]) == len(row["dense_ms_rounds"]) == 3
+    assert len(row["stream_rounds"]) == len(row["dense_stream_rounds"]) == 3 and row["stream_speedup"] > 0
     assert row["dense_ms"] < 1e6 and row["speedup"] == round(row["dense_ms"] / row["ms"], 2)
 
 

@@ -27,6 +27,17 @@ def _spec(name: str):
         return None
 
 
+@functools.cache
+def triton_ok() -> bool:
+    """Whether Triton imports (the fused norm, VAE and VSA kernels need it; each has a PyTorch path otherwise)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def dist_version(*names: str) -> str | None:
     """Installed version of the first distribution found among ``names`` (no import), else None."""
     for name in names:

@@ -22,17 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from fastwan.attention.kernels import triton_ok  # re-exported for fastwan.models.vae_*
+
 MAX_C = 16384  # one row in registers
-
-
-@functools.cache
-def triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:

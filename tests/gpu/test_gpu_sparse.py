@@ -5,8 +5,15 @@ small odd grid in bf16 and compares it with fp32 attention under the exact boole
 pattern (``BlockPlan.dense_mask``, itself checked against NATTEN/STA/VSA definitions on CPU). The case also
 checks that the reference differs from dense attention by far more than the tolerance, so a kernel that ignored
 the mask would fail.
+
+VSA's coarse stage on CUDA (the Triton pooling and top-k kernels of ``vsa_kernels``) is compared with the
+PyTorch path it replaces at the Wan2.1 1.3B 480p shape and at odd grids: pooled means, the block tables (as sets,
+with exact counts), ``select()`` end to end, and the coarse output.
 """
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +21,13 @@ import torch.nn.functional as F
 
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
-from fastwan.attention.sparse import kernels
-from fastwan.attention.sparse.kernels import BlockPlan
-from fastwan.attention.sparse.vsa import topk_count
+from fastwan.attention.sparse import kernels, vsa_kernels
+from fastwan.attention.sparse.vsa import tile_pool, topk_count
+
+_spec = importlib.util.spec_from_file_location("vsa_kernel_checks",
+                                               Path(__file__).resolve().parents[1] / "test_vsa_kernels.py")
+checks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(checks)  # check_tables_as_sets, check_order, torch_path_tables
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,16 +95,82 @@ def test_fa4_block_sparse_matches_masked_reference(case):
     check(out, reference(q, k, v, plan.dense_mask()), q, k, v, layout)
 
 
+@pytest.mark.parametrize("kernel", ["fa4", "flex"])
 @pytest.mark.parametrize("grid", [(5, 12, 20), (6, 10, 16)])
-def test_fa4_vsa_matches_masked_reference(grid):
-    fa4_or_skip()
+def test_vsa_matches_masked_reference(grid, kernel):
+    """The whole call (CUDA coarse-stage kernels, then the block-sparse kernel) vs fp32 attention under the mask
+    of the selection the call makes (``select`` is deterministic on the same inputs)."""
+    if kernel == "fa4":
+        fa4_or_skip()
     b = create_backend("VIDEO_SPARSE_ATTN", {"tile": [2, 8, 8] if grid[1] == 12 else [3, 5, 8],
-                                             "sparsity": 0.7, "kernel": "fa4"})
+                                             "sparsity": 0.7, "kernel": kernel})
     layout = b.layout(grid, "cuda")
     meta = AttentionMetadata(grid=grid, step_index=0, num_steps=1, layer_index=0, layout=layout)
     q, k, v = inputs(layout, seed=1)
     scale = q.shape[-1] ** -0.5
-    scores, _ = b.coarse(q, k, v, layout, scale, with_output=False)
-    sel = scores.topk(topk_count(0.7, layout.num_tiles), dim=-1, sorted=False).indices
+    plan, _ = b.select(q, k, v, layout, scale, 0.7)
+    assert "compact" in plan._cache  # the tables came from the top-k kernel
     out = b(q, k, v, meta=meta)
-    check(out, reference(q, k, v, BlockPlan(layout, selected=sel).dense_mask()), q, k, v, layout)
+    check(out, reference(q, k, v, plan.dense_mask()), q, k, v, layout)
+
+
+# ------------------------------------------------------------------------------------------ VSA coarse stage
+VSA_SHAPES = [  # (id, grid, heads, tile): the 1.3B 480p call, then odd grids (dummy slots inside tiles)
+    ("wan1.3b-480p", (21, 30, 52), 12, "auto"),
+    ("odd-mixed", (5, 12, 20), 4, [2, 8, 8]),
+    ("odd-partial", (7, 11, 17), 3, [3, 5, 8]),
+]
+
+
+def torch_path(monkeypatch, fn):
+    """fn() with the Triton kernels switched off (the PyTorch path the backend takes elsewhere)."""
+    with monkeypatch.context() as m:
+        m.setattr(vsa_kernels, "_kernel_ok", lambda x: False)
+        return fn()
+
+
+@pytest.mark.parametrize("shape", VSA_SHAPES, ids=[s[0] for s in VSA_SHAPES])
+def test_vsa_kernels_match_torch_path(shape, monkeypatch):
+    _, grid, heads, tile = shape
+    sparsity = 0.85
+    b = create_backend("VIDEO_SPARSE_ATTN", {"tile": tile, "sparsity": sparsity})
+    layout = b.layout(grid, "cuda")
+    n = layout.num_tiles
+    kk = topk_count(sparsity, n)
+    g = torch.Generator("cuda").manual_seed(0)
+    # q, k, v as chunks of one fused-QKV output (strided views), dummy slots poisoned
+    base = torch.randn(1, layout.padded_tokens, 3, heads, 128, device="cuda", generator=g).to(torch.bfloat16)
+    base[:, ~layout.key_valid] = 100.0
+    q, k, v = base.unbind(2)
+    assert vsa_kernels.pool_usable(q, k, v)
+
+    # pooling: the kernel vs tile_pool in fp32 (the same bf16 values)
+    pooled = vsa_kernels.pool_tiles(q, k, v, layout)
+    for out, x in zip(pooled, (q, k, v)):
+        torch.testing.assert_close(out, tile_pool(x.float(), layout), rtol=1e-5, atol=1e-6)
+
+    # tables from the same scores: the kernel vs torch.topk + split_selected
+    scores = torch.matmul(pooled[0].transpose(1, 2), pooled[1].transpose(1, 2).transpose(-1, -2))
+    assert vsa_kernels.tables_usable(scores)
+    got = vsa_kernels.topk_tables(scores, kk, layout)
+    cpu = [t.cpu() for t in got]
+    checks.check_tables_as_sets(cpu, [t.cpu() for t in checks.torch_path_tables(scores, layout, kk)], n)
+    checks.check_order(scores.cpu(), cpu)
+    ref = vsa_kernels.topk_tables_reference(scores, layout.tile_full, kk)
+    assert all(torch.equal(a, b_) for a, b_ in zip(got, ref))
+    if layout.all_tiles_partial is None:
+        assert bool(((got[0] > 0) & (got[2] > 0)).any())
+
+    # select() end to end: the same tiles as the PyTorch path, except at near ties of the k-th score
+    scale = 128 ** -0.5
+    plan, coarse = b.select(q, k, v, layout, scale, sparsity, with_output=True)
+    plan_t, coarse_t = torch_path(monkeypatch, lambda: b.select(q, k, v, layout, scale, sparsity, with_output=True))
+    assert "compact" in plan._cache and "compact" not in plan_t._cache  # kernel path vs PyTorch path
+    scores_t, _ = b.coarse(q, k, v, layout, scale, with_output=False)
+    kth = scores_t.topk(kk, dim=-1).values[..., -1:]
+    near = (scores_t - kth).abs() <= 1e-5 * float(scores_t.abs().max())
+    diff = plan.any != plan_t.any
+    print(f"{shape[0]}: {int(diff.sum())} of {diff.numel()} (query, key) tile pairs differ (near ties only)")
+    assert bool((~diff | near).all()) and float(diff.float().mean()) < 1e-3
+    assert torch.equal(plan.any.sum(-1), torch.full_like(plan.any.sum(-1), kk))
+    torch.testing.assert_close(coarse.float(), coarse_t.float(), rtol=1e-2, atol=1e-3)

@@ -310,7 +310,12 @@ class BlockPlan:
         layout: the TokenLayout (blocks = tiles, ``layout.block_size`` slots each).
         any_blocks: bool [Bm, Hm, nQ, nK]: tile pairs with at least one attended token pair.
         full_blocks: bool [Bm, Hm, nQ, nK] subset of ``any_blocks`` that needs no token-level mask.
-        selected: instead of the tables: long [Bm, Hm, nQ, k], the k key tiles of every query tile (distinct).
+        selected: instead of the tables: long [Bm, Hm, nQ, k], the k key tiles of every query tile (distinct);
+            int32 is accepted too (converted where an index must be long).
+        tables: with ``selected`` (or alone: ``selected`` is then ``full_idx``): the compact tables of that
+            selection already built, ``(full_num, full_idx, partial_num, partial_idx)`` as
+            :func:`split_selected` returns them (int32 [Bm, Hm, nQ] and [Bm, Hm, nQ, k]); they become the
+            plan's compact tables (VSA's top-k kernel writes them directly).
         token_pred: ``pred(q_idx, kv_idx) -> bool`` exact token rule inside partial blocks (None: the block
             pattern restricted to real keys is exact).
         token_mask: optional callable returning the exact bool [P, P] token mask of ``token_pred`` (faster
@@ -323,7 +328,7 @@ class BlockPlan:
         name: cache key of the compiled-path mask_mod on the layout.
     """
 
-    def __init__(self, layout, any_blocks=None, full_blocks=None, *, selected=None, token_pred=None,
+    def __init__(self, layout, any_blocks=None, full_blocks=None, *, selected=None, tables=None, token_pred=None,
                  token_mask=None, fa4_mask=None, width=None, name="keys"):
         n = layout.num_tiles
         self.layout = layout
@@ -332,6 +337,15 @@ class BlockPlan:
         self._token_mask = token_mask
         self.name = name
         self._cache: dict = {}
+        if tables is not None:
+            fn, fi, pn, pi = tables
+            selected = fi if selected is None else selected
+            rows = tuple(selected.shape[:-1])
+            if (tuple(fi.shape) != tuple(selected.shape) or tuple(pi.shape) != tuple(selected.shape)
+                    or tuple(fn.shape) != rows or tuple(pn.shape) != rows):
+                raise ValueError(f"compact tables {[tuple(t.shape) for t in tables]} do not match the selection "
+                                 f"{tuple(selected.shape)}")
+            self._cache["compact"] = (fn, fi, pn, pi)
         self._selected = selected
         if selected is not None:
             if selected.dim() != 4 or selected.shape[2] != n:
@@ -352,7 +366,7 @@ class BlockPlan:
     def any(self) -> torch.Tensor:
         """bool [Bm, Hm, nQ, nK] block table."""
         if self._any is None:
-            sel = self._selected
+            sel = self._selected.long()
             table = torch.zeros(self._shape, dtype=torch.bool, device=sel.device)
             self._any = table.scatter_(-1, sel, True)
             self._full = self._any & self.layout.tile_full[None, None, None, :]
@@ -380,7 +394,7 @@ class BlockPlan:
     def _compact(self):
         if "compact" not in self._cache:
             if self._selected is not None:
-                self._cache["compact"] = split_selected(self._selected, self.layout.tile_full,
+                self._cache["compact"] = split_selected(self._selected.long(), self.layout.tile_full,
                                                           self.layout.all_tiles_partial)
             else:
                 partial = self.any & ~self.full

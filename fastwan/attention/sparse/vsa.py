@@ -16,6 +16,10 @@ Per call, on the tile-major layout (one tile = one cube of ``tile`` tokens):
 The selection is data dependent, so the block mask is rebuilt on every call -- from the top-k indices
 directly, at tile level (a sort over k entries per query tile), not from a token mask; it is small and cheap
 next to the attention itself, but it is per layer, unlike STA/NA whose masks are cached.
+:meth:`VideoSparseBackend.select` runs stages 1-2: on CUDA (Triton available) as one pooling kernel, the cuBLAS
+score matmul and one top-k kernel that writes the FA4 block tables directly
+(:mod:`fastwan.attention.sparse.vsa_kernels`); elsewhere in PyTorch (:meth:`VideoSparseBackend.coarse`,
+``torch.topk``, then the tables from the top-k indices).
 
 ``dense_steps``: during the first steps ``sparsity`` is 0 (every key tile is kept; the coarse branch still
 adds ``coarse * gate``).
@@ -37,6 +41,7 @@ import torch
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
+from fastwan.attention.sparse import vsa_kernels
 from fastwan.attention.sparse.common import SparseVideoBackend
 from fastwan.attention.sparse.kernels import BlockPlan
 
@@ -53,15 +58,8 @@ def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     the grid) it is one fp32-accumulated sum over those slots; otherwise a batched [1, slots] x [slots, H*D]
     product with 0/1 weights per tile (dummy slots contribute exactly zero whatever they hold), in x's dtype.
     """
-    B, _, H, D = x.shape
-    n, bs = layout.num_tiles, layout.block_size
-    xs = x.reshape(B, n, bs, H * D)
-    if layout.real_prefix_tiles:
-        summed = xs[:, :, : layout.tile_tokens].sum(2, dtype=torch.float32)
-    else:
-        weights = layout.key_valid.view(1, n, 1, bs).to(x.dtype)
-        summed = torch.matmul(weights, xs).view(B, n, H * D).float()
-    return (summed / layout.tile_valid_counts.to(torch.float32)[None, :, None]).view(B, n, H, D)
+    return vsa_kernels.pool_reference(x, layout.key_valid, layout.tile_valid_counts, layout.block_size,
+                                      layout.tile_tokens, layout.real_prefix_tiles)
 
 
 class VideoSparseBackend(SparseVideoBackend):
@@ -94,6 +92,38 @@ class VideoSparseBackend(SparseVideoBackend):
         out = torch.matmul(torch.softmax(scores, dim=-1), vc)
         return scores, out.transpose(1, 2).to(q.dtype)
 
+    def select(self, q, k, v, layout: TokenLayout, scale: float, sparsity: float, with_output: bool = False
+               ) -> tuple[BlockPlan, torch.Tensor | None]:
+        """Stages 1-2: q, k, v [B, P, H, D] (layout order) -> (BlockPlan of the selected key tiles, coarse output
+        [B, n, H, D] in q.dtype, or None when ``with_output`` is False).
+
+        On CUDA with Triton (and no autograd): one pooling kernel for q, k (and v), the fp32 score matmul (left
+        unscaled when only the selection is needed: a positive scale does not change the order), and one top-k
+        kernel writing the plan's FA4 tables (rows of up to ``vsa_kernels.N_MAX`` tiles; longer rows use
+        ``torch.topk``). Elsewhere: :meth:`coarse`, ``torch.topk`` and the tables built from its indices.
+        """
+        kk = topk_count(sparsity, layout.num_tiles)
+        if not vsa_kernels.pool_usable(q, k, v):
+            scores, coarse = self.coarse(q, k, v, layout, scale, with_output=with_output)
+            return self.plan_from_scores(scores, layout, kk), coarse
+        pooled = vsa_kernels.pool_tiles(q, k, v if with_output else None, layout)
+        qc, kc = (t.transpose(1, 2) for t in pooled[:2])  # contiguous fp32 [B, H, n, D]
+        scores = torch.matmul(qc, kc.transpose(-1, -2))
+        coarse = None
+        if with_output:
+            scores.mul_(scale)
+            coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled[2].transpose(1, 2))
+            coarse = coarse.transpose(1, 2).to(q.dtype)
+        return self.plan_from_scores(scores, layout, kk), coarse
+
+    def plan_from_scores(self, scores: torch.Tensor, layout: TokenLayout, kk: int) -> BlockPlan:
+        """Top-``kk`` key tiles of every row of ``scores`` fp32 [B, H, n, n] -> BlockPlan (the top-k kernel with
+        its tables where it runs, else ``torch.topk``)."""
+        if vsa_kernels.tables_usable(scores):
+            return BlockPlan(layout, tables=vsa_kernels.topk_tables(scores, kk, layout), name="keys")
+        selected = scores.topk(kk, dim=-1, sorted=False).indices  # [B, H, n, kk]
+        return BlockPlan(layout, selected=selected, name="keys")
+
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
         """q, k, v (and optional meta.extra["gate_compress"]): [B, P, H, D] layout order -> [B, P, H, D]."""
         layout = self.check_call(q, k, v, meta)
@@ -106,10 +136,8 @@ class VideoSparseBackend(SparseVideoBackend):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         n = layout.num_tiles
         sparsity = 0.0 if self.is_dense_step(meta) else self.sparsity
-        kk = topk_count(sparsity, n)
-        scores, coarse = self.coarse(q, k, v, layout, scale, with_output=gate is not None)
-        selected = scores.topk(kk, dim=-1, sorted=False).indices  # [B, H, n, kk]
-        fine = self.run_plan(BlockPlan(layout, selected=selected, name="keys"), q, k, v, scale)
+        plan, coarse = self.select(q, k, v, layout, scale, sparsity, with_output=gate is not None)
+        fine = self.run_plan(plan, q, k, v, scale)
         if gate is None:
             return fine
         B, P, H, D = q.shape
@@ -119,7 +147,7 @@ class VideoSparseBackend(SparseVideoBackend):
     def dense_mask(self, grid, **kwargs):
         raise TypeError(
             f"{self.name}'s pattern depends on q and k (top-k over pooled scores); there is no static mask. "
-            "Use VideoSparseBackend.coarse(...) and BlockPlan(layout, selected=...).dense_mask() instead."
+            "Use VideoSparseBackend.select(...)[0].dense_mask() instead."
         )
 
     def config_repr(self) -> str:
