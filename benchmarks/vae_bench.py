@@ -1,18 +1,25 @@
 """Wan VAE decode (diffusers ``AutoencoderKLWan``): time and peak memory per setting, on the GPU.
 
-    python benchmarks/vae_bench.py --ckpt /tmp/wan13b-random [--sizes 480x832,720x1280] [--frames 81]
+    python benchmarks/vae_bench.py --ckpt /tmp/wan13b-random [--sizes 480x832,720x1280] [--frames 81] [--profile]
 
-For each size, decodes one random latent video ([1, 16, (frames-1)/4+1, H/8, W/8]) with each variant:
+For each size, decodes one random latent video ([1, z_dim, (frames-1)/4+1, H/f, W/f]; Wan2.1: 16 channels,
+f = 8) with each variant:
 
 * ``fp32`` / ``bf16``        the VAE's dtype;
 * ``bf16+cudnn-bench``       ``torch.backends.cudnn.benchmark = True`` (cuDNN picks conv algorithms by timing);
 * ``bf16+channels-last``     weights and latents in ``torch.channels_last_3d``;
 * ``...+fused-norms``         the decoder's RMSNorm + SiLU pairs as one Triton pass each
                              (``fastwan.models.vae_norms.fuse_decoder_norms``, what fastwan's generator does);
+* ``...+fast-convs``          and the modules swapped by ``fastwan.models.vae_convs.fast_decoder_convs``
+                             (causal convs padded in time only, conv bias by a Triton kernel, layout-keeping
+                             temporal interleave, nearest upsample as a wide copy);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes).
 
 Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memory above the weights, and the
 max |difference| to the ``bf16`` decode of the same latents (tiling blends tile borders, so it is not exact).
+``--profile`` also prints, per variant, the CUDA kernel time of one decode (torch.profiler) by group and its top
+kernels; ``--ckpt random`` builds the VAE from diffusers' default config (Wan2.1's) with random weights, and
+``--ckpt random-wan2.2`` the Wan2.2-TI2V-5B one (48 latent channels, spatial factor 16).
 """
 from __future__ import annotations
 
@@ -26,7 +33,77 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
-            "bf16+tiling")
+            "bf16+channels-last+fused-norms+fast-convs", "bf16+tiling")
+# the Wan2.2-TI2V-5B VAE's config (its published vae/config.json), for --ckpt random-wan2.2
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                 patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48,
+                 latents_std=[1.0] * 48)
+
+
+def load_vae(ckpt: str, dtype):
+    from diffusers import AutoencoderKLWan
+
+    if ckpt in ("random", "random-wan2.2"):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(**(WAN22_VAE if ckpt == "random-wan2.2" else {})).to(dtype)
+    else:
+        vae = AutoencoderKLWan.from_pretrained(Path(ckpt) / "vae", torch_dtype=dtype)
+    return vae.cuda().eval()
+
+
+def latent_params(ckpt: str) -> tuple[int, int]:
+    """(latent channels, spatial factor) of the VAE, from its config (no weights loaded)."""
+    from diffusers import AutoencoderKLWan
+
+    if ckpt in ("random", "random-wan2.2"):
+        cfg = WAN22_VAE if ckpt == "random-wan2.2" else {}
+    else:
+        cfg = AutoencoderKLWan.load_config(Path(ckpt) / "vae")
+    return cfg.get("z_dim", 16), cfg.get("scale_factor_spatial") or 8
+
+
+def kernel_group(name: str) -> str:
+    n = name.lower()
+    if "memcpy" in n or "memset" in n or "copy" in n or "fillfunctor" in n or "cat" in n.split("<")[0]:
+        return "copy/fill"
+    if any(s in n for s in ("xmma", "fprop", "conv", "implicit", "cutlass", "nvjet", "gemm", "dgrad")):
+        return "conv/gemm"
+    if "nchwtonhwc" in n or "nhwctonchw" in n:
+        return "layout transpose"
+    if "upsample" in n:
+        return "upsample"
+    if "rms_silu" in n:
+        return "fused norm (triton)"
+    return "elementwise/other"
+
+
+def profile_decode(run, label: str, top: int) -> dict:
+    """CUDA kernel time of one ``run()`` by kernel_group, and its ``top`` kernels by total time."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    per, calls, groups = defaultdict(float), defaultdict(int), defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            ms = e.device_time / 1e3
+            per[e.name[:110]] += ms
+            calls[e.name[:110]] += 1
+            groups[kernel_group(e.name)] += ms
+    total = sum(per.values())
+    print(f"--- {label}: CUDA kernel time {total:.1f} ms", flush=True)
+    for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"   {g:22s} {ms:9.1f} ms")
+    rows = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    for k, ms in rows:
+        print(f"      {ms:9.2f} ms  x{calls[k]:<5d} {k}")
+    return {"kernel_total_ms": round(total, 1), "groups_ms": {g: round(v, 1) for g, v in groups.items()},
+            "top": [(k, round(ms, 2), calls[k]) for k, ms in rows]}
 
 
 def decode_fn(vae, z):
@@ -44,31 +121,37 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="vae_bench.json")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one decode per variant")
+    p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
     a = p.parse_args(argv)
-    from diffusers import AutoencoderKLWan
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     lat_t = (a.frames - 1) // 4 + 1
+    z_dim, factor = latent_params(a.ckpt)
     for size in a.sizes.split(","):
         h, w = (int(x) for x in size.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
-        z32 = torch.randn(1, 16, lat_t, h // 8, w // 8, device="cuda", generator=g)
-        ref = None
+        z32 = torch.randn(1, z_dim, lat_t, h // factor, w // factor, device="cuda", generator=g)
+        ref = first = None
         for variant in a.variants.split(","):
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
             torch.backends.cudnn.benchmark = variant == "bf16+cudnn-bench"
-            vae = AutoencoderKLWan.from_pretrained(Path(a.ckpt) / "vae", torch_dtype=dtype).cuda().eval()
+            vae = load_vae(a.ckpt, dtype)
             z = z32.to(dtype)
             if variant.startswith("bf16+channels-last"):
                 for mod in vae.modules():  # the 5-D conv weights (to() would also touch 1-D/2-D tensors)
                     if isinstance(mod, torch.nn.Conv3d):
                         mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 z = z.contiguous(memory_format=torch.channels_last_3d)
-            if variant.endswith("+fused-norms"):
-                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            if "+fused-norms" in variant:
                 from fastwan.models.vae_norms import fuse_decoder_norms
 
                 fuse_decoder_norms(vae)
+            if "+fast-convs" in variant:
+                from fastwan.models.vae_convs import fast_decoder_convs
+
+                print(f"{variant}: fast_decoder_convs swapped {fast_decoder_convs(vae)} modules", flush=True)
             if variant == "bf16+tiling":
                 vae.enable_tiling()
             run = decode_fn(vae, z)
@@ -96,23 +179,29 @@ def main(argv=None) -> int:
                 times.append((time.perf_counter() - t0) * 1e3)
             if variant == "bf16":
                 ref = out.float()
+            if first is None:
+                first = out.float()
             diff = float((out.float() - ref).abs().max()) if ref is not None else None
             row = {"size": size, "frames": a.frames, "variant": variant, "ms": round(statistics.median(times), 1),
                    "times_ms": [round(t, 1) for t in times], "first_s": round(first_s, 2),
-                   "peak_above_weights_gib": round(peak, 2), "max_diff_vs_bf16": diff}
+                   "peak_above_weights_gib": round(peak, 2), "max_diff_vs_bf16": diff,
+                   "max_diff_vs_first_variant": float((out.float() - first).abs().max())}
+            if a.profile:
+                row["profile"] = profile_decode(run, f"{size} {variant}", a.top)
             res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
             del vae, run, out
             torch.cuda.empty_cache()
+        del ref, first
         torch.backends.cudnn.benchmark = False
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"\n{'size':<10} {'variant':<30} {'ms':>9} {'peak GiB':>9} {'max diff':>9}")
+    print(f"\n{'size':<10} {'variant':<42} {'ms':>9} {'peak GiB':>9} {'max diff':>9}")
     for r in res["rows"]:
         if "error" in r:
-            print(f"{r['size']:<10} {r['variant']:<30} {r['error']}")
+            print(f"{r['size']:<10} {r['variant']:<42} {r['error']}")
             continue
         d = "-" if r["max_diff_vs_bf16"] is None else f"{r['max_diff_vs_bf16']:.3f}"
-        print(f"{r['size']:<10} {r['variant']:<30} {r['ms']:>9.1f} {r['peak_above_weights_gib']:>9.2f} {d:>9}")
+        print(f"{r['size']:<10} {r['variant']:<42} {r['ms']:>9.1f} {r['peak_above_weights_gib']:>9.2f} {d:>9}")
     return 0
 
 

@@ -1,0 +1,274 @@
+"""fastwan.models.vae_convs: the swapped ``AutoencoderKLWan`` modules decode and encode like diffusers' own (fp32,
+CPU, Wan2.1 and Wan2.2-style VAEs, 1/5/9 frames, channels-first and channels-last conv weights), which modules are
+swapped and which are left alone, the helpers against diffusers' formulas, and that the swapped decode moves
+fewer bytes through copy/pad/fill ops. On CUDA, also that the decoder stays channels-last throughout."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastwan.models.vae_convs import fast_decoder_convs, interleave_time, time_pad
+from fastwan.models.vae_norms import fuse_decoder_norms
+
+CL3D = torch.channels_last_3d
+
+
+def tiny_vae(kind: str):
+    """Wan2.1's layout (or Wan2.2-TI2V's residual one: DupUp3D / AvgDown3D shortcuts, patchified 12 channels) at
+    4 levels, so both temporal upsamplers run (the second on two-frame chunks) and frames = 4 * latent - 3."""
+    torch.manual_seed(0)
+    kw = dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+    if kind == "residual":
+        kw.update(decoder_base_dim=8, z_dim=6, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                  latents_mean=[0.0] * 6, latents_std=[1.0] * 6)
+    else:
+        kw.update(z_dim=4)
+    return dwan.AutoencoderKLWan(**kw).eval()
+
+
+def make_vae(kind: str, channels_last: bool = False):
+    vae = tiny_vae(kind)
+    with torch.no_grad():  # non-trivial norm weights and biases, so every term of the decode shows
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(torch.linspace(0.5, 1.5, p.numel()).view_as(p))
+            elif name.endswith("bias"):
+                p.copy_(torch.linspace(-0.2, 0.2, p.numel()).view_as(p))
+    if channels_last:  # what fastwan's generator does on CUDA
+        for mod in vae.modules():
+            if isinstance(mod, nn.Conv3d):
+                mod.weight.data = mod.weight.data.contiguous(memory_format=CL3D)
+    return vae
+
+
+def count(vae, name: str) -> int:
+    return sum(type(m).__name__ == name for m in vae.modules())
+
+
+def rel_err(got, want) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["wan2.1", "residual"])
+def test_swap_counts_and_keeps_parameters(kind):
+    vae = make_vae(kind)
+    ref = copy.deepcopy(vae)
+    convs = count(vae, "WanCausalConv3d")
+    resamples = [m for m in vae.modules() if type(m).__name__ == "WanResample"]
+    others = (sum(count(vae, n) for n in ("WanUpsample", "DupUp3D", "WanResidualUpBlock"))
+              + sum(m.mode == "upsample3d" for m in resamples)
+              + sum(type(c) is nn.Conv2d for m in resamples for c in m.resample))
+    n = fast_decoder_convs(vae)
+    assert convs > 0 and others > 0 and n == convs + others
+    assert count(vae, "FastWanCausalConv3d") == convs and count(vae, "WanCausalConv3d") == 0
+    assert sum(isinstance(m, dwan.WanCausalConv3d) for m in vae.modules()) == convs  # still subclasses
+    assert fast_decoder_convs(vae) == 0  # already swapped: left alone
+    sd, rsd = vae.state_dict(), ref.state_dict()
+    assert list(sd) == list(rsd) and all(torch.equal(sd[k], rsd[k]) for k in sd)
+    assert fast_decoder_convs(nn.Sequential(nn.Conv3d(2, 2, 3), nn.Upsample(scale_factor=2.0))) == 0
+    again = pickle.loads(pickle.dumps(vae))  # the swapped classes are found by name
+    assert [type(m) for m in again.modules()] == [type(m) for m in vae.modules()]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+@pytest.mark.parametrize("kind", ["wan2.1", "residual"])
+def test_decode_and_encode_match_diffusers(kind, channels_last):
+    ref = make_vae(kind)  # diffusers' modules, channels-first weights
+    vae = make_vae(kind, channels_last=channels_last)
+    fast_decoder_convs(vae)
+    fuse_decoder_norms(vae)  # as fastwan uses it; the norm swap alone is tested in test_vae_norms.py
+    z_dim = vae.config.z_dim
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for lat_t in (1, 2, 3):  # 1, 5 and 9 frames
+            z = torch.randn(1, z_dim, lat_t, 3, 2, generator=g)
+            got, want = vae.decode(z).sample, ref.decode(z).sample
+            assert got.shape == want.shape and want.shape[2] == 4 * lat_t - 3
+            assert want.std() > 0.01 and rel_err(got, want) <= 1e-5, (lat_t, rel_err(got, want))
+            patch = vae.config.patch_size or 1
+            video = torch.randn(1, vae.config.in_channels // patch**2, 4 * lat_t - 3, 24 * patch, 16 * patch,
+                                generator=g)
+            got, want = vae.encode(video).latent_dist.mean, ref.encode(video).latent_dist.mean
+            assert got.shape == want.shape == (1, z_dim, lat_t, 3, 2)
+            assert rel_err(got, want) <= 1e-5, (lat_t, rel_err(got, want))
+
+
+def test_unexpected_modules_are_left_alone():
+    vae = make_vae("wan2.1")
+    before = fast_decoder_convs(make_vae("wan2.1"))
+    odd_conv = vae.decoder.conv_in
+    odd_conv._padding = (1, 0, 1, 1, 2, 0)  # asymmetric: not what the native conv padding can express
+    reflect = vae.decoder.conv_out
+    reflect.padding_mode = "reflect"
+    ups = [m for m in vae.modules() if type(m).__name__ == "WanUpsample"]
+    ups[0].mode = "bilinear"  # interpolating, not selecting: the fp32 round trip matters
+    res3d = next(m for m in vae.modules() if type(m).__name__ == "WanResample" and m.mode == "upsample3d")
+    del res3d.time_conv
+    res3d.time_conv = nn.Identity()
+    assert fast_decoder_convs(vae) == before - 5  # 2 convs, 1 upsample, 1 resample and its time_conv
+    for m in (odd_conv, reflect, ups[0], res3d):
+        assert not type(m).__name__.startswith("Fast")
+
+
+@pytest.mark.parametrize("cache_t", [None, 0, 1, 2, 3])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_time_pad_is_diffusers_cat_and_pad(cache_t, layout):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 5, 6, generator=g)
+    cache = None if cache_t is None else torch.randn(2, 3, cache_t, 5, 6, generator=g)
+    fmt = CL3D if layout == "cl" else torch.contiguous_format
+    pad = [0, 0, 0, 0, 2, 0]
+    want = x
+    if cache is not None:  # diffusers' WanCausalConv3d.forward with H/W pads left out
+        want = torch.cat([cache, x], 2)
+        pad[4] -= cache_t
+    want = F.pad(want, pad)
+    got = time_pad(x.contiguous(memory_format=fmt), cache, 2, fmt)
+    assert torch.equal(got, want)
+    assert got.is_contiguous(memory_format=fmt)
+
+
+def test_time_pad_rejects_mismatched_cache():
+    with pytest.raises(ValueError, match="does not fit"):
+        time_pad(torch.zeros(1, 3, 2, 4, 4), torch.zeros(1, 3, 2, 4, 5), 2)
+
+
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_interleave_time_is_diffusers_stack_and_keeps_layout(layout):
+    b, c, t, h, w = 1, 3, 2, 4, 5
+    y = torch.randn(b, 2 * c, t, h, w)
+    if layout == "cl":
+        y = y.contiguous(memory_format=CL3D)
+    r = y.reshape(b, 2, c, t, h, w)
+    want = torch.stack((r[:, 0], r[:, 1]), 3).reshape(b, c, 2 * t, h, w)
+    got = interleave_time(y, c)
+    assert torch.equal(got, want)
+    assert got.is_contiguous(memory_format=CL3D if layout == "cl" else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nearest_upsample_in_own_dtype_is_bit_identical(dtype):
+    vae = make_vae("wan2.1")
+    up = next(m for m in vae.modules() if type(m).__name__ == "WanUpsample")
+    ref = copy.deepcopy(up)
+    fast_decoder_convs(up)
+    assert type(up).__name__ == "FastWanUpsample"
+    for c in (4, 3, 6, 8):  # int64 words (bf16/fp16 C % 4 == 0), int32 (C even), or element by element
+        x = torch.randn(3, c, 5, 7).to(dtype)
+        cl = x.contiguous(memory_format=torch.channels_last)
+        for inp in (x, cl, cl[1:], cl[:, :, 1:]):  # offset and strided views too
+            got, want = up(inp), ref(inp)
+            assert got.dtype == dtype and torch.equal(got, want), (c, inp.stride())
+            assert got.is_contiguous(memory_format=torch.channels_last) == want.is_contiguous(
+                memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("first_chunk", [False, True])
+def test_dup_up_matches_and_keeps_layout(first_chunk):
+    # repeats = F (= ft*fs*fs), fs*fs, fs, 1 (views of x), then 8 > F and 2 (not trailing factors: the repeat)
+    mods = [dwan.DupUp3D(8, 8, 2, 2), dwan.DupUp3D(8, 4, 2, 2), dwan.DupUp3D(8, 2, 2, 2), dwan.DupUp3D(16, 2, 2, 2),
+            dwan.DupUp3D(4, 8, 1, 2), dwan.DupUp3D(9, 1, 2, 3)]
+    for mod in mods:
+        ref = copy.deepcopy(mod)
+        assert fast_decoder_convs(mod) == 1
+        x = torch.randn(1, mod.in_channels, 3, 4, 5)
+        for inp in (x, x.contiguous(memory_format=CL3D)):
+            got = mod(inp, first_chunk=first_chunk)
+            assert torch.equal(got, ref(x, first_chunk=first_chunk))
+            if inp is not x or not first_chunk:  # (a time slice of a channels-first tensor is not dense)
+                assert got.is_contiguous(memory_format=CL3D if inp is not x else torch.contiguous_format)
+
+
+class CopyBytes(TorchDispatchMode):
+    """Bytes written by ops that only move or fill data."""
+
+    OPS = {"cat", "constant_pad_nd", "copy_", "clone", "fill_", "zero_", "stack", "_to_copy", "zeros_like",
+           "repeat_interleave", "index_select", "upsample_nearest2d", "_upsample_nearest_exact2d"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in self.OPS:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def test_swapped_decode_copies_less():
+    ref = make_vae("wan2.1").to(torch.bfloat16)
+    vae = copy.deepcopy(ref)
+    fast_decoder_convs(vae)
+    z = torch.randn(1, 4, 3, 3, 2, dtype=torch.bfloat16)
+    moved = {}
+    with torch.no_grad():
+        for name, m in (("diffusers", ref), ("fast", vae)):
+            with CopyBytes() as cb:
+                out = m.decode(z).sample
+            moved[name] = (cb.bytes, out)
+    assert torch.equal(moved["fast"][1], moved["diffusers"][1]) or rel_err(moved["fast"][1].float(),
+                                                                           moved["diffusers"][1].float()) < 2e-2
+    assert moved["fast"][0] < 0.75 * moved["diffusers"][0], {k: v[0] for k, v in moved.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN picks channels-last outputs)")
+def test_cuda_decoder_stays_channels_last():
+    vae = make_vae("wan2.1", channels_last=True).cuda().to(torch.bfloat16)
+    ref = copy.deepcopy(vae)
+    fast_decoder_convs(vae)
+    fuse_decoder_norms(vae)
+    fuse_decoder_norms(ref)
+    seen = []  # the up blocks' residual blocks (the mid block's attention output is channels-first: not ours)
+    for name, blk in vae.decoder.up_blocks.named_modules():
+        if type(blk).__name__ == "WanResidualBlock":
+            blk.register_forward_pre_hook(
+                lambda m, a, name=name: seen.append((name, tuple(a[0].shape), a[0].stride())))
+    z = torch.randn(1, 4, 3, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL3D)
+    with torch.no_grad():
+        got, want = vae.decode(z).sample, ref.decode(z).sample
+    assert seen
+    bad = [s for s in seen if not torch.empty_strided(s[1], s[2]).is_contiguous(memory_format=CL3D)]
+    assert not bad, bad
+    assert rel_err(got.float(), want.float()) < 1e-2, rel_err(got.float(), want.float())
+
+
+BIAS_SCRIPT = r"""
+import torch
+from fastwan.models import vae_convs
+
+vae_convs.bias_kernel_ok = lambda y, b: vae_convs._dense_layout(y) is not None  # CPU tensors through Triton
+n = 0
+for shape in [(2, 5, 3, 4, 7), (1, 96, 2, 3, 5), (1, 3, 1, 9, 8), (2, 6, 5, 7), (1, 384, 1, 2, 3)]:
+    g = torch.Generator().manual_seed(shape[1])
+    y, b = torch.randn(*shape, generator=g), torch.randn(shape[1], generator=g)
+    want = y + b.view((1, -1) + (1,) * (y.dim() - 2))
+    cl = torch.channels_last_3d if y.dim() == 5 else torch.channels_last
+    for yin in (y.clone(), y.contiguous(memory_format=cl)):
+        got = vae_convs.add_channel_bias_(yin, b)
+        assert got is yin and torch.equal(got, want), shape
+        n += 1
+print("CHECKED", n)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_bias_kernel_under_the_interpreter():
+    """The Triton bias add (both layouts, C not a power of two, 4-D and 5-D) equals PyTorch's add, fp32."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", BIAS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CHECKED 10" in out.stdout
