@@ -1,0 +1,73 @@
+"""Cross-attention kernels at the Wan shapes: q [B, S, H, 128] against the 512 text keys/values [B, 512, H, 128].
+
+    python benchmarks/cross_bench.py
+
+FA4 (flash_attn.cute) with several sm90 tiles, and PyTorch SDPA with cuDNN, FA2 and the memory-efficient kernel;
+per case 3 rounds of 50 back-to-back calls between two CUDA events (median), and the max difference against the
+first kernel's output. Needs a GPU with flash-attn-4 installed.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = [(1, 32760, 12), (2, 32760, 12), (1, 75600, 40)]  # 1.3B 480p (B=1, B=2), 14B 720p
+FA4_TILES = [(128, 128, True), (192, 128, False), (128, 176, True), (64, 128, True), (128, 64, True),
+             (192, 64, False)]  # (tile_m, tile_n, mma_pv_is_rs)
+SDPA = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+
+
+def span_ms(fn, calls: int = 50, rounds: int = 3) -> float:
+    out = []
+    for _ in range(rounds):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / calls)
+    return statistics.median(out)
+
+
+@torch.no_grad()
+def main() -> None:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    for b, n, h in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        flops = 4 * b * h * n * 512 * 128
+        fns = {}
+        for tm, tn, rs in FA4_TILES:
+            fns[f"fa4 {tm}x{tn}{' rs' if rs else ''}"] = lambda tm=tm, tn=tn, rs=rs, qkv=(q, k, v): _flash_attn_fwd(
+                *qkv, softmax_scale=128 ** -0.5, tile_mn=(tm, tn), mma_pv_is_rs=rs, intra_wg_overlap=True)[0]
+        for name, be in SDPA:
+            def sdpa(be=be, qkv=(q, k, v)):
+                with sdpa_kernel([be]):
+                    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv)).transpose(1, 2)
+            fns[name] = sdpa
+        ref = None
+        for name, fn in fns.items():
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a tile the kernel cannot build, a backend PyTorch refuses
+                print(f"{b}x{n}x{h} {name}: cannot run ({type(exc).__name__}: {str(exc)[:100]})")
+                continue
+            ref = out if ref is None else ref
+            ms = span_ms(fn)
+            err = float((out.float() - ref.float()).abs().max())
+            print(f"{b}x{n}x{h} {name:18s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  max diff {err:.1e}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
