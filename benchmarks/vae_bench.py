@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
-            "bf16+channels-last+fused-norms+fast-convs", "bf16+tiling")
+            "bf16+channels-last+fused-norms+fast-convs", "bf16+channels-last+fused-norms+fast-convs+cudnn-bench",
+            "bf16+tiling")
 # the Wan2.2-TI2V-5B VAE's config (its published vae/config.json), for --ckpt random-wan2.2
 WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         ref = first = None
         for variant in a.variants.split(","):
             dtype = torch.float32 if variant == "fp32" else torch.bfloat16
-            torch.backends.cudnn.benchmark = variant == "bf16+cudnn-bench"
+            torch.backends.cudnn.benchmark = variant.endswith("cudnn-bench")
             vae = load_vae(a.ckpt, dtype)
             z = z32.to(dtype)
             if variant.startswith("bf16+channels-last"):
