@@ -105,6 +105,8 @@ def test_forward_cfg_equals_two_forwards(tiny_ckpts, variant):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one sample"):
         model.forward_cfg(torch.cat([x, x]), ts, cond, uncond)
+    with pytest.raises(ValueError, match="same length"):
+        model.forward_cfg(x, ts, cond, uncond[:, :5])
 
 
 def test_auto_cfg_mode(tiny_ckpts):

@@ -473,6 +473,11 @@ class WanTransformer(nn.Module):
                 f"forward_cfg takes one sample: latents batch {latents.shape[0]}, text batch {text.shape[0]}, "
                 f"text_uncond batch {text_uncond.shape[0]} (each must be 1); call forward() for batches."
             )
+        if text.shape[1:] != text_uncond.shape[1:]:
+            raise ValueError(
+                f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
+                "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
+            )
         x, rope, temb, mod, context, grid, layout = self._embed(
             latents, timestep, torch.cat([text, text_uncond.to(text.dtype)]))
         fused_ok = fused.usable(x)
