@@ -14,22 +14,14 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from fastwan.profiler.core import span_time
+
 CASES = [(96, 6, 480, 832), (192, 6, 240, 416), (384, 3, 120, 208)]
 
 
-def span_ms(fn, calls: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / calls)
-    return statistics.median(out)
+def span_ms(fn, calls: int = 10, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
+    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fastwan.profiler.core import span_time
+
 SHAPES = [(1, 32760, 12), (2, 32760, 12), (1, 75600, 40)]  # 1.3B 480p (B=1, B=2), 14B 720p
 FA4_TILES = [(128, 128, True), (192, 128, False), (128, 176, True), (64, 128, True), (128, 64, True),
              (192, 64, False)]  # (tile_m, tile_n, mma_pv_is_rs)
@@ -22,18 +24,8 @@ SDPA = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTIO
 
 
 def span_ms(fn, calls: int = 50, rounds: int = 3) -> float:
-    out = []
-    for _ in range(rounds):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / calls)
-    return statistics.median(out)
+    """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
+    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
 
 
 @torch.no_grad()

@@ -51,7 +51,7 @@ from fastwan.attention.sparse import kernels as sk  # noqa: E402
 from fastwan.attention.sparse import vsa_kernels  # noqa: E402
 from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
 from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
-from fastwan.profiler.core import time_fn  # noqa: E402
+from fastwan.profiler.core import span_time, time_fn  # noqa: E402
 
 GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
 KERNEL_TIME = False  # --kernel-time
@@ -150,15 +150,7 @@ def cuda_time(fn, iters, warmup=2):
 
 def stream_ms(fn, calls: int) -> float:
     """ms per call of ``calls`` back-to-back calls timed as one span (CUDA events, one sync at the end)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return span_time(fn, calls=calls, device=torch.device("cuda"))
 
 
 def graph_ms(fn, calls=10, replays=5) -> float:

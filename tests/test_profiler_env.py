@@ -212,6 +212,19 @@ def test_time_fn_counts_calls():
     assert len(times) == 5 and len(calls) == 7 and all(t >= 0 for t in times)
 
 
+def test_span_time_counts_calls():
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = core.span_time(fn, calls=4, device=torch.device("cpu"))
+    assert len(calls) == 5 and 2.0 <= ms < 50  # one warm-up call, then 4 timed; ms per call
+
+
 def test_profiler_backend_config(tmp_path):
     """--config NAME=JSON reaches the backend (the window shows in the JSON result); bad names are refused."""
     import json

@@ -132,6 +132,26 @@ def time_fn(fn: Callable[[], Any], *, warmup: int, iters: int, device: torch.dev
     return times
 
 
+def span_time(fn: Callable[[], Any], *, calls: int, device: torch.device) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls timed as one span, after one warm-up call: on a GPU
+    two CUDA events and one synchronisation at the end (the host queues ahead, as in a denoising loop, so launch
+    latency is hidden), perf_counter on CPU."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 # ---- planning --------------------------------------------------------------------------------------------
 
 def _free_bytes(device: torch.device) -> int | None:
