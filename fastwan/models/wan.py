@@ -440,11 +440,16 @@ class WanTransformer(nn.Module):
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
         x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
-        pending = None
-        for i, block in enumerate(self.blocks):
-            meta = self._meta(grid, layout, i, step_index, num_steps)
-            x, pending = block(x, context, mod, rope, self.attention, meta, fused_ok=fused_ok, pending=pending)
+        x, pending = self._blocks(0, x, None, context, mod, rope, grid, layout, fused_ok, step_index, num_steps)
         return self._head(x, pending, temb, grid, layout)
+
+    def _blocks(self, start: int, x, pending, context, mod, rope, grid, layout, fused_ok, step_index, num_steps):
+        """Blocks ``start`` .. last on x [B, S, C] (and the previous block's pending residual) -> (x, pending)."""
+        for i in range(start, len(self.blocks)):
+            meta = self._meta(grid, layout, i, step_index, num_steps)
+            x, pending = self.blocks[i](x, context, mod, rope, self.attention, meta, fused_ok=fused_ok,
+                                        pending=pending)
+        return x, pending
 
     def forward_cfg(
         self,
@@ -487,9 +492,7 @@ class WanTransformer(nn.Module):
 
         def rest(x, h, ctx):
             x, pending = text_half(x, h, ctx, mod, attn, fused_ok)
-            for i, block in enumerate(self.blocks[1:], start=1):
-                x, pending = block(x, ctx, mod, rope, attn, self._meta(grid, layout, i, step_index, num_steps),
-                                   fused_ok=fused_ok, pending=pending)
+            x, pending = self._blocks(1, x, pending, ctx, mod, rope, grid, layout, fused_ok, step_index, num_steps)
             return self._head(x, pending, temb, grid, layout)
 
         if batched:
