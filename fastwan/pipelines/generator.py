@@ -344,16 +344,16 @@ class VideoGenerator:
             kw = {"step_index": i, "num_steps": n}
             if do_cfg and (i < gate_at or delta is None):
                 # cond and uncond share the latents: their common start (up to block 0's cross-attention) once
-                pos, neg = model.forward_cfg(x, self._timestep(t, 1, tokens), cond, uncond, batched=batched, **kw)
+                pos, neg = model.forward_cfg(x, self._timestep(t, tokens), cond, uncond, batched=batched, **kw)
                 forwards += 2
                 delta = pos - neg
                 pred = neg + gs * delta
             elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
-                pos = model(x, self._timestep(t, 1, tokens), cond, **kw)
+                pos = model(x, self._timestep(t, tokens), cond, **kw)
                 forwards += 1
                 pred = pos + (gs - 1.0) * delta
             else:
-                pred = model(x, self._timestep(t, 1, tokens), cond, **kw)
+                pred = model(x, self._timestep(t, tokens), cond, **kw)
                 forwards += 1
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
         return latents, forwards
@@ -369,11 +369,11 @@ class VideoGenerator:
                     tokens)
         return batched
 
-    def _timestep(self, t: torch.Tensor, batch: int, tokens: int) -> torch.Tensor:
-        """Scalar timestep per sample [B], or per token [B, S] for checkpoints with expand_timesteps (TI2V)."""
+    def _timestep(self, t: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The timestep of one sample: [1], or per token [1, S] for checkpoints with expand_timesteps (TI2V)."""
         if self.checkpoint.expand_timesteps:
-            return t.to(torch.float32).expand(batch, tokens)  # a view: no host round trip
-        return t.expand(batch)
+            return t.to(torch.float32).expand(1, tokens)  # a view: no host round trip
+        return t.expand(1)
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""

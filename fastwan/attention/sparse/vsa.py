@@ -62,6 +62,12 @@ def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
                                       layout.tile_tokens, layout.real_prefix_tiles)
 
 
+def coarse_output(scores: torch.Tensor, vc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention over tiles: scaled scores fp32 [B, H, n, n] and pooled values fp32 [B, n, H, D] -> [B, n, H, D]
+    in ``dtype``."""
+    return torch.matmul(torch.softmax(scores, dim=-1), vc.transpose(1, 2)).transpose(1, 2).to(dtype)
+
+
 class VideoSparseBackend(SparseVideoBackend):
     name = "VIDEO_SPARSE_ATTN"
     KEYS = ("sparsity",) + SparseVideoBackend.COMMON_KEYS
@@ -88,9 +94,7 @@ class VideoSparseBackend(SparseVideoBackend):
         scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
         if not with_output:
             return scores, None
-        vc = tile_pool(v, layout).transpose(1, 2)
-        out = torch.matmul(torch.softmax(scores, dim=-1), vc)
-        return scores, out.transpose(1, 2).to(q.dtype)
+        return scores, coarse_output(scores, tile_pool(v, layout), q.dtype)
 
     def select(self, q, k, v, layout: TokenLayout, scale: float, sparsity: float, with_output: bool = False
                ) -> tuple[BlockPlan, torch.Tensor | None]:
@@ -111,9 +115,7 @@ class VideoSparseBackend(SparseVideoBackend):
         scores = torch.matmul(qc, kc.transpose(-1, -2))
         coarse = None
         if with_output:
-            scores.mul_(scale)
-            coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled[2].transpose(1, 2))
-            coarse = coarse.transpose(1, 2).to(q.dtype)
+            coarse = coarse_output(scores.mul_(scale), pooled[2], q.dtype)
         return self.plan_from_scores(scores, layout, kk), coarse
 
     def plan_from_scores(self, scores: torch.Tensor, layout: TokenLayout, kk: int) -> BlockPlan:
