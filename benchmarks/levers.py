@@ -41,6 +41,13 @@ VARIANTS = {  # label: how the model is set up (missing keys: False / None / "au
     # run without them, as before they existed
     "gelu+fn": {"compile": True, "gelu": True, "fn": True},
     "gelu+fn+t128": {"compile": True, "gelu": True, "fn": True, "tile": 128},
+    # Inductor's GEMM autotuning (cuBLAS against its Triton templates, per shape; plain and with the persistent
+    # TMA templates for sm90)
+    "gelu+fn+autotune": {"compile": True, "gelu": True, "fn": True,
+                         "options": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}},
+    "gelu+fn+autotune-tma": {"compile": True, "gelu": True, "fn": True,
+                             "options": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON",
+                                         "triton.enable_persistent_tma_matmul": True}},
 }
 
 

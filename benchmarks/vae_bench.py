@@ -13,7 +13,9 @@ f = 8) with each variant:
 * ``...+fast-convs``          and the modules swapped by ``fastwan.models.vae_convs.fast_decoder_convs``
                              (causal convs padded in time only, conv bias by a Triton kernel, layout-keeping
                              temporal interleave, nearest upsample as a wide copy);
-* ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes).
+* ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes);
+* any of them ``+chunkN``    decoded by ``fastwan.models.vae_decode.decode_latents`` with N latent frames per
+                             decoder call after the first (``+chunkauto``: its size rule), instead of one.
 
 Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memory above the weights, and the
 max |difference| to the ``bf16`` decode of the same latents (tiling blends tile borders, so it is not exact).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -107,10 +110,21 @@ def profile_decode(run, label: str, top: int) -> dict:
             "top": [(k, round(ms, 2), calls[k]) for k, ms in rows]}
 
 
-def decode_fn(vae, z):
+def decode_fn(vae, z, chunk=None):
+    """One decode: diffusers' ``vae.decode`` (frame by frame), or fastwan's ``decode_latents`` with ``chunk``."""
+    from fastwan.models.vae_decode import decode_latents
+
     def run():
-        return vae.decode(z, return_dict=False)[0]
+        if chunk is None:
+            return vae.decode(z, return_dict=False)[0]
+        return decode_latents(vae, z, chunk)
     return run
+
+
+def chunk_of(variant: str):
+    """The ``+chunkN`` / ``+chunkauto`` suffix of a variant (latent frames per decoder call), else None."""
+    m = re.search(r"\+chunk(\d+|auto)\b", variant)
+    return None if m is None else (m.group(1) if m.group(1) == "auto" else int(m.group(1)))
 
 
 @torch.no_grad()
@@ -136,8 +150,8 @@ def main(argv=None) -> int:
         z32 = torch.randn(1, z_dim, lat_t, h // factor, w // factor, device="cuda", generator=g)
         ref = first = None
         for variant in a.variants.split(","):
-            dtype = torch.float32 if variant == "fp32" else torch.bfloat16
-            torch.backends.cudnn.benchmark = variant.endswith("cudnn-bench")
+            dtype = torch.float32 if variant.startswith("fp32") else torch.bfloat16
+            torch.backends.cudnn.benchmark = "cudnn-bench" in variant
             vae = load_vae(a.ckpt, dtype)
             z = z32.to(dtype)
             if variant.startswith("bf16+channels-last"):
@@ -153,9 +167,9 @@ def main(argv=None) -> int:
                 from fastwan.models.vae_convs import fast_decoder_convs
 
                 print(f"{variant}: fast_decoder_convs swapped {fast_decoder_convs(vae)} modules", flush=True)
-            if variant == "bf16+tiling":
+            if variant.startswith("bf16+tiling"):
                 vae.enable_tiling()
-            run = decode_fn(vae, z)
+            run = decode_fn(vae, z, chunk_of(variant))
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

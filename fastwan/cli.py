@@ -30,9 +30,25 @@ def _generate_parser(sub) -> None:
                    help="CFG as one batch of 2, two passes, or auto (two passes for large videos on CUDA)")
     p.add_argument("--vae-tiling", action="store_true",
                    help="decode in spatial tiles (diffusers' VAE tiling): ~5x less decode memory, ~2x slower decode")
+    p.add_argument("--vae-chunk-frames", type=_chunk_arg, default="auto",
+                   help="latent frames per VAE decoder call after the first: auto (default) or an int >= 1 "
+                        "(1 = diffusers' frame-by-frame decode; more = faster, more decode memory)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def _chunk_arg(text: str):
+    """--vae-chunk-frames: 'auto' or an int >= 1 (argparse turns the ValueError into a usage error)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (1 = frame-by-frame decode)")
+    return value
 
 
 def _run_generate(args) -> int:
@@ -46,6 +62,7 @@ def _run_generate(args) -> int:
         args.model, device=device, dtype=getattr(torch, dtype_name), attention_backend=args.attention_backend,
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
+        vae_chunk_frames=args.vae_chunk_frames,
     )
     res = gen.generate_video(
         args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import imageio.v3 as iio
 
 
@@ -43,3 +45,9 @@ def test_cli_vae_tiling_reaches_the_generator(monkeypatch):
     assert cli.main(["generate", "--prompt", "x", "--vae-tiling"]) == 2
     assert seen["vae_tiling"] is True
     assert cli.main(["generate", "--prompt", "x"]) == 2 and seen["vae_tiling"] is False
+    assert seen["vae_chunk_frames"] == "auto"
+    assert cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", "3"]) == 2 and seen["vae_chunk_frames"] == 3
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])
+        assert e.value.code == 2

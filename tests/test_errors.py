@@ -221,6 +221,18 @@ def test_bad_vae_tiling(tiny_ckpts, monkeypatch, value, exc, words):
         VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", vae_tiling=value)
 
 
+@pytest.mark.parametrize("value", [0, -2, 1.5, "fast", None, True])
+def test_bad_vae_chunk_frames(tiny_ckpts, monkeypatch, value):
+    from fastwan.pipelines import generator
+
+    def no_load(*a, **k):
+        raise AssertionError("a component was loaded before vae_chunk_frames was checked")
+
+    monkeypatch.setattr(generator, "load_transformer", no_load)
+    with pytest.raises(ValueError, match=re.escape(f"vae_chunk_frames={value!r} must be 'auto' or an int >= 1")):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", vae_chunk_frames=value)
+
+
 def test_vae_tiling_factor_follows_the_checkpoint(tiny_ckpts):
     """Wan2.2 TI2V's VAE compresses 16x in space: 40 px tiles are refused there."""
     with pytest.raises(ValueError, match="spatial factor 16"):

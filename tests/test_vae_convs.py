@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastwan.models.vae_convs import fast_decoder_convs, interleave_time, time_pad
+from fastwan.models.vae_decode import AUTO_CHUNK_PIXEL_FRAMES, auto_chunk, decode_latents
 from fastwan.models.vae_norms import fuse_decoder_norms
 
 CL3D = torch.channels_last_3d
@@ -102,6 +103,45 @@ def test_decode_and_encode_match_diffusers(kind, channels_last):
             got, want = vae.encode(video).latent_dist.mean, ref.encode(video).latent_dist.mean
             assert got.shape == want.shape == (1, z_dim, lat_t, 3, 2)
             assert rel_err(got, want) <= 1e-5, (lat_t, rel_err(got, want))
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["diffusers-modules", "fastwan-modules"])
+@pytest.mark.parametrize("kind", ["wan2.1", "residual"])
+def test_chunked_decode_matches_frame_by_frame(kind, swapped):
+    """decode_latents with 1-5 latent frames per decoder call after the first = diffusers' frame-by-frame
+    decode (fp32), for frame counts that the chunks divide and that leave a short last chunk."""
+    ref = make_vae(kind)
+    vae = make_vae(kind, channels_last=swapped)
+    if swapped:
+        fast_decoder_convs(vae)
+        fuse_decoder_norms(vae)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for lat_t in (1, 2, 6):
+            z = torch.randn(1, vae.config.z_dim, lat_t, 3, 2, generator=g)
+            want = ref.decode(z).sample
+            for chunk in (1, 2, 3, 5, "auto"):
+                got = decode_latents(vae, z, chunk)
+                assert got.shape == want.shape and want.shape[2] == 4 * lat_t - 3
+                assert rel_err(got, want) <= 1e-5, (lat_t, chunk, rel_err(got, want))
+            assert all(c is None for c in vae._feat_map)  # the cache is cleared after the decode
+
+
+def test_chunked_decode_sizes_and_errors():
+    vae = make_vae("wan2.1")
+    assert auto_chunk(vae, 480, 832) == AUTO_CHUNK_PIXEL_FRAMES // (4 * 480 * 832) == 2
+    assert auto_chunk(vae, 720, 1280) == 1 and auto_chunk(vae, 64, 64) > 20
+    z = torch.zeros(1, vae.config.z_dim, 2, 3, 2)
+    for bad in (0, -1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match="vae_chunk_frames=.*'auto' or an int >= 1"):
+            decode_latents(vae, z, bad)
+    with pytest.raises(ValueError, match=r"\[B, C, F, h, w\]"):
+        decode_latents(vae, z[0], 1)
+    vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                      tile_sample_stride_width=8)
+    z = torch.randn(1, vae.config.z_dim, 2, 4, 4, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # larger than a tile: diffusers' tiled decode itself
+        assert torch.equal(decode_latents(vae, z, 2), vae.decode(z).sample)
 
 
 def test_unexpected_modules_are_left_alone():
@@ -263,6 +303,96 @@ for shape in [(2, 5, 3, 4, 7), (1, 96, 2, 3, 5), (1, 3, 1, 9, 8), (2, 6, 5, 7), 
         n += 1
 print("CHECKED", n)
 """
+
+
+STACK_SCRIPT = r"""
+import copy
+import torch
+from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
+from fastwan.models import vae_convs
+from fastwan.models.vae_decode import decode_latents
+
+vae_convs._kernel_device = lambda x: True  # CPU tensors through the Triton interpreter
+vae_convs.STACK_TAPS_DTYPES = (torch.float32,)
+vae_convs.bias_kernel_ok = lambda y, b: False
+CL = torch.channels_last_3d
+n = 0
+g = torch.Generator().manual_seed(0)
+CASES = [(1, 5, 3, None, 2), (2, 3, 1, 1, 2), (1, 4, 2, 2, 2), (1, 6, 1, 3, 2), (2, 4, 3, 2, 1)]
+for (b, c, t, cache_t, pad_t) in CASES:
+    x = torch.randn(b, c, t, 3, 5, generator=g).contiguous(memory_format=CL)
+    cache = None if cache_t is None else torch.randn(b, c, cache_t, 3, 5, generator=g).contiguous(memory_format=CL)
+    got = vae_convs.stack_time_taps(x, cache, pad_t, pad_t + 1)
+    padded = vae_convs.time_pad(x, cache, pad_t)
+    want = torch.cat([padded[:, :, i:i + t] for i in range(pad_t + 1)], 1).permute(0, 2, 1, 3, 4).reshape(
+        b * t, (pad_t + 1) * c, 3, 5)
+    assert torch.equal(got, want), (b, c, t, cache_t, pad_t)
+    n += 1
+# a whole decode through the stacked route (every conv of the tiny VAE has <= 96 channels) = diffusers'
+torch.manual_seed(0)
+ref = dwan.AutoencoderKLWan(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], z_dim=4).eval()
+vae = copy.deepcopy(ref)
+for mod in vae.modules():
+    if isinstance(mod, torch.nn.Conv3d):
+        mod.weight.data = mod.weight.data.contiguous(memory_format=CL)
+vae_convs.fast_decoder_convs(vae)
+calls = []
+orig = vae_convs.stacked_taps_conv
+vae_convs.stacked_taps_conv = lambda *a: calls.append(1) or orig(*a)
+z = torch.randn(1, 4, 3, 3, 2, generator=g).contiguous(memory_format=CL)
+with torch.no_grad():
+    want = ref.decode(z).sample
+    for chunk in (1, 2):
+        got = decode_latents(vae, z, chunk)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (chunk, err)
+        n += 1
+assert len(calls) > 20, len(calls)
+print("CHECKED", n)
+"""
+
+
+def test_stacked_taps_conv_equals_conv3d():
+    """The stacked-taps conv2d route (PyTorch stacking on the CPU) = time_pad + conv3d, fp32: caches of 0-3
+    frames, batch 2, a conv with bias and one without, and a 1x3x3 kernel with 1-frame time padding."""
+    from fastwan.models.vae_convs import stacked_taps_conv
+
+    g = torch.Generator().manual_seed(4)
+    for (b, c, o, k, t, cache_t, bias) in [(1, 6, 5, (3, 3, 3), 4, None, True), (2, 4, 7, (3, 3, 3), 1, 1, True),
+                                           (1, 5, 5, (3, 3, 3), 2, 2, False), (1, 3, 4, (3, 1, 1), 3, 3, True),
+                                           (2, 4, 4, (2, 3, 3), 2, 2, True)]:
+        torch.manual_seed(b * 100 + c)
+        conv = dwan.WanCausalConv3d(c, o, k, padding=(1, k[1] // 2, k[2] // 2))
+        conv._padding = conv._padding[:4] + (k[0] - 1, 0)  # causal: kt - 1 frames (diffusers: 2 * padding[0])
+        if not bias:
+            conv.bias = None
+        pt = conv._padding[4]
+        x = torch.randn(b, c, t, 5, 6, generator=g).contiguous(memory_format=CL3D)
+        cache = None if cache_t is None else torch.randn(b, c, cache_t, 5, 6, generator=g)
+        with torch.no_grad():
+            want = conv(x, cache)  # diffusers' own forward
+            got = stacked_taps_conv(conv, x, cache, pt)
+        assert got.shape == want.shape and rel_err(got, want) <= 1e-5, (b, c, k, cache_t, rel_err(got, want))
+
+
+def test_stacked_taps_only_where_measured():
+    from fastwan.models.vae_convs import STACK_TAPS_MAX_CHANNELS, stacked_taps_ok
+
+    conv = dwan.WanCausalConv3d(8, 8, 3, padding=1)
+    x = torch.zeros(1, 8, 2, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL3D)
+    assert not stacked_taps_ok(conv.to(torch.bfloat16), x, 2)  # CPU
+    assert STACK_TAPS_MAX_CHANNELS == 96
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_stack_kernel_under_the_interpreter():
+    """The Triton stacking kernel = time_pad's frames stacked along channels (caches of 0-3 frames, batch 2,
+    C not a power of two), and a tiny Wan2.1 decode through the stacked route = diffusers' (fp32, chunks 1, 2)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", STACK_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CHECKED 7" in out.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")

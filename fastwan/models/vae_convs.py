@@ -184,13 +184,129 @@ def _conv(conv, x, weight, bias, stride, padding, dilation, groups):
 
 class CausalConv3dMixin:
     """Mixin for ``WanCausalConv3d``: H/W zero padding by the conv itself, time padding (cache + zeros) built
-    once, no copy at all when there is no time padding; the bias by :func:`add_channel_bias_` on CUDA."""
+    once, no copy at all when there is no time padding; the bias by :func:`add_channel_bias_` on CUDA; narrow
+    convolutions as one conv2d over stacked time taps (:func:`stacked_taps_ok`)."""
 
     def forward(self, x, cache_x=None):
         pw, ph, pt = self._padding[0], self._padding[2], self._padding[4]
+        if pt > 0 and stacked_taps_ok(self, x, pt):
+            return stacked_taps_conv(self, x, cache_x, pt)
         if pt > 0:  # diffusers ignores the cache of a conv without time padding, and so does this
             x = time_pad(x, cache_x, pt, _layout_like(x, self.weight))
         return _conv(F.conv3d, x, self.weight, self.bias, self.stride, (0, ph, pw), self.dilation, self.groups)
+
+
+# -- narrow 3-D convolutions as one conv2d over stacked time taps ------------------------------------------------
+# cuDNN 9.19 runs the Wan2.1 decoder's full-resolution 96-channel 3x3x3 convolution with an sm80 kernel at ~245
+# TFLOP/s on an H100, while the same sums as a conv2d over 3 x 96 stacked channels run at ~510 (RESULTS.md 11.2;
+# 192 and 384 channels: conv3d is as fast or faster). Convolutions with at most this many input channels take the
+# stacked route on CUDA in half precision.
+STACK_TAPS_MAX_CHANNELS = 96
+STACK_TAPS_DTYPES = (torch.bfloat16, torch.float16)  # where it was measured
+
+
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Whether x lives where the Triton kernels run (CUDA; the interpreter tests widen this)."""
+    return x.is_cuda
+
+
+def stacked_taps_ok(conv: nn.Conv3d, x: torch.Tensor, pad_t: int) -> bool:
+    """Whether ``conv`` (a causal conv with ``pad_t`` frames of time padding) on ``x`` takes
+    :func:`stacked_taps_conv`: CUDA, bf16/fp16, at most ``STACK_TAPS_MAX_CHANNELS`` input channels, a dense
+    channels-last x, time stride and dilation 1, one group, kernel time size pad_t + 1 (causal), and no autograd."""
+    w = conv.weight
+    return (_kernel_device(x) and x.dtype in STACK_TAPS_DTYPES and w.dtype == x.dtype
+            and x.shape[1] <= STACK_TAPS_MAX_CHANNELS and conv.groups == 1 and conv.stride[0] == 1
+            and conv.dilation[0] == 1 and w.shape[2] == pad_t + 1 and x.shape[2] > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and _dense_layout(x) == "cl" and triton_ok())
+
+
+@functools.cache
+def _stack_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stack_taps(X, CACHE, OUT, T, TC, P, C, PAD_T, Z, N, KT: tl.constexpr, BP: tl.constexpr,
+                   BC: tl.constexpr):
+        # program (pixel block, b * T * KT + t * KT + i): tap i of output frame t of sample b. Its source is frame
+        # j = t + i of [Z zero frames, the last N cached frames, x]; all tensors channels-last (rows of C values).
+        pid = tl.program_id(1)
+        i = pid % KT
+        t = (pid // KT) % T
+        b = pid // (KT * T)
+        j = t + i
+        p = (tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP))[:, None]
+        c = tl.arange(0, BC)[None, :]
+        m = (p < P) & (c < C)
+        jj = tl.zeros([BP, 1], dtype=tl.int32) + j  # the source frame as a tensor, for the masks
+        from_x = m & (jj >= PAD_T)
+        from_cache = m & (jj >= Z) & (jj < PAD_T)
+        xrow = (b.to(tl.int64) * T + (j - PAD_T)) * P
+        crow = (b.to(tl.int64) * TC + (TC - N + j - Z)) * P
+        v = tl.load(X + (xrow + p) * C + c, mask=from_x, other=0.0)
+        v += tl.load(CACHE + (crow + p) * C + c, mask=from_cache, other=0.0)
+        orow = (b.to(tl.int64) * T + t) * P
+        tl.store(OUT + (orow + p) * (KT * C) + i * C + c, v, mask=m)
+
+    return stack_taps
+
+
+def stack_time_taps(x: torch.Tensor, cache: torch.Tensor | None, pad_t: int, kt: int) -> torch.Tensor:
+    """The time taps of a causal conv stacked along channels.
+
+    x: [B, C, T, H, W] channels-last; cache: [B, C, Tc, H, W] (the last frames of the previous chunk) or None.
+    Returns [B * T, kt * C, H, W] channels-last whose frame (b, t) holds, in channel blocks i = 0..kt-1, frame
+    t + i of [zeros, last cached frames, x] (``pad_t`` frames in front of x, as :func:`time_pad` builds them).
+    On CUDA one Triton kernel; elsewhere PyTorch copies (the reference)."""
+    b, c, t, h, w = x.shape
+    n = 0 if cache is None else min(cache.shape[2], pad_t)
+    if n and (cache.dim() != 5 or cache.shape[:2] != x.shape[:2] or cache.shape[3:] != x.shape[3:]):
+        raise ValueError(f"feature cache {tuple(cache.shape)} does not fit input {tuple(x.shape)} "
+                         "(sizes must match except along time)")
+    out = torch.empty((b, t, h, w, kt * c), dtype=x.dtype, device=x.device)
+    if _kernel_device(x) and triton_ok():
+        import triton
+
+        xs = x.contiguous(memory_format=CL3D)
+        cs = cache.to(x.dtype).contiguous(memory_format=CL3D) if n else xs  # unread when n == 0
+        bc = triton.next_power_of_2(c)
+        bp = max(1, 4096 // bc)
+        _stack_kernel()[(triton.cdiv(h * w, bp), b * t * kt)](
+            xs, cs, out, t, cs.shape[2], h * w, c, pad_t, pad_t - n, n, KT=kt, BP=bp, BC=bc, num_warps=4)
+    else:
+        padded = time_pad(x, cache, pad_t, CL3D).permute(0, 2, 3, 4, 1)  # [B, T + pad_t, H, W, C]
+        for i in range(kt):
+            out[..., i * c:(i + 1) * c] = padded[:, i:i + t]
+    return out.view(b * t, h, w, kt * c).permute(0, 3, 1, 2)
+
+
+def _stacked_weight(conv: nn.Conv3d) -> torch.Tensor:
+    """[Cout, Cin, kt, kh, kw] -> [Cout, kt * Cin, kh, kw] channels-last (channel block i = time tap i), cached on
+    the module until the weight changes."""
+    w = conv.weight
+    key = (w.data_ptr(), w._version, w.dtype, w.device)
+    cached = getattr(conv, "_fastwan_stacked_weight", None)
+    if cached is None or cached[0] != key:
+        o, i, kt, kh, kw = w.shape
+        ws = w.detach().permute(0, 2, 1, 3, 4).reshape(o, kt * i, kh, kw).contiguous(memory_format=torch.channels_last)
+        cached = (key, ws)
+        conv._fastwan_stacked_weight = cached
+    return cached[1]
+
+
+def stacked_taps_conv(conv: nn.Conv3d, x: torch.Tensor, cache: torch.Tensor | None, pad_t: int) -> torch.Tensor:
+    """``conv`` (a ``WanCausalConv3d``, kernel [kt, kh, kw], time padding ``pad_t`` = kt - 1) on
+    [cache frames, x] as one conv2d over the kt time taps stacked along channels: the same products, summed in one
+    fp32 accumulation as cuDNN's conv3d does (in another order). x: [B, C, T, H, W] -> [B, Cout, T, H', W'],
+    channels-last."""
+    b, _, t = x.shape[:3]
+    kt = conv.weight.shape[2]
+    y = F.conv2d(stack_time_taps(x, cache, pad_t, kt), _stacked_weight(conv), None, conv.stride[1:],
+                 (conv._padding[2], conv._padding[0]), conv.dilation[1:])  # [B * T, Cout, H', W'] channels-last
+    y = y.view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)  # [B, Cout, T, H', W'], channels-last-3d strides
+    return y if conv.bias is None else add_channel_bias_(y, conv.bias)
 
 
 class ResampleConv2dMixin:

@@ -23,6 +23,7 @@ from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.models import load_transformer
 from fastwan.models.vae_convs import fast_decoder_convs
+from fastwan.models.vae_decode import check_chunk, decode_latents
 from fastwan.models.vae_norms import fuse_decoder_norms
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
 from fastwan.pipelines.text import encode_prompts
@@ -72,7 +73,7 @@ class VideoGenerator:
     """Text-to-video with a Wan2.1/Wan2.2 checkpoint. Build with :meth:`from_pretrained`."""
 
     def __init__(self, ckpt: Checkpoint, *, device, dtype, vae_dtype, attention, transformers, text_encoder,
-                 tokenizer, vae, scheduler, cfg_gate_step, cfg_mode):
+                 tokenizer, vae, scheduler, cfg_gate_step, cfg_mode, vae_chunk_frames="auto"):
         self.checkpoint = ckpt
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
         self.attention: AttentionDispatch = attention
@@ -80,6 +81,7 @@ class VideoGenerator:
         self.text_encoder, self.tokenizer, self.vae, self.scheduler = text_encoder, tokenizer, vae, scheduler
         self.cfg_gate_step = cfg_gate_step
         self.cfg_mode = cfg_mode
+        self.vae_chunk_frames = vae_chunk_frames
         self.preset = ckpt.preset
 
     # ---------------------------------------------------------------------------------------------------------
@@ -101,6 +103,7 @@ class VideoGenerator:
         gelu_epilogue: bool = True,
         fused_norms: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
+        vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -126,6 +129,10 @@ class VideoGenerator:
         VAE's spatial factor, stride <= tile). On CUDA the VAE's 3-D conv weights are stored channels-last
         (measured: decode -9%, decode memory -10%), and the VAE's causal convolutions, bias adds and upsampling
         run with fewer full-tensor copies, the same math (:mod:`fastwan.models.vae_convs`; 480p decode -27%).
+
+        ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
+        the result is the same, :mod:`fastwan.models.vae_decode`). "auto" (default) takes as many as keep a call's
+        output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
         """
         # ---- argument checks (before any work) ----
         if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
@@ -157,6 +164,7 @@ class VideoGenerator:
         config = _attention_config(attention_config)
         ckpt = resolve(model, allow_pickle=allow_pickle)
         tiling = _vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
+        check_chunk(vae_chunk_frames)
         head_dim = ckpt.transformer_config.attention_head_dim
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config)
@@ -194,7 +202,8 @@ class VideoGenerator:
         scheduler = _load_scheduler(ckpt.folder("scheduler"))
         return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                    transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
-                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode)
+                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
+                   vae_chunk_frames=vae_chunk_frames)
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -300,7 +309,8 @@ class VideoGenerator:
             frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
             seed=seed, timings=timings, attention_backend=self.attention.describe(dev), peak_memory=peak,
             num_transformer_forwards=forwards,
-            settings={**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode},
+            settings={**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
+                      "vae_chunk_frames": self.vae_chunk_frames},
         )
 
     # ---------------------------------------------------------------------------------------------------------
@@ -382,7 +392,7 @@ class VideoGenerator:
         mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
         std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
         z = z / (1.0 / std) + mean
-        video = self.vae.decode(z, return_dict=False)[0]  # [1, 3, T, H, W] in [-1, 1]
+        video = decode_latents(self.vae, z, self.vae_chunk_frames)  # [1, 3, T, H, W] in [-1, 1]
         video = (video[0] / 2 + 0.5).clamp(0, 1).float()
         return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
 

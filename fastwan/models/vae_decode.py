@@ -1,0 +1,84 @@
+"""``AutoencoderKLWan`` decode with several latent frames per decoder call.
+
+diffusers' ``_decode`` runs the decoder once per latent frame: the first call turns latent frame 0 into one video
+frame, every later call turns one latent frame into four, and each causal convolution carries the last two frames
+of its input from one call to the next (the feature cache). At 480p a call then convolves 4-6 frames at the low
+resolutions (384 channels at 60x104), too little work to fill an H100, and the decode is 21 sequential trips
+through ~100 modules.
+
+:func:`decode_latents` keeps the first call (latent frame 0 alone: the temporal upsamplers leave that frame
+undoubled, which is what the cache's first call encodes) and then feeds ``chunk`` latent frames per call. Every
+operation in the decoder is either per frame (norms, spatial convolutions, the mid-block attention, spatial
+upsampling) or a causal convolution over time whose input is the cached last two frames followed by the chunk, so
+the output is the same function of the latents for any chunk size: the same values, up to the summation order the
+convolution kernels pick for the larger batch. The temporal upsampler's special second call (zeros instead of a
+cached frame) also covers a chunk of several frames: each frame sees the same zero-padded window as before.
+
+It also collects the chunks' outputs and concatenates them once (diffusers concatenates the growing output with
+each new chunk: quadratic in the frame count).
+"""
+from __future__ import annotations
+
+import torch
+
+# decode_latents(chunk="auto"): latent frames per call such that a call's output holds at most this many
+# pixel-frames (frames x height x width). Two latent frames at 480x832 = 8 output frames (3.2M).
+AUTO_CHUNK_PIXEL_FRAMES = 8 * 480 * 832
+
+
+def auto_chunk(vae, height: int, width: int) -> int:
+    """Latent frames per decoder call after the first for a ``height`` x ``width`` video (pixels):
+    the most whose output fits ``AUTO_CHUNK_PIXEL_FRAMES``, at least 1."""
+    per_latent = (vae.config.scale_factor_temporal or 4) * height * width
+    return max(1, AUTO_CHUNK_PIXEL_FRAMES // per_latent)
+
+
+def check_chunk(chunk) -> None:
+    """``chunk`` must be "auto" or an int >= 1 (raised before any work)."""
+    if chunk == "auto":
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"vae_chunk_frames={chunk!r} must be 'auto' or an int >= 1 (latent frames per VAE decoder "
+                         "call after the first; 1 is diffusers' frame-by-frame decode).")
+
+
+@torch.no_grad()
+def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Tensor:
+    """Decode with ``chunk`` latent frames per decoder call after the first.
+
+    vae: diffusers ``AutoencoderKLWan`` (any of its decoders; fastwan's module swaps optional).
+    z: [B, z_dim, F, h, w] latents, already de-normalised (what ``vae.decode`` takes).
+    Returns [B, 3, T, H, W] in [-1, 1], what ``vae.decode(z, return_dict=False)[0]`` returns. With spatial tiling
+    enabled and a latent larger than a tile, this is ``vae.decode`` itself (its tiled path).
+    """
+    check_chunk(chunk)
+    if z.dim() != 5:
+        raise ValueError(f"latents of shape {tuple(z.shape)} must be [B, C, F, h, w].")
+    _, _, num_frames, h, w = z.shape
+    if getattr(vae, "use_tiling", False):
+        s = vae.spatial_compression_ratio
+        if w > vae.tile_sample_min_width // s or h > vae.tile_sample_min_height // s:
+            return vae.decode(z, return_dict=False)[0]
+    if chunk == "auto":
+        chunk = auto_chunk(vae, h * vae.spatial_compression_ratio, w * vae.spatial_compression_ratio)
+    vae.clear_cache()
+    try:
+        x = vae.post_quant_conv(z)
+        outs = []
+        starts = [0] + list(range(1, num_frames, chunk))
+        for i, start in enumerate(starts):
+            stop = 1 if i == 0 else min(start + chunk, num_frames)
+            vae._conv_idx = [0]
+            outs.append(vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                    first_chunk=i == 0))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+        del outs
+        if vae.config.patch_size is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return torch.clamp(out, min=-1.0, max=1.0)
+    finally:
+        vae.clear_cache()
+
+
