@@ -12,7 +12,8 @@ f = 8) with each variant:
                              (``fastwan.models.vae_norms.fuse_decoder_norms``, what fastwan's generator does);
 * ``...+fast-convs``          and the modules swapped by ``fastwan.models.vae_convs.fast_decoder_convs``
                              (causal convs padded in time only, conv bias by a Triton kernel, layout-keeping
-                             temporal interleave, nearest upsample as a wide copy);
+                             temporal interleave, nearest upsample as a wide copy, 96-channel convs as a conv2d
+                             over stacked time taps; ``+nostack`` keeps those as conv3d);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes);
 * any of them ``+chunkN``    decoded by ``fastwan.models.vae_decode.decode_latents`` with N latent frames per
                              decoder call after the first (``+chunkauto``: its size rule), instead of one.
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+    from fastwan.models import vae_convs
+
+    stack_default = vae_convs.STACK_TAPS_MAX_CHANNELS
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     lat_t = (a.frames - 1) // 4 + 1
     z_dim, factor = latent_params(a.ckpt)
@@ -164,9 +168,11 @@ def main(argv=None) -> int:
 
                 fuse_decoder_norms(vae)
             if "+fast-convs" in variant:
-                from fastwan.models.vae_convs import fast_decoder_convs
+                from fastwan.models import vae_convs
 
-                print(f"{variant}: fast_decoder_convs swapped {fast_decoder_convs(vae)} modules", flush=True)
+                print(f"{variant}: fast_decoder_convs swapped {vae_convs.fast_decoder_convs(vae)} modules", flush=True)
+                # +nostack: the narrow convs stay conv3d (the module's threshold, restored after the variant)
+                vae_convs.STACK_TAPS_MAX_CHANNELS = 0 if "+nostack" in variant else stack_default
             if variant.startswith("bf16+tiling"):
                 vae.enable_tiling()
             run = decode_fn(vae, z, chunk_of(variant))

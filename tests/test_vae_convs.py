@@ -269,6 +269,7 @@ def test_swapped_decode_copies_less():
 def test_cuda_decoder_stays_channels_last():
     vae = make_vae("wan2.1", channels_last=True).cuda().to(torch.bfloat16)
     ref = copy.deepcopy(vae)
+    ref32 = make_vae("wan2.1").cuda()  # the same weights in fp32
     fast_decoder_convs(vae)
     fuse_decoder_norms(vae)
     fuse_decoder_norms(ref)
@@ -279,11 +280,14 @@ def test_cuda_decoder_stays_channels_last():
                 lambda m, a, name=name: seen.append((name, tuple(a[0].shape), a[0].stride())))
     z = torch.randn(1, 4, 3, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL3D)
     with torch.no_grad():
-        got, want = vae.decode(z).sample, ref.decode(z).sample
+        got, want, exact = vae.decode(z).sample, ref.decode(z).sample, ref32.decode(z.float()).sample
     assert seen
     bad = [s for s in seen if not torch.empty_strided(s[1], s[2]).is_contiguous(memory_format=CL3D)]
     assert not bad, bad
-    assert rel_err(got.float(), want.float()) < 1e-2, rel_err(got.float(), want.float())
+    # both bf16 decodes are a few bf16 units from the fp32 one; the swapped modules (stacked-taps convs: every
+    # conv here has <= 96 channels) are no further from it than diffusers' own
+    err, err_ref = rel_err(got.float(), exact), rel_err(want.float(), exact)
+    assert err <= max(1.5 * err_ref, 1e-2), (err, err_ref)
 
 
 BIAS_SCRIPT = r"""

@@ -6,6 +6,7 @@ figures are printed with -s).
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -156,3 +157,32 @@ def test_vae_rms_silu_kernel_is_as_accurate_as_diffusers(channels_last, bias):
     print(f"VAE rms_silu channels_last={channels_last} bias={bias}: max rel err fused {err_fused:.2e}, "
           f"diffusers bf16 {err_eager:.2e}")
     assert torch.isfinite(got).all() and err_fused <= 2.0**-8 + 1e-4 and err_fused <= err_eager + 1e-4
+
+
+@pytest.mark.parametrize("cache_t", [None, 1, 2])
+def test_stacked_taps_conv_on_cuda(cache_t):
+    """The 96-channel causal conv through the stacked-taps conv2d (Triton stacking + cuDNN conv2d) against the
+    conv3d route of the same bf16 inputs and an fp32 conv3d: no further from fp32 than the conv3d route."""
+    from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
+
+    from fastwan.models import vae_convs
+
+    torch.manual_seed(0)
+    conv = dwan.WanCausalConv3d(96, 96, 3, padding=1).cuda().to(torch.bfloat16)
+    conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    ref32 = dwan.WanCausalConv3d(96, 96, 3, padding=1).cuda()
+    ref32.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
+    vae_convs.fast_decoder_convs(conv)  # the module itself is swapped
+    x = torch.randn(1, 96, 4, 48, 40, device="cuda", dtype=torch.bfloat16).contiguous(
+        memory_format=torch.channels_last_3d)
+    cache = None if cache_t is None else torch.randn(1, 96, cache_t, 48, 40, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():  # (under autograd the kernel route is not taken: it has no backward)
+        assert vae_convs.stacked_taps_ok(conv, x, 2)
+        got = conv(x, cache)
+        want32 = ref32(x.float(), None if cache is None else cache.float())
+        pt = vae_convs.time_pad(x, cache, 2, torch.channels_last_3d)
+        via3d = vae_convs.add_channel_bias_(F.conv3d(pt, conv.weight, None, 1, (0, 1, 1)), conv.bias)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
+    err = float((got.float() - want32).abs().max() / want32.abs().max())
+    err3d = float((via3d.float() - want32).abs().max() / want32.abs().max())
+    assert err <= max(2 * err3d, 4e-3), (err, err3d)
