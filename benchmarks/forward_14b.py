@@ -30,7 +30,8 @@ def main() -> int:
     p.add_argument("--out", default="forward_14b.json")
     p.add_argument("--variants", default="auto",
                    help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
-                        "+nofn for the Inductor norms instead of the fused Triton ones")
+                        "+nofn for the Inductor norms instead of the fused Triton ones, +nogr without the residual "
+                        "adds in the output GEMMs")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
     a = p.parse_args()
@@ -67,8 +68,8 @@ def main() -> int:
     models = {}
     for label in a.variants.split(","):
         tile, _, norms = label.partition("+")
-        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn"):
-            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn")
+        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr"):
+            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn or +nogr")
         conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t"))} if a.backend == "FLASH_ATTN" \
             else None
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
@@ -76,7 +77,7 @@ def main() -> int:
             model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
         model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
         model.eval()
-        model.set_fast_paths(fused_norms=norms != "nofn")
+        model.set_fast_paths(fused_norms=norms != "nofn", gemm_residual=norms != "nogr")
         if a.compile:
             for blk in model.blocks:
                 blk.compile(fullgraph=True)

@@ -41,6 +41,9 @@ VARIANTS = {  # label: how the model is set up (missing keys: False / None / "au
     # run without them, as before they existed
     "gelu+fn": {"compile": True, "gelu": True, "fn": True},
     "gelu+fn+t128": {"compile": True, "gelu": True, "fn": True, "tile": 128},
+    # the residual adds of the output projections in their GEMMs (set_fast_paths(gemm_residual=...); on by
+    # default, used at batch 1 only): "gelu+fn" has it, "gelu+fn+nogr" runs the residual_norm_mod route
+    "gelu+fn+nogr": {"compile": True, "gelu": True, "fn": True, "gr": False},
     # Inductor's GEMM autotuning (cuBLAS against its Triton templates, per shape; plain and with the persistent
     # TMA templates for sm90)
     "gelu+fn+autotune": {"compile": True, "gelu": True, "fn": True,
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
         comp, qkv, gelu = v.get("compile", False), v.get("qkv", False), v.get("gelu", False)
         m = load_transformer(root / "transformer", dtype=torch.bfloat16, device="cuda",
                              attention=dispatch(v.get("tile")))
-        m.set_fast_paths(fuse_qkv=qkv, gelu_epilogue=gelu, fused_norms=v.get("fn", False))
+        m.set_fast_paths(fuse_qkv=qkv, gelu_epilogue=gelu, fused_norms=v.get("fn", False),
+                         gemm_residual=v.get("gr", True))
         if comp:
             for blk in m.blocks:
                 blk.compile(fullgraph=True, **({"options": v["options"]} if v.get("options") else {}))

@@ -37,6 +37,13 @@ for C, D, grid, per_token in [(24, 12, (1, 2, 3), False), (40, 8, (2, 3, 2), Tru
         (ops.rms_rope(x, w, table, 1e-6, D), fused.rms_rope_reference(x, w, table, 1e-6, D)),
         (ops.rms_rope(x, w, None, 1e-6, D), fused.rms_rope_reference(x, w, None, 1e-6, D)),
     ]
+    offset = torch.randn(1, 1, C, generator=g)  # the gemm-residual route's pending biases (fp32, broadcast)
+    pairs += [
+        (ops.offset_norm_mod(x, offset, None, None, scale, shift, 1e-6),
+         fused.offset_norm_mod_reference(x, offset, None, None, scale, shift, 1e-6)),
+        (ops.offset_norm_mod(x, offset.expand(B, 1, C), w, b, None, None, 1e-6),
+         fused.offset_norm_mod_reference(x, offset, w, b, None, None, 1e-6)),
+    ]
     for gt, sc in ((gate, None), (None, scale)):
         r, h = ops.residual_norm_mod(x, y, gt, w if sc is None else None, b if sc is None else None, sc,
                                      shift if sc is not None else None, 1e-6)

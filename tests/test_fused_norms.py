@@ -45,6 +45,22 @@ def test_norm_mod_and_residual_match_float64_formulas(per_token):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_offset_norm_mod_and_residual_linear_match_float64_formulas():
+    x, y, gate, scale, shift, w, b = data(B=1)
+    offset = torch.randn(1, 1, 24, generator=torch.Generator().manual_seed(5))
+    h = ops.offset_norm_mod(x, offset, None, None, scale, shift, 1e-6)
+    want = ln64(x.double() + offset.double()) * (1 + scale.double()) + shift.double()
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
+    h2 = ops.offset_norm_mod(x, offset, w, b, None, None, 1e-6)
+    torch.testing.assert_close(h2.double(), ln64(x.double() + offset.double(), w, b), rtol=1e-4, atol=1e-4)
+    a, weight = torch.randn(1, 7, 10), torch.randn(24, 10)
+    x0 = x.clone()
+    assert ops.residual_linear_(x, a, weight) is None  # in place
+    torch.testing.assert_close(x.double(), x0.double() + a.double() @ weight.double().t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        ops.residual_linear_(torch.randn(1, 24, 7).transpose(1, 2), a, weight)
+
+
 def test_rms_rope_matches_a_float64_rotation():
     B, (T, H, W), heads, D = 2, (2, 3, 2), 2, 12
     S, C = T * H * W, heads * D
@@ -69,6 +85,8 @@ def test_rms_rope_matches_a_float64_rotation():
     ("norm_mod", lambda d: (d[0], d[5], d[6], d[3], d[4], 1e-6)),
     ("residual_norm_mod", lambda d: (d[0], d[1], d[2], None, None, d[3], d[4], 1e-6)),
     ("rms_rope", lambda d: (d[0], d[5], None, 1e-6, 12)),
+    ("offset_norm_mod", lambda d: (d[0], d[3][:1], None, None, d[3], d[4], 1e-6)),
+    ("residual_linear_", lambda d: (d[0].clone(), d[1], d[5].view(24, 1).expand(24, 24).contiguous())),
 ])
 def test_opcheck(op, args):
     result = torch.library.opcheck(getattr(ops, op).default, args(data()))
@@ -117,6 +135,90 @@ def test_fused_route_matches_plain_route(tiny_ckpts, fused_route, variant, dtype
     assert calls.count("fastwan::rms_rope") == 4 * n  # q and k of the self- (with RoPE) and cross-attention
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _fastwan_calls(fn):
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        out = fn()
+    calls = [e.name for e in prof.events() if e.name.startswith("fastwan::")]
+    return out, {c: calls.count(c) for c in set(calls)}
+
+
+@pytest.mark.parametrize("variant,dtype,backend,conf", [
+    ("wan2.1", torch.float32, "TORCH_SDPA", None),
+    ("wan2.1", torch.bfloat16, "TORCH_SDPA", None),
+    ("wan2.2-a14b", torch.float32, "TORCH_SDPA", None),
+    ("wan2.1", torch.float32, "SLIDING_TILE_ATTN", {"tile": [2, 2, 4], "window": 1}),  # tile-major tokens
+])
+def test_gemm_residual_route_matches_plain_route(tiny_ckpts, fused_route, variant, dtype, backend, conf):
+    """Batch 1 (one modulation vector): the output projections add into x inside their GEMMs, their biases ride
+    along as an fp32 offset that the norm kernels add; same output as the plain route, and as forward_cfg in
+    both CFG modes (the sequential passes must not see each other's in-place updates)."""
+    attn = AttentionDispatch.resolve(backend, device="cpu", dtype=dtype, head_dim=12, config=conf)
+    model = load_transformer(tiny_ckpts[variant] / "transformer", dtype=dtype, device="cpu", attention=attn)
+    c, n = model.config.in_channels, model.config.num_layers
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(1, c, 3, 6, 10, generator=g), torch.tensor([700.0])
+    text, text_u = (torch.randn(1, 9, model.config.text_dim, generator=g) for _ in range(2))
+    with torch.no_grad():
+        model.set_fast_paths(fused_norms=False)
+        want, want_u = model(x, t, text), model(x, t, text_u)
+        model.set_fast_paths(fused_norms=True, gemm_residual=True)
+        got, calls = _fastwan_calls(lambda: model(x, t, text))
+        cfg = {b: model.forward_cfg(x, t, text, text_u, batched=b) for b in (True, False)}
+        model.set_fast_paths(gemm_residual=False)
+        _, calls_off = _fastwan_calls(lambda: model(x, t, text))
+        model.set_fast_paths(gemm_residual=True)
+    assert calls.get("fastwan::offset_norm_mod") == 3 * n and calls.get("fastwan::residual_linear_") == 3 * n
+    assert "fastwan::residual_norm_mod" not in calls and "fastwan::residual_linear_" not in calls_off
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for cond, uncond in cfg.values():
+        torch.testing.assert_close(cond.float(), want.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(uncond.float(), want_u.float(), rtol=tol, atol=tol)
+
+
+def test_gemm_residual_only_for_one_modulation_vector(tiny_ckpts, fused_route):
+    """Per-sample (batch 2, two timesteps) and per-token (TI2V) modulation keep the residual_norm_mod route."""
+    for variant, t in (("wan2.1", torch.tensor([700.0, 300.0])), ("wan2.2-ti2v", torch.full((1, 45), 500.0))):
+        attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+        model = load_transformer(tiny_ckpts[variant] / "transformer", dtype=torch.float32, device="cpu",
+                                 attention=attn)
+        b = t.shape[0]
+        x = torch.randn(b, model.config.in_channels, 3, 6, 10)
+        with torch.no_grad():
+            text = torch.randn(b, 9, model.config.text_dim)
+            _, calls = _fastwan_calls(lambda m=model, x=x, t=t, text=text: m(x, t, text))
+        assert "fastwan::residual_linear_" not in calls and calls["fastwan::residual_norm_mod"] > 0, variant
+
+
+def test_gemm_residual_compiles_in_place(tiny_ckpts, fused_route):
+    """Inductor (CPU) compiles the gemm-residual blocks with fullgraph=True and keeps the update of x in place
+    (no copy of the block's input), for forward and both forward_cfg modes."""
+    torch._dynamo.reset()
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+    model = load_transformer(tiny_ckpts["wan2.1"] / "transformer", dtype=torch.float32, device="cpu", attention=attn)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(1, 16, 3, 8, 8, generator=g), torch.tensor([700.0])
+    text, text_u = torch.randn(1, 9, 32, generator=g), torch.randn(1, 9, 32, generator=g)
+    with torch.no_grad():
+        want, want_u = model(x, t, text), model(x, t, text_u)
+        model.compile_blocks(fullgraph=True)
+        blk = model.blocks[1]
+        xin = torch.randn(1, 48, blk.norm1.normalized_shape[0])
+        mod = torch.randn(1, 6, xin.shape[-1])
+        ctx = torch.randn(1, 9, xin.shape[-1])
+        rope = model._rope((3, 4, 4), xin.device)
+        out, pending = blk(xin, ctx, mod, rope, model.attention, fused_ok=True, pending=(torch.zeros(1, 1, 24),))
+        assert out.data_ptr() == xin.data_ptr() and len(pending) == 1  # updated in place
+        got = model(x, t, text)
+        cfg = {b: model.forward_cfg(x, t, text, text_u, batched=b) for b in (True, False)}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for cond, uncond in cfg.values():
+        torch.testing.assert_close(cond, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(uncond, want_u, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
 
 
 def test_fused_route_compiles_fullgraph(tiny_ckpts, fused_route):

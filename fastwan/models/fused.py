@@ -12,6 +12,10 @@ Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 
   ``h = (LN(x) [* weight + bias]) [* (1 + scale) + shift]`` rounded to x's dtype;
 * ``residual_norm_mod(x, y, gate?, weight?, bias?, scale?, shift?, eps) -> (r, h)``:
   ``r = x + y [* gate]`` (fp32, rounded to x's dtype), then ``h = norm_mod(r, ...)``;
+* ``offset_norm_mod(x, offset?, weight?, bias?, scale?, shift?, eps) -> h``: ``norm_mod(x + offset)`` with an
+  fp32 per-channel offset [B or 1, 1, C] that is added in fp32 and not stored;
+* ``residual_linear_(x, a, weight)``: ``x += a @ weight^T`` in place, one GEMM reading x as its C operand
+  (no kernel of ours: cuBLAS through ``addmm_``; an op so that torch.compile keeps it in place);
 * ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
   interleaved-pair RoPE of :func:`fastwan.models.wan.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
 """
@@ -48,6 +52,11 @@ def norm_mod_reference(x, weight, bias, scale, shift, eps: float) -> torch.Tenso
     return h.to(x.dtype)
 
 
+def offset_norm_mod_reference(x, offset, weight, bias, scale, shift, eps: float) -> torch.Tensor:
+    return norm_mod_reference(x.float() + offset if offset is not None else x, weight, bias, scale, shift,
+                              eps).to(x.dtype)
+
+
 def residual_reference(x, y, gate) -> torch.Tensor:
     return (x.float() + (y.float() * gate if gate is not None else y.float())).to(x.dtype)
 
@@ -68,9 +77,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def norm_rows(X, Y, G, g_sb, g_ss, W, BIAS, SC, sc_sb, sc_ss, SH, sh_sb, sh_ss, R, H, S, C, eps,
-                  HAS_Y: tl.constexpr, HAS_G: tl.constexpr, AFFINE: tl.constexpr, MOD: tl.constexpr,
-                  BLOCK: tl.constexpr):
+    def norm_rows(X, Y, G, g_sb, g_ss, P, p_sb, p_ss, W, BIAS, SC, sc_sb, sc_ss, SH, sh_sb, sh_ss, R, H, S, C,
+                  eps, HAS_Y: tl.constexpr, HAS_G: tl.constexpr, HAS_P: tl.constexpr, AFFINE: tl.constexpr,
+                  MOD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         b = row // S
         s = row - b * S
@@ -85,6 +94,8 @@ def _kernels():
             r = (x + y).to(R.dtype.element_ty)
             tl.store(R + base + offs, r, mask=m)
             x = r.to(tl.float32)
+        if HAS_P:  # the residual stream's pending per-channel offset (fp32, not stored)
+            x = x + tl.load(P + b * p_sb + s * p_ss + offs, mask=m, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=0) / C
         d = tl.where(m, x - mean, 0.0)
         var = tl.sum(d * d, axis=0) / C
@@ -145,23 +156,26 @@ def _row_strides(t: torch.Tensor | None, S: int) -> tuple[torch.Tensor | None, i
     return t, (t.stride(0) if t.shape[0] > 1 else 0), (t.stride(1) if t.shape[1] > 1 else 0)
 
 
-def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r):
+def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r, offset=None):
     norm_rows = _kernels()[0]
     x = x.contiguous()
     B, S, C = x.shape
     h = torch.empty_like(x)
     y = y.contiguous() if y is not None else None
     gate, g_sb, g_ss = _row_strides(gate, S)
+    offset, p_sb, p_ss = _row_strides(offset, S)
     scale, sc_sb, sc_ss = _row_strides(scale, S)
     shift, sh_sb, sh_ss = _row_strides(shift, S)
     block, warps = _launch_cfg(C, per_thread=64)
     dummy = x
     norm_rows[(B * S,)](
         x, y if y is not None else dummy, gate if gate is not None else dummy, g_sb, g_ss,
+        offset if offset is not None else dummy, p_sb, p_ss,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         scale if scale is not None else dummy, sc_sb, sc_ss, shift if shift is not None else dummy, sh_sb, sh_ss,
         r if r is not None else dummy, h, S, C, eps,
-        HAS_Y=y is not None, HAS_G=gate is not None, AFFINE=weight is not None, MOD=scale is not None,
+        HAS_Y=y is not None, HAS_G=gate is not None, HAS_P=offset is not None, AFFINE=weight is not None,
+        MOD=scale is not None,
         BLOCK=block, num_warps=warps,
     )
     return h
@@ -175,6 +189,28 @@ def norm_mod(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     if not _kernel_ok(x):
         return norm_mod_reference(x, weight, bias, scale, shift, eps)
     return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None)
+
+
+@torch.library.custom_op("fastwan::offset_norm_mod", mutates_args=())
+def offset_norm_mod(x: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, scale: torch.Tensor | None, shift: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    """norm_mod of x + offset, offset an fp32 per-channel vector [B or 1, 1, C] added in fp32 and not stored
+    (the residual stream's pending biases, see :func:`residual_linear_`); x [B, S, C] -> h like x."""
+    if not _kernel_ok(x):
+        return offset_norm_mod_reference(x, offset, weight, bias, scale, shift, eps)
+    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None, offset)
+
+
+@torch.library.custom_op("fastwan::residual_linear_", mutates_args=("x",))
+def residual_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+    """x += a @ weight^T, in place, as one GEMM that reads x as its C operand (cuBLAS with beta = 1): the
+    residual add of a block's output projection without a separate pass over x. x [B, S, N] contiguous;
+    a [B, S, K]; weight [N, K] (the caller folds a per-channel gate into it)."""
+    if not x.is_contiguous():
+        raise ValueError(f"residual_linear_: x with shape {tuple(x.shape)} and strides {x.stride()} must be "
+                         "contiguous (it is updated in place as one [B*S, N] matrix).")
+    x.view(-1, x.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), weight.t())
 
 
 @torch.library.custom_op("fastwan::residual_norm_mod", mutates_args=())
@@ -219,6 +255,16 @@ def _(x, weight, bias, scale, shift, eps):
 def _(x, y, gate, weight, bias, scale, shift, eps):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@offset_norm_mod.register_fake
+def _(x, offset, weight, bias, scale, shift, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@residual_linear_.register_fake
+def _(x, a, weight):
+    return None
 
 
 @rms_rope.register_fake

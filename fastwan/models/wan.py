@@ -135,9 +135,12 @@ class WanAttention(nn.Module):
         rope: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
         fused_ok: bool = False,
+        project: bool = True,
     ) -> torch.Tensor:
         """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]. ``fused_ok``: the fused norm
-        kernels run for these activations (decided once per forward, outside compiled code)."""
+        kernels run for these activations (decided once per forward, outside compiled code). ``project=False``
+        returns the attention output before ``to_out`` ([B, S, heads * head_dim]; the block then projects it
+        into the residual stream itself)."""
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
         else:
@@ -163,7 +166,8 @@ class WanAttention(nn.Module):
                 gate = self.to_gate_compress(x).unflatten(-1, (self.heads, self.head_dim))
                 meta = dataclasses.replace(meta, extra={**meta.extra, "gate_compress": gate})
             out = attn.self_attention(q, k, v, meta)
-        return self.to_out[0](out.flatten(2).type_as(q))
+        out = out.flatten(2).type_as(q)
+        return self.to_out[0](out) if project else out
 
 
 def linear_gelu_tanh(x: torch.Tensor, lin: nn.Linear, epilogue: bool = True) -> torch.Tensor:
@@ -206,6 +210,7 @@ class WanBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.fused_norms = True  # single-pass Triton norms on CUDA (WanTransformer.set_fast_paths)
+        self.gemm_residual = True  # residual adds inside the output GEMMs (WanTransformer.set_fast_paths)
 
     def modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """temb: [B, 6, C] or per-token [B, S, 6, C] -> (shift1, scale1, gate1, shift2, scale2, gate2), fp32
@@ -223,36 +228,74 @@ class WanBlock(nn.Module):
         attn: AttentionDispatch,
         meta: AttentionMetadata | None = None,
         fused_ok: bool = False,
-        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        pending: tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """x: [B, S, C]; context: [B, L, C]; temb: [B, 6, C] or per-token [B, S, 6, C] -> (x, pending).
 
-        ``fused_ok``: the fused norm kernels can run for x (:func:`fastwan.models.fused.usable`, decided by the
-        caller outside compiled code). On that path the block leaves its last residual (``x + ffn * gate``)
-        to the next block, whose first norm kernel adds it while it reads x anyway (one pass over the
-        activations fewer): it returns ``pending = (ffn output, gate)``, which the next block takes as
-        ``pending`` (and :func:`fastwan.models.fused.residual_reference` applies after the last block).
-        Otherwise ``pending`` is None and x includes everything."""
+        The residual stream is x plus ``pending`` (:func:`settle` adds it), a part that the fused paths leave
+        for the next norm kernel to add while it reads x anyway (``fused_ok``: the fused norm kernels run for x,
+        :func:`fastwan.models.fused.usable`, decided by the caller outside compiled code):
+
+        * ``(y, gate)``: the block's last residual ``x + ffn * gate``, added by the next block's first norm
+          kernel (``residual_norm_mod``: one pass over the activations fewer);
+        * ``(offset,)`` (:meth:`gemm_residual_ok`): the output projections of self-attention, cross-attention
+          and FFN add into x inside their GEMM (``fastwan::residual_linear_``, x updated in place; a gate is
+          folded into the weight) and their biases (times the gate) accumulate in an fp32 per-channel offset
+          that the norm kernels add (``offset_norm_mod``): each norm reads one tensor and writes one, instead
+          of reading two and writing two.
+
+        Otherwise ``pending`` is None and x includes everything. With ``(offset,)`` x is updated in place: the
+        caller passes an x it owns (:meth:`WanTransformer.forward` does)."""
         mod = self.modulation(temb)
-        x, h = self._video_half(x, mod, rope, attn, meta, fused_ok, pending)
-        return self._text_half(x, h, context, mod, attn, fused_ok)
+        x, h, pending = self._video_half(x, mod, rope, attn, meta, fused_ok, pending)
+        return self._text_half(x, h, pending, context, mod, attn, fused_ok)
+
+    def gemm_residual_ok(self, temb: torch.Tensor, fused_ok: bool) -> bool:
+        """Whether the block runs its residual adds in the output GEMMs (pending = (offset,)): the fused norms
+        run, the option is on, and the modulation is one [C] vector for the whole batch (temb [1, 6, C]), so that
+        gates fold into the weights. Per-token or per-sample modulation takes the residual_norm_mod path."""
+        return self._gr(temb.dim() == 3 and temb.shape[0] == 1, fused_ok)
+
+    def _gr(self, one_vector: bool, fused_ok: bool) -> bool:
+        return bool(self.gemm_residual and self.fused_norms and fused_ok and one_vector)
 
     def video_half(self, x, temb, rope, attn, meta=None, fused_ok: bool = False):
         """The part of the block that does not read the text: norm1 + modulation, self-attention, gated residual,
-        norm2. x [B, S, C] -> (x, h): the residual stream and the cross-attention input, both [B, S, C].
+        norm2. x [B, S, C] -> (x, h, pending): the residual stream (x + pending, as in forward) and the
+        cross-attention input h [B, S, C].
 
         Classifier-free guidance runs it once for the conditional and unconditional passes of the first block
         (:meth:`WanTransformer.forward_cfg`): their inputs are equal up to here."""
         return self._video_half(x, self.modulation(temb), rope, attn, meta, fused_ok, None)
 
-    def text_half(self, x, h, context, temb, attn, fused_ok: bool = False):
+    def text_half(self, x, h, pending, context, temb, attn, fused_ok: bool = False):
         """The rest of the block: cross-attention over ``context`` [B, L, C], norm3 + modulation, FFN, gated
-        residual. (x, h) from :meth:`video_half`, with the batch of ``context`` -> (x, pending) as forward()."""
-        return self._text_half(x, h, context, self.modulation(temb), attn, fused_ok)
+        residual. (x, h, pending) from :meth:`video_half`, with the batch of ``context`` -> (x, pending) as
+        forward()."""
+        return self._text_half(x, h, pending, context, self.modulation(temb), attn, fused_ok)
+
+    @staticmethod
+    def _residual_linear(x, a, lin: nn.Linear, gate, offset):
+        """x += a @ (W * gate)^T in place (one GEMM); returns offset + b * gate ([1, 1, C] fp32)."""
+        w = lin.weight if gate is None else (lin.weight.float() * gate.reshape(-1, 1)).to(lin.weight.dtype)
+        torch.ops.fastwan.residual_linear_(x, a, w)
+        b = lin.bias.float().view(1, 1, -1)
+        b = b if gate is None else b * gate
+        return b if offset is None else offset + b
 
     def _video_half(self, x, mod, rope, attn, meta, fused_ok, pending):
         shift1, scale1, gate1 = mod[:3]
         ops = torch.ops.fastwan
+        if (pending is None or len(pending) == 1) and self._gr(mod[0].shape[:2] == (1, 1), fused_ok):
+            offset = None if pending is None else pending[0]
+            x = x.contiguous()  # a copy only for the first block's (transposed) patch embedding
+            h = ops.offset_norm_mod(x, offset, None, None, scale1, shift1, self.norm1.eps)
+            o = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True, project=False)
+            offset = self._residual_linear(x, o, self.attn1.to_out[0], gate1, offset)
+            if self.norm2 is None:
+                return x, (x.float() + offset).type_as(x), (offset,)
+            return x, ops.offset_norm_mod(x, offset, self.norm2.weight, self.norm2.bias, None, None,
+                                          self.norm2.eps), (offset,)
         if self.fused_norms and fused_ok:  # residual + norm (+ modulation) in single-pass kernels, same roundings
             if pending is not None:  # the previous block's FFN residual, added by the norm kernel
                 x, h = ops.residual_norm_mod(x, pending[0], pending[1], None, None, scale1, shift1, self.norm1.eps)
@@ -261,17 +304,25 @@ class WanBlock(nn.Module):
             y = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True)
             if self.norm2 is None:
                 x = (x.float() + y * gate1).type_as(x)
-                return x, x
-            return ops.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None, self.norm2.eps)
-        if pending is not None:
-            x = fused.residual_reference(x, *pending)
+                return x, x, None
+            x, h = ops.residual_norm_mod(x, y, gate1, self.norm2.weight, self.norm2.bias, None, None,
+                                         self.norm2.eps)
+            return x, h, None
+        x = settle(x, pending)
         h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
         x = (x.float() + self.attn1(h, attn, rope=rope, meta=meta) * gate1).type_as(x)
         h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
-        return x, h
+        return x, h, None
 
-    def _text_half(self, x, h, context, mod, attn, fused_ok):
+    def _text_half(self, x, h, pending, context, mod, attn, fused_ok):
         shift2, scale2, gate2 = mod[3:]
+        if pending is not None and len(pending) == 1:  # the residual adds in the output GEMMs
+            ops = torch.ops.fastwan
+            o = self.attn2(h, attn, context=context, fused_ok=True, project=False)
+            offset = self._residual_linear(x, o, self.attn2.to_out[0], None, pending[0])
+            h = ops.offset_norm_mod(x, offset, None, None, scale2, shift2, self.norm3.eps)
+            f = linear_gelu_tanh(h, self.ffn.net[0].proj, self.ffn.gelu_epilogue)
+            return x, (self._residual_linear(x, f, self.ffn.net[2], gate2, offset),)
         if self.fused_norms and fused_ok:
             y = self.attn2(h, attn, context=context, fused_ok=True)
             x, h = torch.ops.fastwan.residual_norm_mod(x, y, None, None, None, scale2, shift2, self.norm3.eps)
@@ -279,6 +330,15 @@ class WanBlock(nn.Module):
         x = x + self.attn2(h, attn, context=context)
         h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
         return (x.float() + self.ffn(h).float() * gate2).type_as(x), None
+
+
+def settle(x: torch.Tensor, pending: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """The residual stream as one tensor: x plus a block's pending part (see :meth:`WanBlock.forward`)."""
+    if pending is None:
+        return x
+    if len(pending) == 1:
+        return (x.float() + pending[0]).to(x.dtype)
+    return fused.residual_reference(x, *pending)
 
 
 class TimeTextEmbedding(nn.Module):
@@ -338,13 +398,15 @@ class WanTransformer(nn.Module):
             a.to_gate_compress = nn.Linear(self.config.inner_dim, self.config.inner_dim)
 
     def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None,
-                       fused_norms: bool | None = None) -> None:
+                       fused_norms: bool | None = None, gemm_residual: bool | None = None) -> None:
         """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
 
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
         gelu_epilogue: FFN bias + GELU(tanh) in the first FFN GEMM's epilogue on CUDA.
         fused_norms: residual + LayerNorm + modulation and q/k RMSNorm + RoPE as single-pass Triton kernels on
         CUDA (:mod:`fastwan.models.fused`); the PyTorch path elsewhere.
+        gemm_residual: with fused_norms, the residual adds of the output projections inside their GEMMs and the
+        biases as a pending fp32 offset (:meth:`WanBlock.forward`), where the modulation is one vector per batch.
         """
         for blk in self.blocks:
             if fused_norms is not None:
@@ -355,6 +417,8 @@ class WanTransformer(nn.Module):
                 raise ValueError("fuse_qkv=False: the QKV projections of this model are already fused; reload it.")
             if gelu_epilogue is not None:
                 blk.ffn.gelu_epilogue = bool(gelu_epilogue)
+            if gemm_residual is not None:
+                blk.gemm_residual = bool(gemm_residual)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -411,8 +475,7 @@ class WanTransformer(nn.Module):
 
     def _head(self, x: torch.Tensor, pending, temb: torch.Tensor, grid, layout) -> torch.Tensor:
         """[B, S, C] (layout order) and the last block's pending residual -> prediction [B, C_out, F, H, W]."""
-        if pending is not None:
-            x = fused.residual_reference(x, *pending)
+        x = settle(x, pending)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
         if temb.dim() == 3:  # per-token: [B, S, C]
@@ -488,13 +551,15 @@ class WanTransformer(nn.Module):
         fused_ok = fused.usable(x)
         video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
         attn = self.attention
-        x, h = video_half(x, mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps), fused_ok)
+        x, h, pending = video_half(x, mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps), fused_ok)
 
         def rest(x, h, ctx):
-            x, pending = text_half(x, h, ctx, mod, attn, fused_ok)
-            x, pending = self._blocks(1, x, pending, ctx, mod, rope, grid, layout, fused_ok, step_index, num_steps)
-            return self._head(x, pending, temb, grid, layout)
+            x, p = text_half(x, h, pending, ctx, mod, attn, fused_ok)
+            x, p = self._blocks(1, x, p, ctx, mod, rope, grid, layout, fused_ok, step_index, num_steps)
+            return self._head(x, p, temb, grid, layout)
 
         if batched:
             return rest(torch.cat([x, x]), torch.cat([h, h]), context).chunk(2)
-        return rest(x, h, context[:1]), rest(x, h, context[1:])
+        # with the residual adds in the GEMMs the passes update x in place: the first gets its own copy
+        first_x = x.clone() if pending is not None and len(pending) == 1 else x
+        return rest(first_x, h, context[:1]), rest(x, h, context[1:])

@@ -102,6 +102,7 @@ class VideoGenerator:
         fuse_qkv: bool = False,
         gelu_epilogue: bool = True,
         fused_norms: bool = True,
+        gemm_residual: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
@@ -116,7 +117,9 @@ class VideoGenerator:
         QKV GEMM per self-attention; off by default: no gain measured on an H100) and ``gelu_epilogue`` (FFN
         bias + GELU inside the GEMM on CUDA; -1.8% forward time) and ``fused_norms`` (residual + LayerNorm +
         modulation and q/k RMSNorm + RoPE in the DiT, RMSNorm + SiLU in the VAE decoder, as single-pass Triton
-        kernels on CUDA) keep the math and only change bf16 rounding.
+        kernels on CUDA) and ``gemm_residual`` (with fused_norms, at batch 1: the output projections add into the
+        residual stream inside their GEMM, biases ride along as an fp32 offset that the norm kernels add) keep the
+        math and only change bf16 rounding.
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
         one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
@@ -150,6 +153,7 @@ class VideoGenerator:
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
         for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
+                           ("gemm_residual", gemm_residual),
                            ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} must be True or False.")
@@ -179,7 +183,8 @@ class VideoGenerator:
             for e in ckpt.experts
         ]
         for t in transformers_:
-            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms)
+            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms,
+                             gemm_residual=gemm_residual)
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)
