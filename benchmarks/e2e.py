@@ -273,18 +273,25 @@ def unshared_cfg(model):
 def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict,
                  compile_: bool = False, modes: tuple[str, ...] = ("sequential", "batched")) -> None:
     """CFG variants, interleaved runs on one generator (same weights, same process). A mode is batched or
-    sequential, optionally "-unshared": both passes in full, without forward_cfg's shared start."""
+    sequential, optionally "-unshared" (both passes in full, without forward_cfg's shared start) and/or "-nogr"
+    (without the residual adds in the output GEMMs, WanTransformer.set_fast_paths(gemm_residual=False))."""
+    import torch._dynamo.config as dcfg
+
     from fastwan import VideoGenerator
 
+    for name in ("recompile_limit", "cache_size_limit"):  # the modes' switches are guards of the same block code
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), 64))
     gen = VideoGenerator.from_pretrained(root, device="cuda", dtype=torch.bfloat16, attention_backend=backend,
                                          enable_torch_compile=compile_)
     kw = dict(negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=steps,
               guidance_scale=guidance, seed=0, save_video=False)
 
     def run(mode, gen=gen, **extra):
-        gen.cfg_mode = mode.removesuffix("-unshared")
+        gen.cfg_mode = mode.split("-")[0]
         for m in gen.transformers:
-            if mode.endswith("-unshared"):
+            m.set_fast_paths(gemm_residual="-nogr" not in mode)
+            if "-unshared" in mode:
                 m.forward_cfg = unshared_cfg(m)
             elif "forward_cfg" in m.__dict__:
                 del m.forward_cfg
@@ -327,7 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--cfg-modes", default="auto", help="fastwan phase: cfg_mode values, comma-separated")
     p.add_argument("--cfg-ab-modes", default="sequential,batched",
-                   help="cfgab phase: batched|sequential, each optionally with -unshared (no shared start)")
+                   help="cfgab phase: batched|sequential, each optionally with -unshared (no shared start) "
+                        "and/or -nogr (no residual adds in the output GEMMs)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-variants", default="sta-auto-fa4,vsa-auto-fa4,gna-auto-fa4")

@@ -114,28 +114,43 @@ def test_fused_norm_kernels_match_the_pytorch_path(C, head_dim, per_token):
 
 @torch.no_grad()
 def test_fused_norms_in_the_compiled_dit():
-    """The whole DiT, compiled, fused norms on vs off: the same forward within bf16 noise; the residual adds in
-    the output GEMMs (gemm_residual, batch 1) no further from the eager plain path than without them, also
-    through forward_cfg in both CFG modes."""
+    """The whole DiT, compiled, fused norms on vs off: the same forward within bf16 noise. The residual adds in
+    the output GEMMs (gemm_residual, batch 1) round at other points than the plain path, so they are judged
+    against an fp32 model (TORCH_SDPA): no further from it than the bf16 plain path, also through forward_cfg in
+    both CFG modes."""
+    import copy
+
+    from fastwan.attention import AttentionDispatch
+
     model, (x, t, text) = _wan13b_small_grid()
     text_u = text.flip(1)
+    ref32 = copy.deepcopy(model).float()
+    ref32.set_attention(AttentionDispatch.resolve("TORCH_SDPA", device="cuda", dtype=torch.float32, head_dim=128))
+    exact, exact_u = ref32(x, t, text.float()).double(), ref32(x, t, text_u.float()).double()
+    del ref32
+
+    def rel(out, want):
+        return ((out.double() - want).norm() / want.norm()).item()
+
     model.set_fast_paths(fused_norms=False)
-    ref, ref_u = model(x, t, text).float(), model(x, t, text_u).float()
+    plain = model(x, t, text).float()
     model.set_fast_paths(fused_norms=True)
     model.compile_blocks(fullgraph=True)
-    rel = {}
+    err = {"plain bf16": rel(plain, exact)}
     for gr in (False, True):
         model.set_fast_paths(gemm_residual=gr)
         got = model(x, t, text).float()
         assert torch.isfinite(got).all()
-        rel[gr] = ((got - ref).norm() / ref.norm()).item()
+        err[f"gemm_residual={gr}"] = rel(got, exact)
+        if not gr:
+            same = ((got - plain).norm() / plain.norm()).item()
+            assert same <= 3e-2, same  # the fused norms keep the plain path's roundings
         for batched in (True, False):
             c, u = model.forward_cfg(x, t, text, text_u, batched=batched)
-            for out, want in ((c, ref), (u, ref_u)):
-                r = ((out.float() - want).norm() / want.norm()).item()
-                assert r <= 3e-2, (gr, batched, r)
-    print(f"compiled + fused norms vs eager plain norms: rel L2 {rel[False]:.3e}, with gemm_residual {rel[True]:.3e}")
-    assert rel[False] <= 3e-2 and rel[True] <= max(1.5 * rel[False], 1e-2)
+            err[f"gemm_residual={gr} cfg batched={batched}"] = max(rel(c, exact), rel(u, exact_u))
+    print("rel L2 vs fp32:", {k: f"{v:.3e}" for k, v in err.items()})
+    base = max(err["plain bf16"], err["gemm_residual=False"])
+    assert base <= 3e-2 and all(v <= max(1.25 * base, 1e-2) for v in err.values()), err
 
 
 @torch.no_grad()
