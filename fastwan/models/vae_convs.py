@@ -38,6 +38,12 @@ parameters and buffers) for a subclass whose ``forward`` computes the same value
    ``x + shortcut`` with a channels-last x took the strided add; the repeat is now a broadcasting view where the
    factors allow (:func:`repeated_channels`) and the one permuting copy writes the layout of the input.
 
+6. Narrow causal convolutions (at most ``STACK_TAPS_MAX_CHANNELS`` = 96 input channels: the Wan2.1 decoder's
+   full-resolution stage), bf16/fp16 on CUDA. cuDNN runs them as conv3d with an sm80 kernel at ~245 TFLOP/s on an
+   H100; the same products as one conv2d over the time taps stacked along channels run at ~510
+   (:func:`stacked_taps_conv`; a Triton kernel writes the stacked input from the cached frames and x directly, in
+   place of :func:`time_pad`'s copy). One fp32 accumulation per output, like conv3d, in another order.
+
 All of it is exact: zero padding is zero padding, the bias add has PyTorch's rounding, and the other changes move
 the same elements. What does change in a bf16 decode on CUDA is that the blocks after a temporal upsample now get
 the fused RMSNorm+SiLU kernel instead of its PyTorch fallback (same fp32 formula, another summation order), a
@@ -45,12 +51,13 @@ few bf16 units in the last place. In fp32 on the CPU the decode matches diffuser
 
 Measured (``benchmarks/vae_bench.py --profile``, H100, random weights, bf16, channels-last conv weights, fused
 norms): Wan2.1 480x832x81 1,354 -> 987 ms and 3.95 -> 3.66 GiB peak; Wan2.2-TI2V 704x1280x41 1,626 -> 1,305 ms
-(before :func:`repeated_channels`) and 9.24 -> 7.52 GiB.
+(before :func:`repeated_channels`) and 9.24 -> 7.52 GiB. Item 6: Wan2.1 480p 989 -> 852 ms, 720p 2,275 -> 1,959 ms
+(RESULTS.md 11.2).
 
 Not changed (the next steps): the copy of x into the time-padded buffer (about half of the remaining ~99 ms of
 device-to-device copies at 480p: the producer, the RMSNorm+SiLU kernel, would have to write into the buffer's tail), the
-two-frame feature-cache clones, and ``AutoencoderKLWan._decode``'s ``torch.cat([out, out_], 2)`` per latent frame
-(quadratic in the frame count, but on the 3-channel output).
+two-frame feature-cache clones. (``AutoencoderKLWan._decode``'s per-frame ``torch.cat`` of the output is gone with
+:func:`fastwan.models.vae_decode.decode_latents`, which concatenates once.)
 """
 from __future__ import annotations
 
