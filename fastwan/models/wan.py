@@ -238,7 +238,7 @@ class WanBlock(nn.Module):
 
         * ``(y, gate)``: the block's last residual ``x + ffn * gate``, added by the next block's first norm
           kernel (``residual_norm_mod``: one pass over the activations fewer);
-        * ``(offset,)`` (:meth:`gemm_residual_ok`): the output projections of self-attention, cross-attention
+        * ``(offset,)`` (:meth:`_gemm_residual_ok`): the output projections of self-attention, cross-attention
           and FFN add into x inside their GEMM (``fastwan::residual_linear_``, x updated in place; a gate is
           folded into the weight) and their biases (times the gate) accumulate in an fp32 per-channel offset
           that the norm kernels add (``offset_norm_mod``): each norm reads one tensor and writes one, instead
@@ -250,14 +250,12 @@ class WanBlock(nn.Module):
         x, h, pending = self._video_half(x, mod, rope, attn, meta, fused_ok, pending)
         return self._text_half(x, h, pending, context, mod, attn, fused_ok)
 
-    def gemm_residual_ok(self, temb: torch.Tensor, fused_ok: bool) -> bool:
+    def _gemm_residual_ok(self, mod, fused_ok: bool) -> bool:
         """Whether the block runs its residual adds in the output GEMMs (pending = (offset,)): the fused norms
-        run, the option is on, and the modulation is one [C] vector for the whole batch (temb [1, 6, C]), so that
-        gates fold into the weights. Per-token or per-sample modulation takes the residual_norm_mod path."""
-        return self._gr(temb.dim() == 3 and temb.shape[0] == 1, fused_ok)
-
-    def _gr(self, one_vector: bool, fused_ok: bool) -> bool:
-        return bool(self.gemm_residual and self.fused_norms and fused_ok and one_vector)
+        run, the option is on, and the modulation is one [C] vector for the whole batch (``mod`` views of
+        [1, 1, C]), so that gates fold into the weights. Per-token or per-sample modulation takes the
+        residual_norm_mod path."""
+        return bool(self.gemm_residual and self.fused_norms and fused_ok and mod[0].shape[:2] == (1, 1))
 
     def video_half(self, x, temb, rope, attn, meta=None, fused_ok: bool = False):
         """The part of the block that does not read the text: norm1 + modulation, self-attention, gated residual,
@@ -286,14 +284,14 @@ class WanBlock(nn.Module):
     def _video_half(self, x, mod, rope, attn, meta, fused_ok, pending):
         shift1, scale1, gate1 = mod[:3]
         ops = torch.ops.fastwan
-        if (pending is None or len(pending) == 1) and self._gr(mod[0].shape[:2] == (1, 1), fused_ok):
+        if (pending is None or len(pending) == 1) and self._gemm_residual_ok(mod, fused_ok):
             offset = None if pending is None else pending[0]
             x = x.contiguous()  # a copy only for the first block's (transposed) patch embedding
             h = ops.offset_norm_mod(x, offset, None, None, scale1, shift1, self.norm1.eps)
             o = self.attn1(h, attn, rope=rope, meta=meta, fused_ok=True, project=False)
             offset = self._residual_linear(x, o, self.attn1.to_out[0], gate1, offset)
             if self.norm2 is None:
-                return x, (x.float() + offset).type_as(x), (offset,)
+                return x, settle(x, (offset,)), (offset,)
             return x, ops.offset_norm_mod(x, offset, self.norm2.weight, self.norm2.bias, None, None,
                                           self.norm2.eps), (offset,)
         if self.fused_norms and fused_ok:  # residual + norm (+ modulation) in single-pass kernels, same roundings
