@@ -131,6 +131,7 @@ def test_chunked_decode_sizes_and_errors():
     vae = make_vae("wan2.1")
     assert auto_chunk(vae, 480, 832) == AUTO_CHUNK_PIXEL_FRAMES // (4 * 480 * 832) == 2
     assert auto_chunk(vae, 720, 1280) == 1 and auto_chunk(vae, 64, 64) > 20
+    assert auto_chunk(vae, 480, 832, batch=2) == 1  # the budget is per call, over the batch
     z = torch.zeros(1, vae.config.z_dim, 2, 3, 2)
     for bad in (0, -1, 1.5, True, "2", None):
         with pytest.raises(ValueError, match="vae_chunk_frames=.*'auto' or an int >= 1"):

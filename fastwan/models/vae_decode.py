@@ -26,10 +26,10 @@ import torch
 AUTO_CHUNK_PIXEL_FRAMES = 8 * 480 * 832
 
 
-def auto_chunk(vae, height: int, width: int) -> int:
-    """Latent frames per decoder call after the first for a ``height`` x ``width`` video (pixels):
+def auto_chunk(vae, height: int, width: int, batch: int = 1) -> int:
+    """Latent frames per decoder call after the first for ``batch`` videos of ``height`` x ``width`` pixels:
     the most whose output fits ``AUTO_CHUNK_PIXEL_FRAMES``, at least 1."""
-    per_latent = (vae.config.scale_factor_temporal or 4) * height * width
+    per_latent = batch * (vae.config.scale_factor_temporal or 4) * height * width
     return max(1, AUTO_CHUNK_PIXEL_FRAMES // per_latent)
 
 
@@ -54,13 +54,13 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
     check_chunk(chunk)
     if z.dim() != 5:
         raise ValueError(f"latents of shape {tuple(z.shape)} must be [B, C, F, h, w].")
-    _, _, num_frames, h, w = z.shape
+    batch, _, num_frames, h, w = z.shape
     if getattr(vae, "use_tiling", False):
         s = vae.spatial_compression_ratio
         if w > vae.tile_sample_min_width // s or h > vae.tile_sample_min_height // s:
             return vae.decode(z, return_dict=False)[0]
     if chunk == "auto":
-        chunk = auto_chunk(vae, h * vae.spatial_compression_ratio, w * vae.spatial_compression_ratio)
+        chunk = auto_chunk(vae, h * vae.spatial_compression_ratio, w * vae.spatial_compression_ratio, batch)
     vae.clear_cache()
     try:
         x = vae.post_quant_conv(z)
