@@ -1,13 +1,17 @@
 """Cross-attention kernels at the Wan shapes: q [B, S, H, 128] against the 512 text keys/values [B, 512, H, 128].
 
-    python benchmarks/cross_bench.py
+    python benchmarks/cross_bench.py [--prompt-tokens 20,8,150] [--quick]
 
 FA4 (flash_attn.cute) with several sm90 tiles, and PyTorch SDPA with cuDNN, FA2 and the memory-efficient kernel;
 per case 3 rounds of 50 back-to-back calls between two CUDA events (median), and the max difference against the
-first kernel's output. Needs a GPU with flash-attn-4 installed.
+first kernel's output. The text keys/values are padded as Wan pads them: ``--prompt-tokens`` real rows, then
+copies of one padding row; "collapsed" is fastwan's kernel for that case (``fastwan::text_cross_attention``: the
+padding as one weighted key, :mod:`fastwan.attention.text_cross`), the same function. ``--quick``: FA4 192x128
+and 128x128, cuDNN and the collapsed kernel only. Needs a GPU with flash-attn-4 installed.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -29,36 +33,47 @@ def span_ms(fn, calls: int = 50, rounds: int = 3) -> float:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(argv=None) -> None:
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    for b, n, h in SHAPES:
+    import fastwan.attention.text_cross  # noqa: F401  (registers fastwan::text_cross_attention)
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-tokens", default="20", help="real text tokens per case, comma-separated")
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    tiles = [t for t in FA4_TILES if t[:2] in ((192, 128), (128, 128))] if a.quick else FA4_TILES
+    sdpa_list = SDPA[:1] if a.quick else SDPA
+    for (b, n, h), tokens in ((s, int(t)) for s in SHAPES for t in a.prompt_tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
+        keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
         flops = 4 * b * h * n * 512 * 128
         fns = {}
-        for tm, tn, rs in FA4_TILES:
+        for tm, tn, rs in tiles:
             fns[f"fa4 {tm}x{tn}{' rs' if rs else ''}"] = lambda tm=tm, tn=tn, rs=rs, qkv=(q, k, v): _flash_attn_fwd(
                 *qkv, softmax_scale=128 ** -0.5, tile_mn=(tm, tn), mma_pv_is_rs=rs, intra_wg_overlap=True)[0]
-        for name, be in SDPA:
+        for name, be in sdpa_list:
             def sdpa(be=be, qkv=(q, k, v)):
                 with sdpa_kernel([be]):
                     return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv)).transpose(1, 2)
             fns[name] = sdpa
+        fns["collapsed"] = lambda qkv=(q, k, v), keys=keys: torch.ops.fastwan.text_cross_attention(*qkv, keys)
         ref = None
         for name, fn in fns.items():
             try:
                 out = fn()
                 torch.cuda.synchronize()
             except Exception as exc:  # a tile the kernel cannot build, a backend PyTorch refuses
-                print(f"{b}x{n}x{h} {name}: cannot run ({type(exc).__name__}: {str(exc)[:100]})")
+                print(f"{b}x{n}x{h} {tokens} tok {name}: cannot run ({type(exc).__name__}: {str(exc)[:100]})")
                 continue
             ref = out if ref is None else ref
             ms = span_ms(fn)
             err = float((out.float() - ref.float()).abs().max())
-            print(f"{b}x{n}x{h} {name:18s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  max diff {err:.1e}",
-                  flush=True)
+            print(f"{b}x{n}x{h} {tokens:3d} tok {name:18s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  "
+                  f"max diff {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

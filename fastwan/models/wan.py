@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
+from fastwan.attention.text_cross import text_cross_ok, text_keys
 from fastwan.models import fused
 from fastwan.models.config import WanConfig
 
@@ -140,7 +142,12 @@ class WanAttention(nn.Module):
         """x: [B, S, C]; context: [B, L, C] for cross-attention -> [B, S, C]. ``fused_ok``: the fused norm
         kernels run for these activations (decided once per forward, outside compiled code). ``project=False``
         returns the attention output before ``to_out`` ([B, S, heads * head_dim]; the block then projects it
-        into the residual stream itself)."""
+        into the residual stream itself). A context given as ``(context, keys)`` (``keys``: int32 [B] from
+        :func:`fastwan.attention.text_cross.text_keys`) attends with the text padding collapsed into one
+        weighted key (``fastwan::text_cross_attention``, exact)."""
+        keys = None
+        if isinstance(context, tuple):
+            context, keys = context
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
         else:
@@ -160,7 +167,10 @@ class WanAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.cross:
-            out = attn.cross_attention(q, k, v)
+            if keys is not None:
+                out = torch.ops.fastwan.text_cross_attention(q, k, v, keys)
+            else:
+                out = attn.cross_attention(q, k, v)
         else:
             if self.to_gate_compress is not None and meta is not None:
                 gate = self.to_gate_compress(x).unflatten(-1, (self.heads, self.head_dim))
@@ -384,6 +394,8 @@ class WanTransformer(nn.Module):
         self.attention = attention
         self._rope_cache: dict = {}
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
+        self.text_collapse = True  # cross-attention with the text padding as one weighted key (set_fast_paths)
+        self._keys_cache: dict[int, tuple] = {}  # id(text) -> (weakref, version, keys or None); see _text_keys
 
     # -- attention ----------------------------------------------------------------------------------------
     def set_attention(self, dispatch: AttentionDispatch) -> None:
@@ -396,7 +408,8 @@ class WanTransformer(nn.Module):
             a.to_gate_compress = nn.Linear(self.config.inner_dim, self.config.inner_dim)
 
     def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None,
-                       fused_norms: bool | None = None, gemm_residual: bool | None = None) -> None:
+                       fused_norms: bool | None = None, gemm_residual: bool | None = None,
+                       text_collapse: bool | None = None) -> None:
         """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
 
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
@@ -405,7 +418,12 @@ class WanTransformer(nn.Module):
         CUDA (:mod:`fastwan.models.fused`); the PyTorch path elsewhere.
         gemm_residual: with fused_norms, the residual adds of the output projections inside their GEMMs and the
         biases as a pending fp32 offset (:meth:`WanBlock.forward`), where the modulation is one vector per batch.
+        text_collapse: where fastwan's Triton cross-attention kernel runs (CUDA, fp16/bf16), text padding (the
+        trailing run of equal rows of the text embeddings) enters the cross-attention as one key weighted by its
+        count (:mod:`fastwan.attention.text_cross`; exact), instead of the dispatch's backend over all tokens.
         """
+        if text_collapse is not None:
+            self.text_collapse = bool(text_collapse)
         for blk in self.blocks:
             if fused_norms is not None:
                 blk.fused_norms = blk.attn1.fused_norms = bool(fused_norms)
@@ -442,9 +460,27 @@ class WanTransformer(nn.Module):
         self._first_halves = (torch.compile(first.video_half, **kwargs), torch.compile(first.text_half, **kwargs))
 
     # -- forward ------------------------------------------------------------------------------------------
-    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor):
+    def _text_keys(self, text: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """int32 [B] key counts for the collapsed cross-attention (:func:`text_keys`), or None where it does not
+        run: ``text_collapse`` off, the kernel unusable for x, or no sample of ``text`` padded (then the
+        dispatch's backend is faster). Outside compiled code; the answer is cached per text tensor (object and
+        version), so a denoising loop that passes the same prompt embeddings waits for the GPU once."""
+        if not (self.text_collapse and text_cross_ok(x, self.config.attention_head_dim)):
+            return None
+        hit = self._keys_cache.get(id(text))
+        if hit is not None and hit[0]() is text and hit[1] == text._version:
+            return hit[2]
+        keys = text_keys(text)
+        keys = keys if int(keys.max()) < text.shape[1] else None  # one sync per new text tensor
+        self._keys_cache = {k: v for k, v in self._keys_cache.items() if v[0]() is not None}
+        self._keys_cache[id(text)] = (weakref.ref(text), text._version, keys)
+        return keys
+
+    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+               keys: torch.Tensor | None = None):
         """Patch embedding (tile-major token order under a sparse backend), RoPE table, time and text
-        embeddings -> (x [B, S, C], rope, temb, mod, context [B_text, L, C], grid, layout)."""
+        embeddings -> (x [B, S, C], rope, temb, mod, context, grid, layout); context is [B_text, L, C], or
+        ``(context, keys)`` with ``keys`` from :meth:`_text_keys` (the text padding collapsed)."""
         if self.attention is None:
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
         _, _, Fr, Hh, Ww = latents.shape
@@ -458,6 +494,8 @@ class WanTransformer(nn.Module):
         x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, C]
         rope = self._rope(grid, x.device)
         temb, mod, context = self.condition_embedder(timestep, text.to(self.dtype))
+        if keys is not None:
+            context = (context, keys)  # WanAttention: the text padding as one weighted key
         layout = self.attention.layout_for(grid, x.device)
         if layout is not None:  # sparse backend: tile-major token order, once per forward
             x = layout.permute(x, dim=1)
@@ -499,7 +537,8 @@ class WanTransformer(nn.Module):
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
-        x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text)
+        keys = self._text_keys(text, latents.to(self.dtype))
+        x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text, keys)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
         x, pending = self._blocks(0, x, None, context, mod, rope, grid, layout, fused_ok, step_index, num_steps)
         return self._head(x, pending, temb, grid, layout)
@@ -544,8 +583,11 @@ class WanTransformer(nn.Module):
                 f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
                 "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
             )
+        probe = latents.to(self.dtype)
+        keys = [self._text_keys(t, probe) for t in (text, text_uncond)]
         x, rope, temb, mod, context, grid, layout = self._embed(
             latents, timestep, torch.cat([text, text_uncond.to(text.dtype)]))
+        contexts = [context[i:i + 1] if k is None else (context[i:i + 1], k) for i, k in enumerate(keys)]
         fused_ok = fused.usable(x)
         video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
         attn = self.attention
@@ -557,7 +599,9 @@ class WanTransformer(nn.Module):
             return self._head(x, p, temb, grid, layout)
 
         if batched:
+            if None not in keys:
+                context = (context, torch.cat(keys))
             return rest(torch.cat([x, x]), torch.cat([h, h]), context).chunk(2)
         # with the residual adds in the GEMMs the passes update x in place: the first gets its own copy
         first_x = x.clone() if pending is not None and len(pending) == 1 else x
-        return rest(first_x, h, context[:1]), rest(x, h, context[1:])
+        return rest(first_x, h, contexts[0]), rest(x, h, contexts[1])

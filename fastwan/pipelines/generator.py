@@ -103,6 +103,7 @@ class VideoGenerator:
         gelu_epilogue: bool = True,
         fused_norms: bool = True,
         gemm_residual: bool = True,
+        text_collapse: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
@@ -119,7 +120,10 @@ class VideoGenerator:
         modulation and q/k RMSNorm + RoPE in the DiT, RMSNorm + SiLU in the VAE decoder, as single-pass Triton
         kernels on CUDA) and ``gemm_residual`` (with fused_norms, at batch 1: the output projections add into the
         residual stream inside their GEMM, biases ride along as an fp32 offset that the norm kernels add) keep the
-        math and only change bf16 rounding.
+        math and only change bf16 rounding. ``text_collapse`` (CUDA): the prompt's padding tokens, which all give
+        the same key and value, enter the cross-attention as one key weighted by their count, in fastwan's Triton
+        kernel (:mod:`fastwan.attention.text_cross`; the same attention, over ~20 instead of 512 keys for a short
+        prompt); False keeps the attention backend's kernel for the cross-attention too.
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
         one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
@@ -153,7 +157,7 @@ class VideoGenerator:
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
         for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
-                           ("gemm_residual", gemm_residual),
+                           ("gemm_residual", gemm_residual), ("text_collapse", text_collapse),
                            ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} must be True or False.")
@@ -184,7 +188,7 @@ class VideoGenerator:
         ]
         for t in transformers_:
             t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms,
-                             gemm_residual=gemm_residual)
+                             gemm_residual=gemm_residual, text_collapse=text_collapse)
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)
