@@ -274,7 +274,8 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
                  compile_: bool = False, modes: tuple[str, ...] = ("sequential", "batched")) -> None:
     """CFG variants, interleaved runs on one generator (same weights, same process). A mode is batched or
     sequential, optionally "-unshared" (both passes in full, without forward_cfg's shared start) and/or "-nogr"
-    (without the residual adds in the output GEMMs, WanTransformer.set_fast_paths(gemm_residual=False))."""
+    (without the residual adds in the output GEMMs, WanTransformer.set_fast_paths(gemm_residual=False)) and/or
+    "-nocollapse" (the cross-attention over all 512 text tokens, set_fast_paths(text_collapse=False))."""
     import torch._dynamo.config as dcfg
 
     from fastwan import VideoGenerator
@@ -290,7 +291,7 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
     def run(mode, gen=gen, **extra):
         gen.cfg_mode = mode.split("-")[0]
         for m in gen.transformers:
-            m.set_fast_paths(gemm_residual="-nogr" not in mode)
+            m.set_fast_paths(gemm_residual="-nogr" not in mode, text_collapse="-nocollapse" not in mode)
             if "-unshared" in mode:
                 m.forward_cfg = unshared_cfg(m)
             elif "forward_cfg" in m.__dict__:
@@ -335,7 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--cfg-modes", default="auto", help="fastwan phase: cfg_mode values, comma-separated")
     p.add_argument("--cfg-ab-modes", default="sequential,batched",
                    help="cfgab phase: batched|sequential, each optionally with -unshared (no shared start) "
-                        "and/or -nogr (no residual adds in the output GEMMs)")
+                        "and/or -nogr (no residual adds in the output GEMMs) and/or -nocollapse (cross-attention "
+                        "over all 512 text tokens)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-variants", default="sta-auto-fa4,vsa-auto-fa4,gna-auto-fa4")

@@ -31,9 +31,12 @@ def main() -> int:
     p.add_argument("--variants", default="auto",
                    help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
                         "+nofn for the Inductor norms instead of the fused Triton ones, +nogr without the residual "
-                        "adds in the output GEMMs")
+                        "adds in the output GEMMs, +nocollapse with the cross-attention over all 512 text tokens")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
+                        "padding)")
     a = p.parse_args()
     from diffusers import WanTransformer3DModel
 
@@ -51,6 +54,10 @@ def main() -> int:
             prm.data = prm.data.float()
     res = {"versions": versions(), "command": " ".join(["python"] + sys.argv), "tokens": 21 * 45 * 80}
     args = forward_inputs(1, h=720, w=1280)
+    if not 0 <= a.prompt_tokens <= 512:
+        raise SystemExit(f"--prompt-tokens {a.prompt_tokens}: must be 0..512")
+    args[2][:, a.prompt_tokens:] = 0  # the padding of a short prompt (diffusers' and fastwan's pipelines)
+    res["prompt_tokens"] = a.prompt_tokens
     torch.cuda.reset_peak_memory_stats()
     res["diffusers_ms"] = cuda_time(lambda: ref(*args, return_dict=False), warmup=1, iters=a.iters)
     res["diffusers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -68,8 +75,8 @@ def main() -> int:
     models = {}
     for label in a.variants.split(","):
         tile, _, norms = label.partition("+")
-        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr"):
-            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn or +nogr")
+        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse"):
+            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn, +nogr or +nocollapse")
         conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t"))} if a.backend == "FLASH_ATTN" \
             else None
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
@@ -77,7 +84,8 @@ def main() -> int:
             model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
         model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
         model.eval()
-        model.set_fast_paths(fused_norms=norms != "nofn", gemm_residual=norms != "nogr")
+        model.set_fast_paths(fused_norms=norms != "nofn", gemm_residual=norms != "nogr",
+                             text_collapse=norms != "nocollapse")
         if a.compile:
             for blk in model.blocks:
                 blk.compile(fullgraph=True)
