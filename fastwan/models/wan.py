@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
+from fastwan.attention import text_cross
 from fastwan.attention.text_cross import text_cross_ok, text_keys
 from fastwan.models import fused
 from fastwan.models.config import WanConfig
@@ -462,16 +463,18 @@ class WanTransformer(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------
     def _text_keys(self, text: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """int32 [B] key counts for the collapsed cross-attention (:func:`text_keys`), or None where it does not
-        run: ``text_collapse`` off, the kernel unusable for x, or no sample of ``text`` padded (then the
-        dispatch's backend is faster). Outside compiled code; the answer is cached per text tensor (object and
-        version), so a denoising loop that passes the same prompt embeddings waits for the GPU once."""
+        run: ``text_collapse`` off, the kernel unusable for x, or a sample of ``text`` with more than
+        ``text_cross.MAX_KEYS`` keys left (unpadded or a long prompt: the dispatch's backend is as fast there).
+        Outside compiled code; the answer is cached per text tensor (object and version), so a denoising loop
+        that passes the same prompt embeddings waits for the GPU once."""
         if not (self.text_collapse and text_cross_ok(x, self.config.attention_head_dim)):
             return None
         hit = self._keys_cache.get(id(text))
         if hit is not None and hit[0]() is text and hit[1] == text._version:
             return hit[2]
         keys = text_keys(text)
-        keys = keys if int(keys.max()) < text.shape[1] else None  # one sync per new text tensor
+        n = int(keys.max())  # one sync per new text tensor
+        keys = keys if n < text.shape[1] and n <= text_cross.MAX_KEYS else None
         self._keys_cache = {k: v for k, v in self._keys_cache.items() if v[0]() is not None}
         self._keys_cache[id(text)] = (weakref.ref(text), text._version, keys)
         return keys
