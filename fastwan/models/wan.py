@@ -461,13 +461,13 @@ class WanTransformer(nn.Module):
         self._first_halves = (torch.compile(first.video_half, **kwargs), torch.compile(first.text_half, **kwargs))
 
     # -- forward ------------------------------------------------------------------------------------------
-    def _text_keys(self, text: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    def _text_keys(self, text: torch.Tensor) -> torch.Tensor | None:
         """int32 [B] key counts for the collapsed cross-attention (:func:`text_keys`), or None where it does not
-        run: ``text_collapse`` off, the kernel unusable for x, or a sample of ``text`` with more than
-        ``text_cross.MAX_KEYS`` keys left (unpadded or a long prompt: the dispatch's backend is as fast there).
+        run: ``text_collapse`` off, the kernel unusable for the model's dtype and device, or a sample of ``text``
+        with more than ``text_cross.MAX_KEYS`` keys left (unpadded or a long prompt: the backend is as fast).
         Outside compiled code; the answer is cached per text tensor (object and version), so a denoising loop
         that passes the same prompt embeddings waits for the GPU once."""
-        if not (self.text_collapse and text_cross_ok(x, self.config.attention_head_dim)):
+        if not (self.text_collapse and text_cross_ok(self.proj_out.weight, self.config.attention_head_dim)):
             return None
         hit = self._keys_cache.get(id(text))
         if hit is not None and hit[0]() is text and hit[1] == text._version:
@@ -540,7 +540,7 @@ class WanTransformer(nn.Module):
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
-        keys = self._text_keys(text, latents.to(self.dtype))
+        keys = self._text_keys(text)
         x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text, keys)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
         x, pending = self._blocks(0, x, None, context, mod, rope, grid, layout, fused_ok, step_index, num_steps)
@@ -586,8 +586,7 @@ class WanTransformer(nn.Module):
                 f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
                 "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
             )
-        probe = latents.to(self.dtype)
-        keys = [self._text_keys(t, probe) for t in (text, text_uncond)]
+        keys = [self._text_keys(t) for t in (text, text_uncond)]
         x, rope, temb, mod, context, grid, layout = self._embed(
             latents, timestep, torch.cat([text, text_uncond.to(text.dtype)]))
         contexts = [context[i:i + 1] if k is None else (context[i:i + 1], k) for i, k in enumerate(keys)]
