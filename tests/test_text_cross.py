@@ -84,6 +84,8 @@ def test_bad_inputs_raise():
         ops.text_cross_attention(q, k, v, torch.tensor([3, 4]))
     with pytest.raises(ValueError, match=r"k, v \[B, L, H, D\]"):
         ops.text_cross_attention(q, k[:, :, :1], v, torch.tensor([3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="keys are on meta"):
+        text_cross.check_inputs(q, k, v, torch.tensor([3, 4], dtype=torch.int32, device="meta"))
 
 
 def test_opcheck():

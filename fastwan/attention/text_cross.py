@@ -60,9 +60,9 @@ def text_cross_reference(q, k, v, keys) -> torch.Tensor:
     L = k.shape[1]
     n = keys.to(torch.int64).view(-1, 1)
     j = torch.arange(L, device=k.device).view(1, -1)
-    bias = torch.where(j == n - 1, torch.log((L - n + 1).double()), 0.0)
-    bias = torch.where(j < n, bias, -math.inf).to(torch.float32 if q.dtype != torch.float64 else torch.float64)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bias = torch.where(j == n - 1, torch.log((L - n + 1).double()), 0.0)
+    bias = torch.where(j < n, bias, -math.inf).to(dt)
     out = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k.transpose(1, 2).to(dt),
                                          v.transpose(1, 2).to(dt), attn_mask=bias.view(-1, 1, 1, L))
     return out.transpose(1, 2).to(q.dtype)
@@ -75,6 +75,9 @@ def check_inputs(q, k, v, keys) -> None:
     if keys.shape != (q.shape[0],) or keys.dtype != torch.int32:
         raise ValueError(f"text_cross_attention: keys must be int32 [{q.shape[0]}] (text_keys), got "
                          f"{keys.dtype} {tuple(keys.shape)}")
+    if keys.device != q.device:
+        raise ValueError(f"text_cross_attention: keys are on {keys.device} but q on {q.device}; move keys to "
+                         "q's device (text_keys of the text on that device)")
 
 
 @functools.cache
