@@ -31,7 +31,8 @@ def main() -> int:
     p.add_argument("--variants", default="auto",
                    help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
                         "+nofn for the Inductor norms instead of the fused Triton ones, +nogr without the residual "
-                        "adds in the output GEMMs, +nocollapse with the cross-attention over all 512 text tokens")
+                        "adds in the output GEMMs, +nocollapse with the cross-attention over all 512 text tokens, "
+                        "+nosplit with FA4's query in one launch")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
     p.add_argument("--prompt-tokens", type=int, default=512,
@@ -75,10 +76,11 @@ def main() -> int:
     models = {}
     for label in a.variants.split(","):
         tile, _, norms = label.partition("+")
-        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse"):
-            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn, +nogr or +nocollapse")
-        conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t"))} if a.backend == "FLASH_ATTN" \
-            else None
+        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse", "nosplit"):
+            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn, +nogr, +nocollapse "
+                             "or +nosplit")
+        conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t")),
+                "fa4_split": norms != "nosplit"} if a.backend == "FLASH_ATTN" else None
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
         with torch.device("meta"):
             model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)

@@ -412,11 +412,72 @@ def test_auto_fa4_tile_by_shape_on_sm90(fake_gpu, monkeypatch):
     def q(*shape):
         return SimpleNamespace(shape=shape, device=torch.device("cuda", 0))
 
+    def plan(backend, shape, ver=4, skv=None):
+        x = q(*shape)
+        return backend.plan_for(x, q(shape[0], skv or shape[1], *shape[2:]), ver)
+
     want = kernels.fa4_sm90_tile_m(1, 75600, 40, 132)
-    assert b.tile_m_for(q(1, 75600, 40, 128), 4) == (0 if want == 128 else want)
-    assert b.tile_m_for(q(1, 128 * 132, 1, 128), 4) == 0  # 128 = FA4's default: public entry point
-    assert b.tile_m_for(q(1, 75600, 40, 64), 4) == 0  # not head dim 128: FA4's own choice
-    assert b.tile_m_for(q(1, 75600, 40, 128), 2) == 0  # not FA4
+    assert kernels.fa4_sm90_plan(1, 75600, 75600, 40, 132)[1] == 0  # one launch at this shape
+    assert plan(b, (1, 75600, 40, 128)) == (0 if want == 128 else want, 0, 0)
+    assert plan(b, (1, 128 * 132, 1, 128)) == (0, 0, 0)  # 128 = FA4's default: public entry point
+    assert plan(b, (1, 75600, 40, 64)) == (0, 0, 0)  # not head dim 128: FA4's own choice
+    assert plan(b, (1, 75600, 40, 128), ver=2) == (0, 0, 0)  # not FA4
+    # the 1.3B 480p self-attention: two launches by the plan, one with fa4_split=False
+    assert plan(b, (1, 32760, 12, 128)) == kernels.fa4_sm90_plan(1, 32760, 32760, 12, 132) == (192, 31680, 128)
+    one = FlashAttnBackend(fa4_split=False)
+    assert one.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+    assert plan(one, (1, 32760, 12, 128)) == (192, 0, 0)
     pinned = FlashAttnBackend(version=4, fa4_tile_m=192)
     assert pinned.reasons(device="cuda", dtype=BF16, head_dim=128) == []
-    assert pinned.tile_m_for(q(1, 128 * 132, 1, 128), 4) == 192
+    assert plan(pinned, (1, 128 * 132, 1, 128)) == (192, 0, 0)
+    assert plan(pinned, (1, 32760, 12, 128)) == (192, 0, 0)  # an explicit tile: one launch, as asked
+
+
+def test_fa4_split_plan_against_a_brute_force_search():
+    """fa4_sm90_plan against a separate search over every split point and tile pair with the same time model:
+    the same (lowest) modelled cost, and a split only where it beats one launch by FA4_SM90_MIN_GAIN."""
+    sms = 132
+
+    def cost(b, h, rows, skv, tm):
+        return -(-(b * h * -(-rows // tm)) // sms) * tm * kernels.FA4_SM90_ROW_COST[tm] * skv
+
+    def brute(b, s, skv, h):
+        one = kernels.fa4_sm90_tile_m(b, s, h, sms)
+        single = cost(b, h, s, skv, one)
+        best = min(cost(b, h, split, skv, tm) + kernels.FA4_SM90_LAUNCH_ROW_KEYS + cost(b, h, s - split, skv, tt)
+                   for tm in kernels.FA4_SM90_TILES for tt in kernels.FA4_SM90_TILES
+                   for split in range(tm, s, tm))
+        return single, best
+
+    cases = [(1, 32760, 32760, 12), (2, 32760, 32760, 12), (1, 75600, 75600, 40), (1, 75600, 75600, 12),
+             (1, 32760, 512, 12), (2, 32760, 512, 12), (1, 27280, 27280, 24), (3, 9999, 9999, 5),
+             (1, 109120, 109120, 24), (2, 20000, 20000, 7), (1, 32760, 32760, 40)]
+    splits = 0
+    for b, s, skv, h in cases:
+        tm, split, tail = kernels.fa4_sm90_plan(b, s, skv, h, sms)
+        single, best = brute(b, s, skv, h)
+        if split:
+            splits += 1
+            assert 0 < split < s and split % tm == 0
+            got = cost(b, h, split, skv, tm) + kernels.FA4_SM90_LAUNCH_ROW_KEYS + cost(b, h, s - split, skv, tail)
+            assert got == pytest.approx(best) and got < single * (1 - kernels.FA4_SM90_MIN_GAIN)
+        else:
+            assert (tm, tail) == (kernels.fa4_sm90_tile_m(b, s, h, sms), 0)
+            assert best >= single * (1 - kernels.FA4_SM90_MIN_GAIN)
+    assert splits >= 2
+    # the 1.3B 480p self-attention: 15 whole waves of 192-row tiles, the last 1,080 rows as 108 tiles of 128
+    assert kernels.fa4_sm90_plan(1, 32760, 32760, 12, sms) == (192, 31680, 128)
+    # short keys (the cross-attention over 512 text rows): the launch cost keeps one launch
+    assert kernels.fa4_sm90_plan(1, 32760, 512, 12, sms)[1] == 0
+    # traced inside compiled blocks: a constant (the backend marks it when it selects FA4 on sm90), no graph break
+    kernels.mark_fa4_plan_constant()
+    x = torch.ones(1, 32760, 12, 8)
+    fn = torch.compile(lambda t: t * sum(kernels.fa4_sm90_plan(t.shape[0], t.shape[1], t.shape[1], t.shape[2],
+                                                               sms)), fullgraph=True, backend="eager")
+    assert torch.equal(fn(x), x * (192 + 31680 + 128))
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_fa4_split_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=r"fa4_split=.* must be True or False"):
+        FlashAttnBackend(fa4_split=bad)

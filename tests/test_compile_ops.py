@@ -24,7 +24,7 @@ CALLS: list[dict] = []
 def fake_flash_kernel(version):
     def run(q, k, v, scale, *tile):
         strides_ok = all(x.stride(-1) == 1 for x in (q, k, v))
-        CALLS.append({"kernel": f"FA{version}", "scale": scale, "strides_ok": strides_ok, **(
+        CALLS.append({"kernel": f"FA{version}", "scale": scale, "strides_ok": strides_ok, "rows": q.shape[1], **(
             {"tile_m": tile[0]} if tile else {})})
         out = reference_attention(q, k, v, scale).to(q.dtype)
         return (out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])) if version in (3, 4) else out  # FA3/4: (out, lse)
@@ -63,7 +63,7 @@ def test_flash_backend_forward_path(version):
     out = FlashAttnBackend(version=version)(q, k, v, scale=0.4)
     assert out.shape == q.shape and out.is_contiguous()
     assert rel_err(out, reference_attention(q, k, v, 0.4)) <= 1e-5
-    assert CALLS == [{"kernel": f"FA{version}", "scale": 0.4, "strides_ok": True}]
+    assert CALLS == [{"kernel": f"FA{version}", "scale": 0.4, "strides_ok": True, "rows": 12}]
 
 
 def test_fa4_tile_reaches_the_kernel_only_when_set():
@@ -75,6 +75,30 @@ def test_fa4_tile_reaches_the_kernel_only_when_set():
     # an explicit tile on a CPU tensor goes through the backend unchanged (its reasons() refuse it on resolve)
     FlashAttnBackend(version=4, fa4_tile_m=128)(q, k, v, scale=0.4)
     assert CALLS[2]["tile_m"] == 128
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fa4_split_covers_the_query_in_two_launches(batch):
+    """split > 0: rows [0, split) with tile_m and the rest with tail_tile_m, into one output; the same values as
+    one launch (the reference), also for a strided q (a view into a fused QKV buffer)."""
+    g = torch.Generator().manual_seed(1)
+    qkv_buf = torch.randn(batch, 13, 3, 2, 16, generator=g)
+    q, k, v = qkv_buf[:, :, 0], qkv_buf[:, :9, 1], qkv_buf[:, :9, 2]  # [B, S, H, D] views, stride(-1) == 1
+    out = torch.ops.fastwan.flash_attn(q, k, v, 0.4, 4, 192, 5, 128)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert rel_err(out, reference_attention(q, k, v, 0.4)) <= 1e-6
+    assert [(c["tile_m"], c["rows"]) for c in CALLS] == [(192, 5), (128, 8)]
+    fn = torch.compile(lambda a, b, c: torch.ops.fastwan.flash_attn(a, b, c, 0.4, 4, 192, 5, 128) * 2,
+                       fullgraph=True)
+    assert torch.allclose(fn(q, k, v), out * 2)
+
+
+@pytest.mark.parametrize("args,msg", [((2, 192, 5, 128), "needs FA4"), ((4, 192, 13, 128), "0 < split < Sq=13"),
+                                      ((4, 192, 5, 96), "tail_tile_m=96")])
+def test_fa4_split_rejects_what_it_cannot_run(args, msg):
+    q, k, v = qkv(sq=13)
+    with pytest.raises(ValueError, match=msg):
+        torch.ops.fastwan.flash_attn(q, k, v, 0.4, *args)
 
 
 def test_default_scale_and_non_contiguous_inputs():

@@ -111,7 +111,8 @@ class FlashAttnBackend(AttentionBackend):
         min_compute_capability=(8, 0),
     )
 
-    def __init__(self, version: int | str | None = None, nvfp4: bool | None = None, fa4_tile_m: int | str = "auto"):
+    def __init__(self, version: int | str | None = None, nvfp4: bool | None = None, fa4_tile_m: int | str = "auto",
+                 fa4_split: bool = True):
         if version is None:
             version = envs.flash_attn_version()
         if version is not None:
@@ -132,6 +133,10 @@ class FlashAttnBackend(AttentionBackend):
                 "(FA4's query tile on sm90 for head dim 128); leave it 'auto' to pick by shape."
             )
         self.fa4_tile_m: int | str = fa4_tile_m
+        if not isinstance(fa4_split, bool):
+            raise TypeError(f"FLASH_ATTN fa4_split={fa4_split!r} must be True or False (with fa4_tile_m='auto', "
+                            "whether FA4's sm90 forward may cover the query in two launches of whole waves).")
+        self.fa4_split: bool = fa4_split
         self._sms: dict[int, int] = {}  # CUDA device index -> SM count, for sm90 devices (read when selecting)
 
     # ---- selection ---------------------------------------------------------------------------------
@@ -174,6 +179,7 @@ class FlashAttnBackend(AttentionBackend):
                     idx = self._index(device)
                     if idx not in self._sms:
                         self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+                        kernels.mark_fa4_plan_constant()  # plan_for's search: a constant under torch.compile
                 return ver, []
             rejected.extend(why)
         return None, rejected
@@ -216,18 +222,25 @@ class FlashAttnBackend(AttentionBackend):
                 reasons.append(f"{rule}, but {detail} ({fix})")
         return reasons
 
-    def tile_m_for(self, q: torch.Tensor, version: int) -> int:
-        """FA4's sm90 query tile for q [B, S, H, D] (0 = the kernel's default): the explicit ``fa4_tile_m``, or
-        with 'auto' :func:`fastwan.attention.kernels.fa4_sm90_tile_m` for head dim 128 on a known sm90 device."""
+    def plan_for(self, q: torch.Tensor, k: torch.Tensor, version: int) -> tuple[int, int, int]:
+        """How FA4's sm90 forward covers q [B, Sq, H, D] against k [B, Skv, H, D]: ``(tile_m, split, tail_tile_m)``
+        for :func:`fastwan.attention.ops.flash_attn` (tile_m 0 = the kernel's default, split 0 = one launch). The
+        explicit ``fa4_tile_m`` in one launch, or with 'auto' :func:`fastwan.attention.kernels.fa4_sm90_plan` for
+        head dim 128 on a known sm90 device (one launch only with ``fa4_split=False``)."""
         if version != 4:
-            return 0
+            return 0, 0, 0
         if self.fa4_tile_m != "auto":
-            return int(self.fa4_tile_m)
+            return int(self.fa4_tile_m), 0, 0
         sms = self._sms.get(self._index(q.device)) if q.device.type == "cuda" else None
         if sms is None or q.shape[-1] != 128:
-            return 0
-        tm = kernels.fa4_sm90_tile_m(q.shape[0], q.shape[1], q.shape[2], sms)
-        return 0 if tm == 128 else tm  # 128 is FA4's own default: keep its public entry point
+            return 0, 0, 0
+        b, s, h = q.shape[0], q.shape[1], q.shape[2]
+        if self.fa4_split:
+            tm, split, tail = kernels.fa4_sm90_plan(b, s, k.shape[1], h, sms)
+            if split:
+                return tm, split, tail
+        tm = kernels.fa4_sm90_tile_m(b, s, h, sms)
+        return (0 if tm == 128 else tm), 0, 0  # 128 is FA4's own default: keep its public entry point
 
     def _nvfp4_reasons(self, device: torch.device, head_dim: int) -> list[str]:
         cc = self._cc(device)
@@ -295,7 +308,8 @@ class FlashAttnBackend(AttentionBackend):
         if self.nvfp4:
             return torch.ops.fastwan.nvfp4_flash_attn(q, k, v, scale)
         ver = self._version_for(q.device, q.shape[-1])
-        return torch.ops.fastwan.flash_attn(q, k, v, scale, ver, self.tile_m_for(q, ver))
+        return torch.ops.fastwan.flash_attn(q, k, v, scale, ver, *self.plan_for(q, k, ver))
 
     def __repr__(self) -> str:
-        return f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4}, fa4_tile_m={self.fa4_tile_m!r})"
+        return (f"FlashAttnBackend(version={self.version!r}, nvfp4={self.nvfp4}, fa4_tile_m={self.fa4_tile_m!r}, "
+                f"fa4_split={self.fa4_split})")

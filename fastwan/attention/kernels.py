@@ -87,9 +87,9 @@ def flash_kernel(version: int) -> KernelFn:
     elif version == 4:
         from flash_attn.cute import flash_attn_func as fa4
 
-        def run(q, k, v, scale, tile_m=0):
+        def run(q, k, v, scale, tile_m=0, out=None):
             if tile_m:
-                return fa4_sm90_tiled(q, k, v, scale, tile_m)
+                return fa4_sm90_tiled(q, k, v, scale, tile_m, out=out)
             return fa4(q, k, v, softmax_scale=scale, causal=False)
     else:
         raise ValueError(f"FlashAttention version {version!r} is not 2, 3 or 4.")
@@ -121,14 +121,70 @@ def fa4_sm90_tile_m(batch: int, seqlen_q: int, heads: int, num_sms: int) -> int:
     return 192 if cost(192) < cost(128) * (1.0 - FA4_SM90_MIN_GAIN) else 128
 
 
-def fa4_sm90_tiled(q, k, v, scale: float, tile_m: int):
+# fa4_sm90_plan: the fixed cost of one more kernel launch (launch gap, ramp-up), as query rows x keys of one tile
+# stream at FA4's sm90 rate (~0.1 ns each on an H100: ~5 us). It keeps short-key calls (cross-attention) in one
+# launch, where a split's modelled gain is a few microseconds.
+FA4_SM90_LAUNCH_ROW_KEYS = 50_000
+
+
+def fa4_sm90_plan(batch: int, seqlen_q: int, seqlen_k: int, heads: int, num_sms: int) -> tuple[int, int, int]:
+    """How FA4's sm90 forward covers a ``[batch, seqlen_q, heads, 128]`` query: ``(tile_m, split, tail_tile_m)``.
+
+    ``split == 0``: one launch with ``tile_m`` (:func:`fa4_sm90_tile_m`). Otherwise two launches over the query
+    rows, ``[0, split)`` with ``tile_m`` and ``[split, seqlen_q)`` with ``tail_tile_m``; a query row's output
+    depends on its own row and all keys only, so they compute the same values as one launch. One launch often
+    leaves its last wave part-empty (B=1, 32,760 tokens, 12 heads: 2,052 tiles of 192 rows = 15.5 waves on 132
+    SMs); the plan there runs 15 full waves of 192-row tiles and the last 1,080 rows as one wave of 108 tiles of
+    128 rows.
+
+    Time model (as :func:`fa4_sm90_tile_m`): per launch, whole waves x tile_m x row cost x seqlen_k, plus
+    ``FA4_SM90_LAUNCH_ROW_KEYS`` for the second launch. Every split at a tile boundary and every tile pair is
+    tried; a split is taken only for a modelled gain of at least ``FA4_SM90_MIN_GAIN`` over one launch. Cached per
+    shape; after :func:`mark_fa4_plan_constant` torch.compile takes the result as a constant.
+    """
+    return _fa4_sm90_plan(int(batch), int(seqlen_q), int(seqlen_k), int(heads), int(num_sms))
+
+
+@functools.cache
+def _fa4_sm90_plan(batch: int, seqlen_q: int, seqlen_k: int, heads: int, num_sms: int) -> tuple[int, int, int]:
+    def cost(rows: int, tm: int) -> float:
+        tiles = batch * heads * -(-rows // tm)
+        return -(-tiles // num_sms) * tm * FA4_SM90_ROW_COST[tm] * seqlen_k
+
+    one = fa4_sm90_tile_m(batch, seqlen_q, heads, num_sms)
+    limit = cost(seqlen_q, one) * (1.0 - FA4_SM90_MIN_GAIN)
+    best, plan = None, (one, 0, 0)
+    for tm in FA4_SM90_TILES:
+        for split in range(tm, seqlen_q, tm):
+            main = cost(split, tm) + FA4_SM90_LAUNCH_ROW_KEYS
+            for tail in FA4_SM90_TILES:
+                c = main + cost(seqlen_q - split, tail)
+                # ties (same waves): the plan with less row work (more rows in the cheaper tile)
+                work = split * FA4_SM90_ROW_COST[tm] + (seqlen_q - split) * FA4_SM90_ROW_COST[tail]
+                key = (round(c / seqlen_k, 3), work)
+                if c < limit and (best is None or key < best):
+                    best, plan = key, (tm, split, tail)
+    return plan
+
+
+@functools.cache
+def mark_fa4_plan_constant() -> None:
+    """Let torch.compile take :func:`fa4_sm90_plan`'s result as a constant (``assume_constant_result``) instead
+    of tracing its search (seconds per graph). It imports torch._dynamo, so the backend calls it from eager code
+    (``FlashAttnBackend.select``), not at import time."""
+    if hasattr(torch.compiler, "assume_constant_result"):
+        torch.compiler.assume_constant_result(fa4_sm90_plan)
+
+
+def fa4_sm90_tiled(q, k, v, scale: float, tile_m: int, out=None):
     """FA4 forward with the sm90 tile configuration ``FA4_SM90_TILES[tile_m]`` (flash_attn.cute's
-    ``_flash_attn_fwd``; the public ``flash_attn_func`` does not take tile sizes). q, k, v: [B, S, H, D]."""
+    ``_flash_attn_fwd``; the public ``flash_attn_func`` does not take tile sizes). q, k, v: [B, S, H, D];
+    ``out``: optional [B, S, H, D] destination (any layout with a contiguous last dim, e.g. a slice)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     tm, tn, rs, overlap = FA4_SM90_TILES[tile_m]
     return _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, tile_mn=(tm, tn), mma_pv_is_rs=rs,
-                           intra_wg_overlap=overlap)
+                           intra_wg_overlap=overlap, out=out)
 
 
 @functools.cache

@@ -31,12 +31,28 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Ten
 
 @torch.library.custom_op("fastwan::flash_attn", mutates_args=())
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int,
-               tile_m: int = 0) -> torch.Tensor:
+               tile_m: int = 0, split: int = 0, tail_tile_m: int = 0) -> torch.Tensor:
     """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute). ``tile_m``: FA4's
-    sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice."""
+    sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice.
+
+    ``split`` > 0 (FA4 with explicit tiles only, :func:`fastwan.attention.kernels.fa4_sm90_plan`): two launches
+    writing into one output, query rows ``[0, split)`` with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m``."""
     fn = kernels.flash_kernel(version)
-    args = (_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale)
-    return _finish(fn(*args, tile_m) if tile_m else fn(*args), q)
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    if not split:
+        return _finish(fn(q, k, v, scale, tile_m) if tile_m else fn(q, k, v, scale), q)
+    if version != 4 or not (0 < split < q.shape[1]) or tile_m not in kernels.FA4_SM90_TILES \
+            or tail_tile_m not in kernels.FA4_SM90_TILES:
+        raise ValueError(f"flash_attn split={split} needs FA4 (version={version}), 0 < split < Sq={q.shape[1]} and "
+                         f"tiles from {sorted(kernels.FA4_SM90_TILES)} (tile_m={tile_m}, tail_tile_m={tail_tile_m}).")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for rows, tm in ((slice(0, split), tile_m), (slice(split, None), tail_tile_m)):
+        dst = out[:, rows]
+        got = fn(q[:, rows], k, v, scale, tm, dst)
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        if got.data_ptr() != dst.data_ptr():  # a kernel that ignored ``out``
+            dst.copy_(got)
+    return out
 
 
 @torch.library.custom_op("fastwan::nvfp4_flash_attn", mutates_args=())

@@ -163,3 +163,30 @@ def test_compile_fullgraph(name):
     cos = float(F.cosine_similarity(out.float().flatten(), eager.float().flatten(), dim=0))
     print(f"\ncompiled {dispatch.describe('cuda')}: cos vs eager {cos:.6f}")
     assert cos >= 0.999
+
+
+@pytest.mark.parametrize("batch,fused", [(1, False), (2, False), (1, True)], ids=["b1", "b2", "b1-strided"])
+def test_fa4_split_equals_one_launch(batch, fused):
+    """FA4 on sm90 with the query in two launches (kernels.fa4_sm90_plan) gives the same bits as one launch: a
+    row's output depends on its own query row and all keys only, whatever tile it lands in."""
+    from fastwan.attention import kernels
+
+    b = backend_or_skip("FLASH_ATTN", {"version": 4}, seq_q=32760, seq_kv=32760)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FA4's sm90 tiles only")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s, h = 32760, 12
+    tm, split, tail = kernels.fa4_sm90_plan(batch, s, s, h, sms)
+    assert split > 0, "the 1.3B 480p shape is split on an H100/H200 (132 SMs)"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if fused:  # q/k/v as strided views into one [B, S, 3, H, D] buffer (the fused QKV projection's layout)
+        buf = torch.randn(batch, s, 3, h, 128, device="cuda", dtype=BF16, generator=g)
+        q, k, v = buf.unbind(2)
+    else:
+        q, k, v = (torch.randn(batch, s, h, 128, device="cuda", dtype=BF16, generator=g) for _ in range(3))
+    scale = 128**-0.5
+    two = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, split, tail)
+    one = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm)
+    assert torch.equal(two, one)
+    assert b.plan_for(q, k, 4) == (tm, split, tail)  # what the backend runs at this shape
+    assert torch.equal(b(q, k, v), one)
