@@ -37,7 +37,7 @@ def test_run_variant_on_cpu(monkeypatch):
         return fn(), time.perf_counter() - t
 
     monkeypatch.setattr(sb, "cuda_time", cpu_time)
-    monkeypatch.setattr(sb, "stream_ms", lambda fn, calls: cpu_time(fn, calls))
+    monkeypatch.setattr(sb, "stream_ms", lambda fn, calls: cpu_time(fn, calls) + 1.0)  # > 0 after rounding
     monkeypatch.setattr(sb, "wall", cpu_wall)
     grid, heads = (5, 7, 9), 2
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,10 @@ A prompt of 20 tokens thus attends to 21 keys instead of 512.
 * :func:`text_keys` finds ``n`` per sample from the text embeddings (rows equal to the last row form the trailing
   run; a tensor, so nothing waits for the GPU and torch.compile does not specialise on prompt lengths);
 * ``fastwan::text_cross_attention(q, k, v, keys)`` attends with that rule: a Triton kernel on CUDA that loops over
-  the first ``n`` keys only; elsewhere a masked dense attention with the same weights (the reference).
+  the first ``n`` keys only; elsewhere a masked dense attention with the same weights (the reference);
+* ``fastwan::text_cross_attention_normq(q, weight, eps, k, v, keys)`` is the same attention with the query's
+  RMSNorm (over all heads, with ``weight``; the rounding of ``rms_rope``) fused in: it takes the raw projection
+  q [B, S, C], so the normalized q is never written (the kernel normalizes each query block on the fly).
 
 :class:`fastwan.models.wan.WanTransformer` uses it for its cross-attention when ``text_collapse`` is on (default)
 and :func:`text_cross_ok` holds; otherwise the attention dispatch's cross-attention backend runs over all keys.
@@ -147,3 +150,118 @@ def text_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys
 @text_cross_attention.register_fake
 def _(q, k, v, keys):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def normq_reference(q, weight, eps: float, k, v, keys) -> torch.Tensor:
+    """The PyTorch route: RMSNorm of q [B, S, C] over C with weight [C] (rms_rope's formula), then
+    :func:`text_cross_reference` over k, v [B, L, H, D] -> [B, S, H, D] in q's dtype."""
+    qn = F.rms_norm(q, (q.shape[-1],), eps=eps).to(weight.dtype) * weight
+    return text_cross_reference(qn.unflatten(-1, k.shape[2:]), k, v, keys).to(q.dtype)
+
+
+def check_inputs_normq(q, weight, k, v, keys) -> None:
+    name = "text_cross_attention_normq"
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be the raw projection [B, S, C] (not split into heads), got "
+                         f"{tuple(q.shape)}")
+    B, S, C = q.shape
+    if weight.shape != (C,):
+        raise ValueError(f"{name}: weight must be [{C}] (the q norm's weight over all heads), got "
+                         f"{tuple(weight.shape)}")
+    if k.dim() != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[2] * k.shape[3] != C:
+        raise ValueError(f"{name}: k, v [B, L, H, D] with B = {B} and H * D = C = {C} (q's channels) expected, "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_inputs(q.unflatten(-1, k.shape[2:]), k, v, keys)  # keys: int32 [B] on q's device
+
+
+def normq_block(D: int) -> int:
+    """Query rows per program of the fused kernel: 64 up to D = 128 (more programs than SMs at B = 1), else 32."""
+    return 64 if D <= 128 else 32
+
+
+@functools.cache
+def _normq_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def text_attn_normq(Q, W, K, V, OUT, NK, sqb, sqs, skb, sks, skh, svb, svs, svh, sob, sos, soh, S, L, H, C,
+                        eps, scale_log2, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # program (query block, b): pass 1 sums x^2 over all H heads' channels; pass 2, per head, normalizes the
+        # q chunk (rms_rope_rows' roundings) and runs text_attn's online softmax over the first n keys
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1)
+        n = tl.load(NK + b)
+        log2m = tl.log2((L - n + 1).to(tl.float32))
+        rows = pid_m * BM + tl.arange(0, BM)
+        d = tl.arange(0, D)
+        rmask = rows < S
+        qp = Q + b * sqb + rows[:, None] * sqs + d[None, :]
+        ss = tl.zeros([BM], tl.float32)
+        h = 0
+        while h < H:  # while loops: the interpreter cannot index range() with a runtime int (numpy >= 2)
+            x = tl.load(qp + h * D, mask=rmask[:, None], other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, 1)
+            h += 1
+        rstd = tl.rsqrt(ss / C + eps)
+        h = 0
+        while h < H:
+            x = tl.load(qp + h * D, mask=rmask[:, None], other=0.0).to(tl.float32)  # again: mostly from L2
+            w = tl.load(W + h * D + d).to(tl.float32)
+            # rounded as PyTorch's rms_norm(x).to(w.dtype) * w (and rms_rope_rows): twice
+            q = ((x * rstd[:, None]).to(OUT.dtype.element_ty).to(tl.float32) * w[None, :]).to(OUT.dtype.element_ty)
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, D], tl.float32)
+            start = 0
+            while start < n:
+                cols = start + tl.arange(0, BN)
+                cmask = cols < n
+                kt = tl.load(K + b * skb + h * skh + cols[None, :] * sks + d[:, None], mask=cmask[None, :],
+                             other=0.0)
+                s = tl.dot(q, kt) * scale_log2
+                s += tl.where(cols == n - 1, log2m, 0.0)[None, :]
+                s = tl.where(cmask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                vt = tl.load(V + b * svb + h * svh + cols[:, None] * svs + d[None, :], mask=cmask[:, None],
+                             other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                m_i = m_new
+                start += BN
+            out = acc / l_i[:, None]
+            tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + d[None, :], out.to(OUT.dtype.element_ty),
+                     mask=rmask[:, None])
+            h += 1
+
+    return text_attn_normq
+
+
+@torch.library.custom_op("fastwan::text_cross_attention_normq", mutates_args=())
+def text_cross_attention_normq(q: torch.Tensor, weight: torch.Tensor, eps: float, k: torch.Tensor,
+                               v: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``text_cross_attention(rms_norm(q) * weight, k, v, keys)`` in one kernel: q [B, S, C] the raw projection
+    (any row stride), weight [C], k, v [B, L, H, D] with H * D = C, keys int32 [B] -> [B, S, H, D] in q's dtype.
+    The normalized q rounds as ``rms_rope_reference`` (fp32 statistics, rounded after the norm and after the
+    weight)."""
+    check_inputs_normq(q, weight, k, v, keys)
+    H, D = k.shape[2:]
+    if not (text_cross_ok(q, D) and weight.dtype == k.dtype == v.dtype == q.dtype):
+        return normq_reference(q, weight, eps, k, v, keys)
+    q, weight, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, weight, k, v))
+    B, S, C = q.shape
+    out = torch.empty(B, S, H, D, device=q.device, dtype=q.dtype)
+    if out.numel():
+        bm = normq_block(D)
+        _normq_kernel()[(-(-S // bm), B)](
+            q, weight, k, v, out, keys, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            S, k.shape[1], H, C, eps, D ** -0.5 * math.log2(math.e), D=D, BM=bm, BN=64,
+            num_warps=8 if D >= 128 else 4, num_stages=2)
+    return out
+
+
+@text_cross_attention_normq.register_fake
+def _(q, weight, eps, k, v, keys):
+    return torch.empty(*q.shape[:2], *k.shape[2:], dtype=q.dtype, device=q.device)

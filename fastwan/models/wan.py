@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -97,6 +98,15 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return (x * table[..., :d] + swapped * table[..., d:]).type_as(x)  # bf16 * fp32 computes in fp32
 
 
+class CrossKV(NamedTuple):
+    """One block's cross-attention keys and values, computed from the text once per prompt
+    (:meth:`WanTransformer._contexts`): k (after ``norm_k``) and v [B, L, H, D]; ``keys`` int32 [B] where the
+    text padding is collapsed into one weighted key (:mod:`fastwan.attention.text_cross`), else None."""
+    k: torch.Tensor
+    v: torch.Tensor
+    keys: torch.Tensor | None
+
+
 class WanAttention(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float, cross: bool):
         super().__init__()
@@ -111,6 +121,8 @@ class WanAttention(nn.Module):
         self.to_gate_compress: nn.Linear | None = None  # VSA checkpoints add it (see WanTransformer)
         self.to_qkv: nn.Linear | None = None  # set by fuse_qkv() (self-attention only)
         self.fused_norms = True  # single-pass Triton norms on CUDA (WanTransformer.set_fast_paths)
+        # collapsed text attention (keys given): the q RMSNorm inside its kernel on the fused route (an A/B switch)
+        self.text_normq = True
 
     def fuse_qkv(self) -> None:
         """Replace to_q/to_k/to_v by one [3*inner, dim] projection (one GEMM instead of three).
@@ -130,6 +142,20 @@ class WanAttention(nn.Module):
         self.to_qkv = fused
         del self.to_q, self.to_k, self.to_v
 
+    def _norm(self, t: torch.Tensor, norm: RMSNorm, rope: torch.Tensor | None, fused_ok: bool) -> torch.Tensor:
+        """[B, S, inner] -> RMSNorm (+ RoPE) -> [B, S, heads, head_dim]: one pass in the fused kernel where it runs
+        (:mod:`fastwan.models.fused`, the same roundings as the PyTorch path)."""
+        if self.fused_norms and fused_ok and norm.weight.dtype == t.dtype:
+            return torch.ops.fastwan.rms_rope(t, norm.weight, rope, norm.eps, self.head_dim).unflatten(
+                -1, (self.heads, self.head_dim))
+        t = norm(t).unflatten(-1, (self.heads, self.head_dim))
+        return t if rope is None else apply_rope(t, rope)
+
+    def text_kv(self, context: torch.Tensor, fused_ok: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys (normed) and values of context [B, L, C] -> two [B, L, heads, head_dim]."""
+        return (self._norm(self.to_k(context), self.norm_k, None, fused_ok),
+                self.to_v(context).unflatten(-1, (self.heads, self.head_dim)))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -145,28 +171,28 @@ class WanAttention(nn.Module):
         returns the attention output before ``to_out`` ([B, S, heads * head_dim]; the block then projects it
         into the residual stream itself). A context given as ``(context, keys)`` (``keys``: int32 [B] from
         :func:`fastwan.attention.text_cross.text_keys`) attends with the text padding collapsed into one
-        weighted key (``fastwan::text_cross_attention``, exact)."""
+        weighted key (``fastwan::text_cross_attention``, exact); a :class:`CrossKV` brings the keys and values
+        already projected (:meth:`text_kv`)."""
         keys = None
-        if isinstance(context, tuple):
-            context, keys = context
-        if self.to_qkv is not None:
-            q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
+        if isinstance(context, CrossKV):  # keys and values computed once per prompt
+            q = self.to_q(x)
+            k, v, keys = context
         else:
-            src = x if context is None else context
-            q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
-        if self.fused_norms and fused_ok and self.norm_q.weight.dtype == self.norm_k.weight.dtype == q.dtype:
-            # one pass per tensor: RMSNorm + weight (+ RoPE for self-attention) (fastwan.models.fused, same
-            # roundings as below)
-            q = torch.ops.fastwan.rms_rope(q, self.norm_q.weight, rope, self.norm_q.eps, self.head_dim)
-            k = torch.ops.fastwan.rms_rope(k, self.norm_k.weight, rope, self.norm_k.eps, self.head_dim)
-            q, k = (t.unflatten(-1, (self.heads, self.head_dim)) for t in (q, k))
-            rope = None
-        else:
-            q = self.norm_q(q).unflatten(-1, (self.heads, self.head_dim))
-            k = self.norm_k(k).unflatten(-1, (self.heads, self.head_dim))
-        v = v.unflatten(-1, (self.heads, self.head_dim))
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            if isinstance(context, tuple):
+                context, keys = context
+            if self.to_qkv is not None:
+                q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # views of one GEMM output
+            else:
+                src = x if context is None else context
+                q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
+            k = self._norm(k, self.norm_k, rope, fused_ok)
+            v = v.unflatten(-1, (self.heads, self.head_dim))
+        if keys is not None and self.text_normq and self.fused_norms and fused_ok \
+                and self.norm_q.weight.dtype == q.dtype:
+            # the collapsed text attention with the q RMSNorm in the same kernel (one pass over q fewer)
+            out = torch.ops.fastwan.text_cross_attention_normq(q, self.norm_q.weight, self.norm_q.eps, k, v, keys)
+            return self._finish(out, q, project)
+        q = self._norm(q, self.norm_q, rope, fused_ok)
         if self.cross:
             if keys is not None:
                 out = torch.ops.fastwan.text_cross_attention(q, k, v, keys)
@@ -177,6 +203,9 @@ class WanAttention(nn.Module):
                 gate = self.to_gate_compress(x).unflatten(-1, (self.heads, self.head_dim))
                 meta = dataclasses.replace(meta, extra={**meta.extra, "gate_compress": gate})
             out = attn.self_attention(q, k, v, meta)
+        return self._finish(out, q, project)
+
+    def _finish(self, out: torch.Tensor, q: torch.Tensor, project: bool) -> torch.Tensor:
         out = out.flatten(2).type_as(q)
         return self.to_out[0](out) if project else out
 
@@ -368,15 +397,23 @@ class TimeTextEmbedding(nn.Module):
 
         Returns temb ([B, C] or [B, S, C]), modulation ([B, 6, C] or [B, S, 6, C]), context [B, L, C].
         """
+        temb, mod = self.time(timestep, text.dtype)
+        return temb, mod, self.text(text)
+
+    def time(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """timestep [B] or [B, S] -> temb ([B, C] or [B, S, C], in ``dtype``) and modulation ([B, 6, C] or
+        [B, S, 6, C])."""
         shape = timestep.shape
         t = timestep_embedding(timestep.flatten(), self.freq_dim).unflatten(0, shape)
         te = self.time_embedder
         t = t.to(te.linear_1.weight.dtype)
-        temb = te.linear_2(F.silu(te.linear_1(t))).type_as(text)
-        mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+        temb = te.linear_2(F.silu(te.linear_1(t))).to(dtype)
+        return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+
+    def text(self, text: torch.Tensor) -> torch.Tensor:
+        """text [B, L, text_dim] -> context [B, L, C]."""
         tx = self.text_embedder
-        context = tx.linear_2(F.gelu(tx.linear_1(text), approximate="tanh"))
-        return temb, mod, context
+        return tx.linear_2(F.gelu(tx.linear_1(text), approximate="tanh"))
 
 
 class WanTransformer(nn.Module):
@@ -396,7 +433,9 @@ class WanTransformer(nn.Module):
         self._rope_cache: dict = {}
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.text_collapse = True  # cross-attention with the text padding as one weighted key (set_fast_paths)
+        self.text_kv_cache = True  # cross-attention keys/values once per prompt (set_fast_paths, _contexts)
         self._keys_cache: dict[int, tuple] = {}  # id(text) -> (weakref, version, keys or None); see _text_keys
+        self._kv_cache: dict[tuple, tuple] = {}  # ids of the texts -> (refs, versions, signature, contexts)
 
     # -- attention ----------------------------------------------------------------------------------------
     def set_attention(self, dispatch: AttentionDispatch) -> None:
@@ -410,7 +449,7 @@ class WanTransformer(nn.Module):
 
     def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None,
                        fused_norms: bool | None = None, gemm_residual: bool | None = None,
-                       text_collapse: bool | None = None) -> None:
+                       text_collapse: bool | None = None, text_kv_cache: bool | None = None) -> None:
         """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
 
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
@@ -422,9 +461,15 @@ class WanTransformer(nn.Module):
         text_collapse: where fastwan's Triton cross-attention kernel runs (CUDA, fp16/bf16), text padding (the
         trailing run of equal rows of the text embeddings) enters the cross-attention as one key weighted by its
         count (:mod:`fastwan.attention.text_cross`; exact), instead of the dispatch's backend over all tokens.
+        text_kv_cache: the text embedding and every block's cross-attention keys and values computed once per
+        prompt tensor and reused by later forwards (a denoising loop passes the same embeddings every step; the
+        same values, computed outside the compiled blocks). Costs their memory (2 x layers x L x C per prompt).
         """
         if text_collapse is not None:
             self.text_collapse = bool(text_collapse)
+        if text_kv_cache is not None:
+            self.text_kv_cache = bool(text_kv_cache)
+            self._kv_cache = {}
         for blk in self.blocks:
             if fused_norms is not None:
                 blk.fused_norms = blk.attn1.fused_norms = bool(fused_norms)
@@ -479,11 +524,49 @@ class WanTransformer(nn.Module):
         self._keys_cache[id(text)] = (weakref.ref(text), text._version, keys)
         return keys
 
-    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-               keys: torch.Tensor | None = None):
-        """Patch embedding (tile-major token order under a sparse backend), RoPE table, time and text
-        embeddings -> (x [B, S, C], rope, temb, mod, context, grid, layout); context is [B_text, L, C], or
-        ``(context, keys)`` with ``keys`` from :meth:`_text_keys` (the text padding collapsed)."""
+    def _text_params(self):
+        yield from self.condition_embedder.text_embedder.parameters()
+        for blk in self.blocks:
+            a = blk.attn2
+            yield from (a.to_k.weight, a.to_k.bias, a.to_v.weight, a.to_v.bias, a.norm_k.weight)
+
+    def _text_context(self, texts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The text embedder on the texts concatenated along the batch -> [sum B_i, L, C]."""
+        text = texts[0].to(self.dtype) if len(texts) == 1 else torch.cat([t.to(self.dtype) for t in texts])
+        return self.condition_embedder.text(text)
+
+    def _contexts(self, texts: tuple[torch.Tensor, ...], fused_ok: bool, context: torch.Tensor | None = None):
+        """What every block's cross-attention reads for the texts (each [B_i, L, text_dim]) concatenated along the
+        batch -> a list with one entry per block.
+
+        With ``text_kv_cache`` (and autograd off): a :class:`CrossKV` per block, cached per tuple of text tensors
+        (objects and versions), the weights they were computed from (storage and version) and the options that
+        change their bits, so a denoising loop computes them at its first step only. Otherwise the text
+        embedding ``context`` (computed here if not given), or ``(context, keys)`` with the text padding
+        collapsed (:meth:`_text_keys`), shared by all blocks."""
+        keys = [self._text_keys(t) for t in texts]
+        keys = None if any(k is None for k in keys) else (keys[0] if len(keys) == 1 else torch.cat(keys))
+        if not self.text_kv_cache or torch.is_grad_enabled():
+            context = self._text_context(texts) if context is None else context
+            return [context if keys is None else (context, keys)] * len(self.blocks)
+        ident = tuple(id(t) for t in texts)
+        sig = (fused_ok, self.text_collapse, tuple((blk.fused_norms, blk.attn2.fused_norms) for blk in self.blocks),
+               tuple((p.data_ptr(), p._version) for p in self._text_params()))
+        hit = self._kv_cache.get(ident)
+        if (hit is not None and all(r() is t for r, t in zip(hit[0], texts))
+                and hit[1] == tuple(t._version for t in texts) and hit[2] == sig):
+            return hit[3]
+        context = self._text_context(texts) if context is None else context
+        # the norm the block itself would run: fused only on its fused route
+        kvs = [CrossKV(*blk.attn2.text_kv(context, fused_ok and blk.fused_norms), keys) for blk in self.blocks]
+        live = {k: v for k, v in self._kv_cache.items() if all(r() is not None for r in v[0]) and k != ident}
+        self._kv_cache = dict(list(live.items())[-3:])  # the latest prompts only (each holds 2 x layers x L x C)
+        self._kv_cache[ident] = (tuple(weakref.ref(t) for t in texts), tuple(t._version for t in texts), sig, kvs)
+        return kvs
+
+    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor):
+        """Patch embedding (tile-major token order under a sparse backend), RoPE table and time embeddings ->
+        (x [B, S, C], rope, temb, mod, grid, layout)."""
         if self.attention is None:
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
         _, _, Fr, Hh, Ww = latents.shape
@@ -496,16 +579,14 @@ class WanTransformer(nn.Module):
         grid = (Fr // pt, Hh // ph, Ww // pw)
         x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, C]
         rope = self._rope(grid, x.device)
-        temb, mod, context = self.condition_embedder(timestep, text.to(self.dtype))
-        if keys is not None:
-            context = (context, keys)  # WanAttention: the text padding as one weighted key
+        temb, mod = self.condition_embedder.time(timestep, self.dtype)
         layout = self.attention.layout_for(grid, x.device)
         if layout is not None:  # sparse backend: tile-major token order, once per forward
             x = layout.permute(x, dim=1)
             rope = layout.permute(rope, dim=1)
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute(mod, dim=1)
-        return x, rope, temb, mod, context, grid, layout
+        return x, rope, temb, mod, grid, layout
 
     def _meta(self, grid, layout, i: int, step_index, num_steps) -> AttentionMetadata | None:
         if not self.attention.sparse:
@@ -540,17 +621,18 @@ class WanTransformer(nn.Module):
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
-        keys = self._text_keys(text)
-        x, rope, temb, mod, context, grid, layout = self._embed(latents, timestep, text, keys)
+        x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
         fused_ok = fused.usable(x)  # eager: the compiled blocks only see the resulting bool
-        x, pending = self._blocks(0, x, None, context, mod, rope, grid, layout, fused_ok, step_index, num_steps)
+        contexts = self._contexts((text,), fused_ok)
+        x, pending = self._blocks(0, x, None, contexts, mod, rope, grid, layout, fused_ok, step_index, num_steps)
         return self._head(x, pending, temb, grid, layout)
 
-    def _blocks(self, start: int, x, pending, context, mod, rope, grid, layout, fused_ok, step_index, num_steps):
-        """Blocks ``start`` .. last on x [B, S, C] (and the previous block's pending residual) -> (x, pending)."""
+    def _blocks(self, start: int, x, pending, contexts, mod, rope, grid, layout, fused_ok, step_index, num_steps):
+        """Blocks ``start`` .. last on x [B, S, C] (and the previous block's pending residual) -> (x, pending);
+        ``contexts``: one cross-attention input per block (:meth:`_contexts`)."""
         for i in range(start, len(self.blocks)):
             meta = self._meta(grid, layout, i, step_index, num_steps)
-            x, pending = self.blocks[i](x, context, mod, rope, self.attention, meta, fused_ok=fused_ok,
+            x, pending = self.blocks[i](x, contexts[i], mod, rope, self.attention, meta, fused_ok=fused_ok,
                                         pending=pending)
         return x, pending
 
@@ -586,24 +668,22 @@ class WanTransformer(nn.Module):
                 f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
                 "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
             )
-        keys = [self._text_keys(t) for t in (text, text_uncond)]
-        x, rope, temb, mod, context, grid, layout = self._embed(
-            latents, timestep, torch.cat([text, text_uncond.to(text.dtype)]))
-        contexts = [context[i:i + 1] if k is None else (context[i:i + 1], k) for i, k in enumerate(keys)]
+        x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
         fused_ok = fused.usable(x)
         video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
         attn = self.attention
         x, h, pending = video_half(x, mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps), fused_ok)
 
         def rest(x, h, ctx):
-            x, p = text_half(x, h, pending, ctx, mod, attn, fused_ok)
+            x, p = text_half(x, h, pending, ctx[0], mod, attn, fused_ok)
             x, p = self._blocks(1, x, p, ctx, mod, rope, grid, layout, fused_ok, step_index, num_steps)
             return self._head(x, p, temb, grid, layout)
 
         if batched:
-            if None not in keys:
-                context = (context, torch.cat(keys))
-            return rest(torch.cat([x, x]), torch.cat([h, h]), context).chunk(2)
+            return rest(torch.cat([x, x]), torch.cat([h, h]), self._contexts((text, text_uncond), fused_ok)).chunk(2)
+        both = None if self.text_kv_cache else self._text_context((text, text_uncond))  # one embedder call
+        ctx = [self._contexts((t,), fused_ok, None if both is None else both[i:i + 1])
+               for i, t in enumerate((text, text_uncond))]
         # with the residual adds in the GEMMs the passes update x in place: the first gets its own copy
         first_x = x.clone() if pending is not None and len(pending) == 1 else x
-        return rest(first_x, h, contexts[0]), rest(x, h, contexts[1])
+        return rest(first_x, h, ctx[0]), rest(x, h, ctx[1])

@@ -55,3 +55,28 @@ def test_dit_collapse_on_vs_off():
     rel = ((got - want).norm() / want.norm()).item()
     print(f"\nDiT (4 layers) collapse on vs off: rel L2 {rel:.2e}")
     assert rel <= 1e-2
+
+
+@pytest.mark.parametrize("b,s,h,tokens,strided", [(1, 32760, 12, 20, True), (2, 4097, 40, 100, False),
+                                                  (1, 300, 2, 0, False)])
+def test_normq_kernel_equals_norm_then_attention(b, s, h, tokens, strided):
+    """fastwan::text_cross_attention_normq (the q RMSNorm inside the kernel) against the two-kernel route
+    (rms_rope, then text_cross_attention): the same bf16 q values up to the last bit of the statistic."""
+    g = torch.Generator("cuda").manual_seed(1)
+    c = h * 128
+    buf = torch.randn(b, s, 2 * c if strided else c, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    q = buf[..., :c]
+    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
+    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    got = torch.ops.fastwan.text_cross_attention_normq(q, w, 1e-6, k, v, keys)
+    qn = torch.ops.fastwan.rms_rope(q, w, None, 1e-6, 128).unflatten(-1, (h, 128))
+    two = torch.ops.fastwan.text_cross_attention(qn, k, v, keys)
+    want = _fp32_attention(qn, k, v)
+    diff = (got.float() - two.float()).abs().max().item()
+    err, err_two = ((x.float() - want).abs().max().item() for x in (got, two))
+    frac = (got != two).float().mean().item()
+    print(f"\n{b}x{s}x{h}: |fused - two kernels| {diff:.2e} ({frac:.2e} of elements differ); vs fp32 {err:.2e} "
+          f"/ {err_two:.2e}")
+    assert err <= max(1.5 * err_two, 4e-3) and frac < 1e-3
