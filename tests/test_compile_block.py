@@ -81,7 +81,8 @@ def test_fused_qkv_matches_separate_projections(tiny_ckpts):
         model.blocks[0].attn2.fuse_qkv()
 
 
-@pytest.mark.parametrize("kw", [{"fuse_qkv": "yes"}, {"gelu_epilogue": 1}, {"enable_torch_compile": None}])
+@pytest.mark.parametrize("kw", [{"fuse_qkv": "yes"}, {"gelu_epilogue": 1}, {"enable_torch_compile": None},
+                                {"text_kv_cache": "on"}])
 def test_fast_path_flags_must_be_bool(kw):
     with pytest.raises(TypeError, match="must be True or False"):
         VideoGenerator.from_pretrained("tiny", device="cpu", **kw)

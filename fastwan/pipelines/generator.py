@@ -104,6 +104,7 @@ class VideoGenerator:
         fused_norms: bool = True,
         gemm_residual: bool = True,
         text_collapse: bool = True,
+        text_kv_cache: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
@@ -123,7 +124,10 @@ class VideoGenerator:
         math and only change bf16 rounding. ``text_collapse`` (CUDA): the prompt's padding tokens, which all give
         the same key and value, enter the cross-attention as one key weighted by their count, in fastwan's Triton
         kernel (:mod:`fastwan.attention.text_cross`; the same attention, over ~20 instead of 512 keys for a short
-        prompt); False keeps the attention backend's kernel for the cross-attention too.
+        prompt); False keeps the attention backend's kernel for the cross-attention too. ``text_kv_cache``: the
+        text embedding and every block's cross-attention keys and values are computed once per prompt and reused
+        by the later denoising steps (the same values; their memory, 2 x layers x 512 x hidden per prompt, is
+        held while the prompt's embeddings live).
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
         one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
@@ -158,7 +162,7 @@ class VideoGenerator:
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
         for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
                            ("gemm_residual", gemm_residual), ("text_collapse", text_collapse),
-                           ("enable_torch_compile", enable_torch_compile)):
+                           ("text_kv_cache", text_kv_cache), ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} must be True or False.")
         if device is None:
@@ -188,7 +192,7 @@ class VideoGenerator:
         ]
         for t in transformers_:
             t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms,
-                             gemm_residual=gemm_residual, text_collapse=text_collapse)
+                             gemm_residual=gemm_residual, text_collapse=text_collapse, text_kv_cache=text_kv_cache)
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)
