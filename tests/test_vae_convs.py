@@ -67,7 +67,7 @@ def test_swap_counts_and_keeps_parameters(kind):
     ref = copy.deepcopy(vae)
     convs = count(vae, "WanCausalConv3d")
     resamples = [m for m in vae.modules() if type(m).__name__ == "WanResample"]
-    others = (sum(count(vae, n) for n in ("WanUpsample", "DupUp3D", "WanResidualUpBlock"))
+    others = (sum(count(vae, n) for n in ("WanUpsample", "DupUp3D", "WanResidualUpBlock", "WanResidualBlock"))
               + sum(m.mode == "upsample3d" for m in resamples)
               + sum(type(c) is nn.Conv2d for m in resamples for c in m.resample))
     n = fast_decoder_convs(vae)
@@ -276,7 +276,7 @@ def test_cuda_decoder_stays_channels_last():
     fuse_decoder_norms(ref)
     seen = []  # the up blocks' residual blocks (the mid block's attention output is channels-first: not ours)
     for name, blk in vae.decoder.up_blocks.named_modules():
-        if type(blk).__name__ == "WanResidualBlock":
+        if isinstance(blk, dwan.WanResidualBlock):  # (FastWanResidualBlock)
             blk.register_forward_pre_hook(
                 lambda m, a, name=name: seen.append((name, tuple(a[0].shape), a[0].stride())))
     z = torch.randn(1, 4, 3, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL3D)
@@ -344,7 +344,7 @@ for mod in vae.modules():
 vae_convs.fast_decoder_convs(vae)
 calls = []
 orig = vae_convs.stacked_taps_conv
-vae_convs.stacked_taps_conv = lambda *a: calls.append(1) or orig(*a)
+vae_convs.stacked_taps_conv = lambda *a, **k: calls.append(1) or orig(*a, **k)
 z = torch.randn(1, 4, 3, 3, 2, generator=g).contiguous(memory_format=CL)
 with torch.no_grad():
     want = ref.decode(z).sample

@@ -18,7 +18,8 @@ parameters and buffers) for a subclass whose ``forward`` computes the same value
    ...])``, a broadcast that TensorIterator runs on its strided, non-vectorised path (the ~880
    ``elementwise_kernel<128, 4, ... CUDAFunctor_add>`` calls of a 480p decode, ~1.35 TB/s). The swapped convs
    (and the ``nn.Conv2d`` of each ``WanResample``) convolve without bias and add it with
-   :func:`add_channel_bias_`: the same fp32 sum and rounding, in a Triton kernel at ~2.9 TB/s.
+   :func:`add_channel_bias_`: the same fp32 sum and rounding, in a Triton kernel at ~2.9 TB/s. In a
+   ``WanResidualBlock`` they are folded into the next pass where it allows (item 7).
 3. ``WanResample`` in ``upsample3d`` mode (the decoder's temporal x2). diffusers interleaves the two halves of
    ``time_conv``'s output with ``torch.stack``, which always writes a channels-first tensor. With channels-last
    weights (fastwan on CUDA) everything else is channels-last, so the block's spatial upsample and the next
@@ -43,11 +44,18 @@ parameters and buffers) for a subclass whose ``forward`` computes the same value
    H100; the same products as one conv2d over the time taps stacked along channels run at ~510
    (:func:`stacked_taps_conv`; a Triton kernel writes the stacked input from the cached frames and x directly, in
    place of :func:`time_pad`'s copy). One fp32 accumulation per output, like conv3d, in another order.
+7. ``WanResidualBlock`` (encoder and decoder). diffusers' forward, the feature cache included, with each conv's
+   bias added, on CUDA, by the pass that reads the conv output next (:class:`ResidualBlockMixin`): conv1's by the
+   fused RMSNorm+SiLU of norm2 (its ``pre_bias``; decoder blocks swapped by ``fuse_decoder_norms``), conv2's by
+   the residual add (:func:`add_bias_residual`, one kernel for ``(y + bias) + shortcut`` where both are dense in
+   one layout). Each rounds as the separate add did (bit-identical): two kernels and two read+write passes over
+   the block's output fewer per block where both fold (not yet timed on a GPU; the profile before: 48 ms of bias
+   adds in an 810 ms 480p decode).
 
-All of it is exact: zero padding is zero padding, the bias add has PyTorch's rounding, and the other changes move
-the same elements. What does change in a bf16 decode on CUDA is that the blocks after a temporal upsample now get
-the fused RMSNorm+SiLU kernel instead of its PyTorch fallback (same fp32 formula, another summation order), a
-few bf16 units in the last place. In fp32 on the CPU the decode matches diffusers' to rounding.
+All of it is exact: zero padding is zero padding, the bias add (folded or not) has PyTorch's rounding, and the
+other changes move the same elements. What does change in a bf16 decode on CUDA is that the blocks after a temporal
+upsample now get the fused RMSNorm+SiLU kernel instead of its PyTorch fallback (same fp32 formula, another summation
+order), a few bf16 units in the last place. In fp32 on the CPU the decode matches diffusers' to rounding.
 
 Measured (``benchmarks/vae_bench.py --profile``, H100, random weights, bf16, channels-last conv weights, fused
 norms): Wan2.1 480x832x81 1,354 -> 987 ms and 3.95 -> 3.66 GiB peak; Wan2.2-TI2V 704x1280x41 1,626 -> 1,305 ms
@@ -56,12 +64,14 @@ norms): Wan2.1 480x832x81 1,354 -> 987 ms and 3.95 -> 3.66 GiB peak; Wan2.2-TI2V
 
 Not changed (the next steps): the copy of x into the time-padded buffer (about half of the remaining ~99 ms of
 device-to-device copies at 480p: the producer, the RMSNorm+SiLU kernel, would have to write into the buffer's tail), the
-two-frame feature-cache clones. (``AutoencoderKLWan._decode``'s per-frame ``torch.cat`` of the output is gone with
+two-frame feature-cache clones, the bias of the 1x1x1 shortcut convs (it could join the residual kernel).
+(``AutoencoderKLWan._decode``'s per-frame ``torch.cat`` of the output is gone with
 :func:`fastwan.models.vae_decode.decode_latents`, which concatenates once.)
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -118,23 +128,33 @@ def _bias_kernels():
     import triton.language as tl
 
     @triton.jit
-    def bias_rows(Y, BIAS, R, C, BR: tl.constexpr, BC: tl.constexpr):
-        # channels-last: Y is [R, C] dense (R = batch x positions); a [BR, BC] tile, the bias loaded once
+    def bias_rows(Y, BIAS, RES, R, C, HAS_RES: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # channels-last: Y is [R, C] dense (R = batch x positions); a [BR, BC] tile, the bias loaded once.
+        # HAS_RES: then + RES (same layout), rounded again: PyTorch's (y + bias) + res, in one pass
         r = (tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR))[:, None]
         c = tl.arange(0, BC)[None, :]
         m = (r < R) & (c < C)
         b = tl.load(BIAS + c, mask=c < C, other=0.0).to(tl.float32)
         y = tl.load(Y + r * C + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(Y + r * C + c, (y + b).to(Y.dtype.element_ty), mask=m)
+        out = (y + b).to(Y.dtype.element_ty)
+        if HAS_RES:
+            out = (out.to(tl.float32) + tl.load(RES + r * C + c, mask=m, other=0.0).to(tl.float32)).to(
+                Y.dtype.element_ty)
+        tl.store(Y + r * C + c, out, mask=m)
 
     @triton.jit
-    def bias_planes(Y, BIAS, S, C, BS: tl.constexpr):
+    def bias_planes(Y, BIAS, RES, S, C, HAS_RES: tl.constexpr, BS: tl.constexpr):
         # channels-first: Y is [B * C, S] dense; program (i, plane) adds channel plane % C's bias to BS elements
+        # (and, HAS_RES, then RES's elements, rounding in between as above)
         plane = tl.program_id(1).to(tl.int64)
         p = tl.program_id(0).to(tl.int64) * BS + tl.arange(0, BS)
         b = tl.load(BIAS + plane % C).to(tl.float32)
         y = tl.load(Y + plane * S + p, mask=p < S, other=0.0).to(tl.float32)
-        tl.store(Y + plane * S + p, (y + b).to(Y.dtype.element_ty), mask=p < S)
+        out = (y + b).to(Y.dtype.element_ty)
+        if HAS_RES:
+            out = (out.to(tl.float32) + tl.load(RES + plane * S + p, mask=p < S, other=0.0).to(tl.float32)).to(
+                Y.dtype.element_ty)
+        tl.store(Y + plane * S + p, out, mask=p < S)
 
     return bias_rows, bias_planes
 
@@ -147,23 +167,28 @@ def _dense_layout(y: torch.Tensor) -> str | None:
     return "cf" if y.is_contiguous() else None
 
 
-def bias_kernel_ok(y: torch.Tensor, bias: torch.Tensor) -> bool:
-    """Where :func:`add_channel_bias_` runs its kernel: CUDA, a dense layout, >= MIN_BIAS_C channels, and no
-    autograd to feed (the kernel has no backward)."""
-    return (y.is_cuda and y.dtype in (torch.float16, torch.bfloat16, torch.float32) and bias.dtype == y.dtype
-            and y.shape[1] >= MIN_BIAS_C
+def _bias_kernel_usable(y: torch.Tensor, bias: torch.Tensor) -> bool:
+    return (_kernel_device(y) and y.dtype in (torch.float16, torch.bfloat16, torch.float32) and bias.dtype == y.dtype
             and not (torch.is_grad_enabled() and (y.requires_grad or bias.requires_grad))
             and bias.device == y.device and bias.numel() == y.shape[1] and y.numel() > 0
             and _dense_layout(y) is not None and triton_ok())
 
 
-def add_channel_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``y += bias`` over dim 1, in place: what PyTorch does after a cuDNN convolution (``output.add_(bias
-    reshaped)``), with the same fp32 sum and one rounding to y's dtype, but as a Triton kernel that reads and
-    writes y with vector accesses. PyTorch's add broadcasts the bias through TensorIterator's strided,
-    non-vectorised path (``elementwise_kernel<128, 4>``: ~115 ms of a 480p 81-frame decode on an H100)."""
-    if not bias_kernel_ok(y, bias):
-        return y.add_(bias.reshape((1, -1) + (1,) * (y.dim() - 2)))
+def bias_kernel_ok(y: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Where :func:`add_channel_bias_` runs its kernel: CUDA, a dense layout, >= MIN_BIAS_C channels, and no
+    autograd to feed (the kernel has no backward)."""
+    return y.dim() >= 2 and y.shape[1] >= MIN_BIAS_C and _bias_kernel_usable(y, bias)
+
+
+def residual_kernel_ok(y: torch.Tensor, bias: torch.Tensor, res: torch.Tensor) -> bool:
+    """Where :func:`add_bias_residual` runs its one-pass kernel: as for :func:`bias_kernel_ok` (any channel
+    count: the alternative is two passes), and ``res`` of y's shape, dtype, device and dense layout."""
+    return (y.dim() >= 2 and isinstance(res, torch.Tensor) and res.shape == y.shape and res.dtype == y.dtype
+            and res.device == y.device and not (torch.is_grad_enabled() and res.requires_grad)
+            and _bias_kernel_usable(y, bias) and _dense_layout(res) == _dense_layout(y))
+
+
+def _launch_bias(y: torch.Tensor, bias: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
     import triton
 
     c = y.shape[1]
@@ -173,20 +198,50 @@ def add_channel_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         r = y.numel() // c
         bc = triton.next_power_of_2(c)
         br = max(1, 4096 // bc)
-        rows[(triton.cdiv(r, br),)](y, b, r, c, BR=br, BC=bc, num_warps=4)
+        rows[(triton.cdiv(r, br),)](y, b, y if res is None else res, r, c, HAS_RES=res is not None, BR=br, BC=bc,
+                                    num_warps=4)
     else:
         s = y.numel() // (y.shape[0] * c)
         bs = min(4096, triton.next_power_of_2(s))
-        planes[(triton.cdiv(s, bs), y.shape[0] * c)](y, b, s, c, BS=bs, num_warps=4)
+        planes[(triton.cdiv(s, bs), y.shape[0] * c)](y, b, y if res is None else res, s, c,
+                                                      HAS_RES=res is not None, BS=bs, num_warps=4)
     return y
 
 
+def add_channel_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``y += bias`` over dim 1, in place: what PyTorch does after a cuDNN convolution (``output.add_(bias
+    reshaped)``), with the same fp32 sum and one rounding to y's dtype, but as a Triton kernel that reads and
+    writes y with vector accesses. PyTorch's add broadcasts the bias through TensorIterator's strided,
+    non-vectorised path (``elementwise_kernel<128, 4>``: ~115 ms of a 480p 81-frame decode on an H100)."""
+    if not bias_kernel_ok(y, bias):
+        return y.add_(bias.reshape((1, -1) + (1,) * (y.dim() - 2)))
+    return _launch_bias(y, bias, None)
+
+
+def add_bias_residual(y: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
+    """``add_channel_bias_(y, bias) + res`` (a residual block's conv2 output, its deferred bias, the shortcut):
+    where :func:`residual_kernel_ok`, one kernel pass that writes ``(y + bias rounded to y's dtype) + res``,
+    rounded again, into y -- the bits of the two-step route (fp32 sums, one rounding after each), one read and
+    write of the activation fewer. Otherwise the two steps (``x + res`` out of place, as diffusers adds)."""
+    if bias is None:
+        return y + res
+    if residual_kernel_ok(y, bias, res):
+        return _launch_bias(y, bias, res)
+    return add_channel_bias_(y, bias) + res
+
+
+def _conv_deferred(conv, x, weight, bias, stride, padding, dilation, groups):
+    """(y, bias still to add): on CUDA (cuDNN adds the bias as a separate pass anyway) the convolution without
+    its bias; elsewhere ``conv(x, weight, bias, ...)`` and None."""
+    if bias is None or not (_kernel_device(x) and torch.backends.cudnn.enabled):
+        return conv(x, weight, bias, stride, padding, dilation, groups), None
+    return conv(x, weight, None, stride, padding, dilation, groups), bias
+
+
 def _conv(conv, x, weight, bias, stride, padding, dilation, groups):
-    """``conv(x, weight, bias, ...)``; on CUDA (cuDNN adds the bias as a separate pass anyway) the bias is added
-    by :func:`add_channel_bias_` instead."""
-    if bias is None or not (x.is_cuda and torch.backends.cudnn.enabled):
-        return conv(x, weight, bias, stride, padding, dilation, groups)
-    return add_channel_bias_(conv(x, weight, None, stride, padding, dilation, groups), bias)
+    """``conv(x, weight, bias, ...)``; on CUDA the bias is added by :func:`add_channel_bias_`."""
+    y, pending = _conv_deferred(conv, x, weight, bias, stride, padding, dilation, groups)
+    return y if pending is None else add_channel_bias_(y, pending)
 
 
 class CausalConv3dMixin:
@@ -195,12 +250,20 @@ class CausalConv3dMixin:
     convolutions as one conv2d over stacked time taps (:func:`stacked_taps_ok`)."""
 
     def forward(self, x, cache_x=None):
+        y, bias = self.forward_deferred_bias(x, cache_x)
+        return y if bias is None else add_channel_bias_(y, bias)
+
+    def forward_deferred_bias(self, x, cache_x=None):
+        """(y, bias): where the bias would be a pass of its own (CUDA), the convolution without it and the bias
+        -- ``add_channel_bias_(y, bias)`` is :meth:`forward`'s output --, else (forward's output, None). The
+        residual blocks (:class:`ResidualBlockMixin`) add it in the pass that reads y next."""
         pw, ph, pt = self._padding[0], self._padding[2], self._padding[4]
         if pt > 0 and stacked_taps_ok(self, x, pt):
-            return stacked_taps_conv(self, x, cache_x, pt)
+            return stacked_taps_conv(self, x, cache_x, pt, add_bias=False), self.bias
         if pt > 0:  # diffusers ignores the cache of a conv without time padding, and so does this
             x = time_pad(x, cache_x, pt, _layout_like(x, self.weight))
-        return _conv(F.conv3d, x, self.weight, self.bias, self.stride, (0, ph, pw), self.dilation, self.groups)
+        return _conv_deferred(F.conv3d, x, self.weight, self.bias, self.stride, (0, ph, pw), self.dilation,
+                              self.groups)
 
 
 # -- narrow 3-D convolutions as one conv2d over stacked time taps ------------------------------------------------
@@ -303,17 +366,18 @@ def _stacked_weight(conv: nn.Conv3d) -> torch.Tensor:
     return cached[1]
 
 
-def stacked_taps_conv(conv: nn.Conv3d, x: torch.Tensor, cache: torch.Tensor | None, pad_t: int) -> torch.Tensor:
+def stacked_taps_conv(conv: nn.Conv3d, x: torch.Tensor, cache: torch.Tensor | None, pad_t: int,
+                      add_bias: bool = True) -> torch.Tensor:
     """``conv`` (a ``WanCausalConv3d``, kernel [kt, kh, kw], time padding ``pad_t`` = kt - 1) on
     [cache frames, x] as one conv2d over the kt time taps stacked along channels: the same products, summed in one
     fp32 accumulation as cuDNN's conv3d does (in another order). x: [B, C, T, H, W] -> [B, Cout, T, H', W'],
-    channels-last."""
+    channels-last; without the bias if not ``add_bias``."""
     b, _, t = x.shape[:3]
     kt = conv.weight.shape[2]
     y = F.conv2d(stack_time_taps(x, cache, pad_t, kt), _stacked_weight(conv), None, conv.stride[1:],
                  (conv._padding[2], conv._padding[0]), conv.dilation[1:])  # [B * T, Cout, H', W'] channels-last
     y = y.view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)  # [B, Cout, T, H', W'], channels-last-3d strides
-    return y if conv.bias is None else add_channel_bias_(y, conv.bias)
+    return y if conv.bias is None or not add_bias else add_channel_bias_(y, conv.bias)
 
 
 class ResampleConv2dMixin:
@@ -452,6 +516,66 @@ class ResidualUpBlockMixin:
         return x
 
 
+def _no_hooks(mod: nn.Module) -> bool:
+    """Whether calling ``mod``'s methods directly skips nothing: no forward hooks (its own or global) and no
+    instance-level ``forward`` (what diffusers' hook registry and accelerate's offloading install)."""
+    from torch.nn.modules import module as _m
+
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks
+                or _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
+                or _m._global_backward_pre_hooks or "forward" in mod.__dict__)
+
+
+def _conv_deferred_bias(conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, cached: bool):
+    """(y, bias still to add) from a residual block's conv: its :meth:`CausalConv3dMixin.forward_deferred_bias`
+    where it has one and nothing hooks it, else its ordinary call (with the cache argument as diffusers passes
+    it) and None."""
+    if isinstance(conv, CausalConv3dMixin) and _no_hooks(conv):
+        return conv.forward_deferred_bias(x, cache)
+    return (conv(x, cache) if cached else conv(x)), None
+
+
+def _cached_conv(conv: nn.Module, x: torch.Tensor, feat_cache, feat_idx):
+    """diffusers' ``WanResidualBlock.forward`` around each conv, returning (y, bias still to add): with a feature
+    cache, the last CACHE_T frames of the conv's *input* are cloned (a one-frame input gets the previous slot's
+    last frame in front), the conv runs on x and the previous slot, the slot takes the clone, the index moves on.
+    The cache holds conv inputs, so where the conv's bias is added does not touch it."""
+    if feat_cache is None:
+        return _conv_deferred_bias(conv, x, None, False)
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:, :, :].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    out = _conv_deferred_bias(conv, x, feat_cache[idx], True)
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return out
+
+
+class ResidualBlockMixin:
+    """Mixin for ``WanResidualBlock``: diffusers' forward (same order, same feature-cache slots), with each
+    conv's bias added where the activation is read next instead of in a pass of its own (on CUDA, where the
+    convs defer it): conv1's by the fused RMSNorm+SiLU (``pre_bias`` of
+    :class:`~fastwan.models.vae_norms.RMSNormSiLU`), conv2's by the residual add (:func:`add_bias_residual`).
+    Without a fused norm2, or with hooks on the convs, the bias is added by :func:`add_channel_bias_` as before."""
+
+    def forward(self, x, feat_cache=None, feat_idx=[0]):  # noqa: B006 -- diffusers' signature; never mutated here
+        from fastwan.models.vae_norms import RMSNormSiLU
+
+        h = self.conv_shortcut(x)
+        x = self.nonlinearity(self.norm1(x))
+        x, bias = _cached_conv(self.conv1, x, feat_cache, feat_idx)
+        if bias is not None and isinstance(self.norm2, RMSNormSiLU) and _no_hooks(self.norm2):
+            x = self.norm2(x, pre_bias=bias)  # (x + bias, rounded) -> norm -> SiLU in one pass
+        else:
+            if bias is not None:
+                x = add_channel_bias_(x, bias)
+            x = self.norm2(x)
+        x = self.dropout(self.nonlinearity(x))
+        x, bias = _cached_conv(self.conv2, x, feat_cache, feat_idx)
+        return add_bias_residual(x, bias, h)
+
+
 @functools.cache
 def _swapped_class(base: type, mixin: type) -> type:
     return type(f"Fast{base.__name__}", (mixin, base), {"__module__": __name__, "__doc__": mixin.__doc__})
@@ -459,7 +583,7 @@ def _swapped_class(base: type, mixin: type) -> type:
 
 _MIXIN_OF = {"WanCausalConv3d": "CausalConv3dMixin", "WanResample": "Upsample3dResampleMixin",
              "WanUpsample": "NearestUpsampleMixin", "DupUp3D": "DupUp3DMixin",
-             "WanResidualUpBlock": "ResidualUpBlockMixin"}
+             "WanResidualUpBlock": "ResidualUpBlockMixin", "WanResidualBlock": "ResidualBlockMixin"}
 
 
 def __getattr__(name: str):
@@ -517,9 +641,25 @@ def _is_residual_up_block(m: nn.Module) -> bool:
             and hasattr(m, "upsampler") and hasattr(m, "avg_shortcut"))
 
 
+def _is_residual_block(m: nn.Module) -> bool:
+    """diffusers' ``WanResidualBlock`` as :class:`ResidualBlockMixin` expects it: its forward's signature, a
+    causal conv1/conv2 and the other submodules it calls."""
+    if type(m).__name__ != "WanResidualBlock":
+        return False
+    try:
+        params = tuple(inspect.signature(type(m).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return (params == ("self", "x", "feat_cache", "feat_idx")
+            and all(isinstance(getattr(m, n, None), nn.Conv3d) and type(getattr(m, n)).__name__.endswith(
+                "WanCausalConv3d") for n in ("conv1", "conv2"))
+            and all(isinstance(getattr(m, n, None), nn.Module)
+                    for n in ("conv_shortcut", "norm1", "norm2", "nonlinearity", "dropout")))
+
+
 _SWAPS = ((_is_causal_conv, CausalConv3dMixin), (_is_upsample3d, Upsample3dResampleMixin),
           (_is_nearest_upsample, NearestUpsampleMixin), (_is_dup_up, DupUp3DMixin),
-          (_is_residual_up_block, ResidualUpBlockMixin))
+          (_is_residual_up_block, ResidualUpBlockMixin), (_is_residual_block, ResidualBlockMixin))
 
 
 def _resample_parts(vae: nn.Module) -> set[int]:
@@ -531,9 +671,9 @@ def _resample_parts(vae: nn.Module) -> set[int]:
 def fast_decoder_convs(vae: nn.Module) -> int:
     """Swap, in place, the modules of ``vae`` (a diffusers ``AutoencoderKLWan``) listed in this module's
     docstring for subclasses that copy less: every ``WanCausalConv3d``, the ``upsample3d`` ``WanResample``\\ s,
-    nearest ``WanUpsample``\\ s, ``DupUp3D``\\ s and ``WanResidualUpBlock``\\ s. Parameters, buffers, state-dict
-    names and ``isinstance`` checks are unchanged. A module whose attributes are not the expected ones (another
-    diffusers release, or one already swapped) is left alone. Independent of
+    nearest ``WanUpsample``\\ s, ``DupUp3D``\\ s, ``WanResidualUpBlock``\\ s and ``WanResidualBlock``\\ s.
+    Parameters, buffers, state-dict names and ``isinstance`` checks are unchanged. A module whose attributes are
+    not the expected ones (another diffusers release, or one already swapped) is left alone. Independent of
     :func:`fastwan.models.vae_norms.fuse_decoder_norms` (either order). Returns the number of modules swapped."""
     swapped = 0
     in_resample = _resample_parts(vae)
