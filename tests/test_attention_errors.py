@@ -418,14 +418,16 @@ def test_auto_fa4_tile_by_shape_on_sm90(fake_gpu, monkeypatch):
 
     want = kernels.fa4_sm90_tile_m(1, 75600, 40, 132)
     assert kernels.fa4_sm90_plan(1, 75600, 75600, 40, 132)[1] == 0  # one launch at this shape
-    assert plan(b, (1, 75600, 40, 128)) == (0 if want == 128 else want, 0, 0)
-    assert plan(b, (1, 128 * 132, 1, 128)) == (0, 0, 0)  # 128 = FA4's default: public entry point
-    assert plan(b, (1, 75600, 40, 64)) == (0, 0, 0)  # not head dim 128: FA4's own choice
-    assert plan(b, (1, 75600, 40, 128), ver=2) == (0, 0, 0)  # not FA4
-    # the 1.3B 480p self-attention: two launches by the plan, one with fa4_split=False
-    assert plan(b, (1, 32760, 12, 128)) == kernels.fa4_sm90_plan(1, 32760, 32760, 12, 132) == (192, 31680, 128)
+    assert plan(b, (1, 75600, 40, 128)) == (want, -1, 0)  # planned in the op (one launch at this shape)
     one = FlashAttnBackend(fa4_split=False)
     assert one.reasons(device="cuda", dtype=BF16, head_dim=128) == []
+    assert plan(one, (1, 75600, 40, 128)) == (0 if want == 128 else want, 0, 0)
+    assert plan(one, (1, 128 * 132, 1, 128)) == (0, 0, 0)  # 128 = FA4's default: public entry point
+    assert plan(b, (1, 75600, 40, 64)) == (0, 0, 0)  # not head dim 128: FA4's own choice
+    assert plan(b, (1, 75600, 40, 128), ver=2) == (0, 0, 0)  # not FA4
+    # auto: the op plans the launches at run time (split=-1; kernels.fa4_sm90_plan), one launch with fa4_split=False
+    assert plan(b, (1, 32760, 12, 128)) == (192, -1, 0)
+    assert kernels.fa4_sm90_plan(1, 32760, 32760, 12, 132) == (192, 31680, 128)
     assert plan(one, (1, 32760, 12, 128)) == (192, 0, 0)
     pinned = FlashAttnBackend(version=4, fa4_tile_m=192)
     assert pinned.reasons(device="cuda", dtype=BF16, head_dim=128) == []
@@ -469,12 +471,15 @@ def test_fa4_split_plan_against_a_brute_force_search():
     assert kernels.fa4_sm90_plan(1, 32760, 32760, 12, sms) == (192, 31680, 128)
     # short keys (the cross-attention over 512 text rows): the launch cost keeps one launch
     assert kernels.fa4_sm90_plan(1, 32760, 512, 12, sms)[1] == 0
-    # traced inside compiled blocks: a constant (the backend marks it when it selects FA4 on sm90), no graph break
-    kernels.mark_fa4_plan_constant()
-    x = torch.ones(1, 32760, 12, 8)
-    fn = torch.compile(lambda t: t * sum(kernels.fa4_sm90_plan(t.shape[0], t.shape[1], t.shape[1], t.shape[2],
-                                                               sms)), fullgraph=True, backend="eager")
-    assert torch.equal(fn(x), x * (192 + 31680 + 128))
+    # the backend's part is traced inside compiled blocks, also with dynamic shapes: no graph break
+    b = FlashAttnBackend(version=4)
+    b._sm_count = lambda device: sms
+    x = torch.ones(1, 32760, 12, 128)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda t: t * sum(b.plan_for(t, t, 4)), fullgraph=True, backend="eager", dynamic=dynamic)
+        assert torch.equal(fn(x), x * (192 - 1))
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])

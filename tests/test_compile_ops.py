@@ -93,6 +93,21 @@ def test_fa4_split_covers_the_query_in_two_launches(batch):
     assert torch.allclose(fn(q, k, v), out * 2)
 
 
+@pytest.mark.parametrize("plan,want", [((192, 5, 128), [(192, 5), (128, 8)]), ((192, 0, 0), [(192, 13)]),
+                                       ((128, 0, 0), [(None, 13)])])
+def test_fa4_split_planned_inside_the_op(monkeypatch, plan, want):
+    """split=-1: the op asks kernels.fa4_sm90_plan (shapes, SM count) at run time and runs what it says; a
+    one-launch plan with 128-row tiles takes FA4's public entry point."""
+    seen = []
+    monkeypatch.setattr(_ops, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "fa4_sm90_plan", lambda *a: seen.append(a) or plan)
+    q, k, v = qkv(sq=13)
+    out = torch.ops.fastwan.flash_attn(q, k, v, 0.4, 4, 192, -1, 0)
+    assert seen == [(1, 13, 9, 2, 132)]
+    assert [(c.get("tile_m"), c["rows"]) for c in CALLS] == want
+    assert rel_err(out, reference_attention(q, k, v, 0.4)) <= 1e-6
+
+
 @pytest.mark.parametrize("args,msg", [((2, 192, 5, 128), "needs FA4"), ((4, 192, 13, 128), "0 < split < Sq=13"),
                                       ((4, 192, 5, 96), "tail_tile_m=96")])
 def test_fa4_split_rejects_what_it_cannot_run(args, msg):

@@ -179,7 +179,6 @@ class FlashAttnBackend(AttentionBackend):
                     idx = self._index(device)
                     if idx not in self._sms:
                         self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-                        kernels.mark_fa4_plan_constant()  # plan_for's search: a constant under torch.compile
                 return ver, []
             rejected.extend(why)
         return None, rejected
@@ -222,24 +221,28 @@ class FlashAttnBackend(AttentionBackend):
                 reasons.append(f"{rule}, but {detail} ({fix})")
         return reasons
 
+    def _sm_count(self, device: torch.device) -> int | None:
+        """SMs of an sm90 CUDA device this backend selected FA for (None elsewhere)."""
+        return self._sms.get(self._index(device)) if device.type == "cuda" else None
+
     def plan_for(self, q: torch.Tensor, k: torch.Tensor, version: int) -> tuple[int, int, int]:
-        """How FA4's sm90 forward covers q [B, Sq, H, D] against k [B, Skv, H, D]: ``(tile_m, split, tail_tile_m)``
-        for :func:`fastwan.attention.ops.flash_attn` (tile_m 0 = the kernel's default, split 0 = one launch). The
-        explicit ``fa4_tile_m`` in one launch, or with 'auto' :func:`fastwan.attention.kernels.fa4_sm90_plan` for
-        head dim 128 on a known sm90 device (one launch only with ``fa4_split=False``)."""
+        """How FA4's sm90 forward covers q [B, Sq, H, D]: ``(tile_m, split, tail_tile_m)`` for
+        :func:`fastwan.attention.ops.flash_attn` (tile_m 0 = the kernel's default; split 0 = one launch, -1 = the
+        op plans at run time with :func:`fastwan.attention.kernels.fa4_sm90_plan`, which may split the query into
+        two launches; ``tile_m`` is then the one-launch tile). The explicit ``fa4_tile_m`` in one launch, or with
+        'auto' :func:`fastwan.attention.kernels.fa4_sm90_tile_m` for head dim 128 on a known sm90 device, planned
+        by the op unless ``fa4_split=False``. The plan is made inside the op (plain ints, any torch.compile
+        shape mode), not traced."""
         if version != 4:
             return 0, 0, 0
         if self.fa4_tile_m != "auto":
             return int(self.fa4_tile_m), 0, 0
-        sms = self._sms.get(self._index(q.device)) if q.device.type == "cuda" else None
+        sms = self._sm_count(q.device)
         if sms is None or q.shape[-1] != 128:
             return 0, 0, 0
-        b, s, h = q.shape[0], q.shape[1], q.shape[2]
+        tm = kernels.fa4_sm90_tile_m(q.shape[0], q.shape[1], q.shape[2], sms)
         if self.fa4_split:
-            tm, split, tail = kernels.fa4_sm90_plan(b, s, k.shape[1], h, sms)
-            if split:
-                return tm, split, tail
-        tm = kernels.fa4_sm90_tile_m(b, s, h, sms)
+            return tm, -1, 0
         return (0 if tm == 128 else tm), 0, 0  # 128 is FA4's own default: keep its public entry point
 
     def _nvfp4_reasons(self, device: torch.device, head_dim: int) -> list[str]:

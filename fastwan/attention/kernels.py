@@ -140,7 +140,7 @@ def fa4_sm90_plan(batch: int, seqlen_q: int, seqlen_k: int, heads: int, num_sms:
     Time model (as :func:`fa4_sm90_tile_m`): per launch, whole waves x tile_m x row cost x seqlen_k, plus
     ``FA4_SM90_LAUNCH_ROW_KEYS`` for the second launch. Every split at a tile boundary and every tile pair is
     tried; a split is taken only for a modelled gain of at least ``FA4_SM90_MIN_GAIN`` over one launch. Cached per
-    shape; after :func:`mark_fa4_plan_constant` torch.compile takes the result as a constant.
+    shape (the op calls it at run time: ``fastwan::flash_attn`` with ``split=-1``).
     """
     return _fa4_sm90_plan(int(batch), int(seqlen_q), int(seqlen_k), int(heads), int(num_sms))
 
@@ -165,15 +165,6 @@ def _fa4_sm90_plan(batch: int, seqlen_q: int, seqlen_k: int, heads: int, num_sms
                 if c < limit and (best is None or key < best):
                     best, plan = key, (tm, split, tail)
     return plan
-
-
-@functools.cache
-def mark_fa4_plan_constant() -> None:
-    """Let torch.compile take :func:`fa4_sm90_plan`'s result as a constant (``assume_constant_result``) instead
-    of tracing its search (seconds per graph). It imports torch._dynamo, so the backend calls it from eager code
-    (``FlashAttnBackend.select``), not at import time."""
-    if hasattr(torch.compiler, "assume_constant_result"):
-        torch.compiler.assume_constant_result(fa4_sm90_plan)
 
 
 def fa4_sm90_tiled(q, k, v, scale: float, tile_m: int, out=None):

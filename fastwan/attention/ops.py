@@ -35,11 +35,20 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute). ``tile_m``: FA4's
     sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice.
 
-    ``split`` > 0 (FA4 with explicit tiles only, :func:`fastwan.attention.kernels.fa4_sm90_plan`): two launches
-    writing into one output, query rows ``[0, split)`` with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m``
-    (on CUDA the tail on a second stream, joined before the op returns)."""
+    ``split`` > 0 (FA4 with explicit tiles only): two launches writing into one output, query rows ``[0, split)``
+    with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m`` (on CUDA the tail on a second stream, joined before
+    the op returns). ``split`` = -1: FA4 on sm90, head dim 128; the launches are planned here, from the shapes and
+    the device's SM count (:func:`fastwan.attention.kernels.fa4_sm90_plan`), ``tile_m`` being the one-launch
+    tile."""
     fn = kernels.flash_kernel(version)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    if split == -1:
+        tm, split, tail_tile_m = kernels.fa4_sm90_plan(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                       _sm_count(q.device))
+        if not split:
+            tile_m = 0 if tm == 128 else tm  # 128 is FA4's own default: its public entry point
+        else:
+            tile_m = tm
     if not split:
         return _finish(fn(q, k, v, scale, tile_m) if tile_m else fn(q, k, v, scale), q)
     if version != 4 or not (0 < split < q.shape[1]) or tile_m not in kernels.FA4_SM90_TILES \
@@ -69,6 +78,13 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     run(slice(0, split), tile_m)
     main.wait_stream(side)
     return out
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the planning input of ``split=-1``)."""
+    if device.type != "cuda":
+        raise ValueError(f"flash_attn split=-1 plans FA4 launches on a CUDA device, got {device}; pass split=0.")
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -188,5 +188,6 @@ def test_fa4_split_equals_one_launch(batch, fused):
     two = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, split, tail)
     one = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm)
     assert torch.equal(two, one)
-    assert b.plan_for(q, k, 4) == (tm, split, tail)  # what the backend runs at this shape
+    assert b.plan_for(q, k, 4) == (tm, -1, 0)  # the op plans the same split at run time
+    assert torch.equal(torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, -1, 0), one)
     assert torch.equal(b(q, k, v), one)
