@@ -36,10 +36,10 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice.
 
     ``split`` > 0 (FA4 with explicit tiles only): two launches writing into one output, query rows ``[0, split)``
-    with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m`` (on CUDA the tail on a second stream, joined before
-    the op returns). ``split`` = -1: FA4 on sm90, head dim 128; the launches are planned here, from the shapes and
-    the device's SM count (:func:`fastwan.attention.kernels.fa4_sm90_plan`), ``tile_m`` being the one-launch
-    tile."""
+    with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m``, one after the other (the tail on a second stream
+    measured no faster on an H100). ``split`` = -1: FA4 on sm90, head dim 128; the launches are planned here,
+    from the shapes and the device's SM count (:func:`fastwan.attention.kernels.fa4_sm90_plan`), ``tile_m``
+    being the one-launch tile."""
     fn = kernels.flash_kernel(version)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     if split == -1:
@@ -64,19 +64,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         if got.data_ptr() != dst.data_ptr():  # a kernel that ignored ``out``
             dst.copy_(got)
 
-    if not q.is_cuda:
-        run(slice(0, split), tile_m)
-        run(slice(split, None), tail_tile_m)
-        return out
-    # the tail on a second stream, launched first: its part-wave of small tiles and the main launch's first wave
-    # share the GPU instead of following each other. The current stream waits for it before anything reads out
-    # (and before the caching allocator can hand q, k, v or out to later work on this stream).
-    main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        run(slice(split, None), tail_tile_m)
     run(slice(0, split), tile_m)
-    main.wait_stream(side)
+    run(slice(split, None), tail_tile_m)
     return out
 
 
@@ -85,17 +74,6 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError(f"flash_attn split=-1 plans FA4 launches on a CUDA device, got {device}; pass split=0.")
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra CUDA stream per device for :func:`flash_attn`'s tail launch (a cached resource, not state)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
 
 
 @torch.library.custom_op("fastwan::nvfp4_flash_attn", mutates_args=())
