@@ -188,6 +188,7 @@ def test_fa4_split_equals_one_launch(batch, fused):
     two = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, split, tail)
     one = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm)
     assert torch.equal(two, one)
-    assert b.plan_for(q, k, 4) == (tm, -1, 0)  # the op plans the same split at run time
+    # the backend leaves the split to the op (-1), with the one-launch tile as its fallback
+    assert b.plan_for(q, k, 4) == (kernels.fa4_sm90_tile_m(batch, s, h, sms), -1, 0)
     assert torch.equal(torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, -1, 0), one)
     assert torch.equal(b(q, k, v), one)
