@@ -8,6 +8,11 @@ first kernel's output. The text keys/values are padded as Wan pads them: ``--pro
 copies of one padding row; "collapsed" is fastwan's kernel for that case (``fastwan::text_cross_attention``: the
 padding as one weighted key, :mod:`fastwan.attention.text_cross`), the same function. ``--quick``: FA4 192x128
 and 128x128, cuDNN and the collapsed kernel only. Needs a GPU with flash-attn-4 installed.
+
+``--fold`` times instead the whole cross-attention after the q projection, as the block runs it with the residual
+adds in the GEMMs: unfolded (``text_cross_attention_normq`` + the output projection added into x,
+``residual_linear_``) against folded (``text_cross_probs_normq`` + ``residual_bmm_`` with the per-prompt
+``fold_values``), at the width ``fold_width`` would give without its limit (to find where the fold pays).
 """
 from __future__ import annotations
 
@@ -41,7 +46,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", default="20", help="real text tokens per case, comma-separated")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--fold", action="store_true", help="time the folded output projection against the unfolded")
     a = p.parse_args(argv)
+    if a.fold:
+        return fold_main(a)
     tiles = [t for t in FA4_TILES if t[:2] in ((192, 128), (128, 128))] if a.quick else FA4_TILES
     sdpa_list = SDPA[:1] if a.quick else SDPA
     for (b, n, h), tokens in ((s, int(t)) for s in SHAPES for t in a.prompt_tokens.split(",")):
@@ -75,6 +83,44 @@ def main(argv=None) -> None:
             print(f"{b}x{n}x{h} {tokens:3d} tok {name:18s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  "
                   f"max diff {err:.1e}", flush=True)
 
+
+def fold_main(a) -> None:
+    print(f"{'shape':<14} {'tok':>4} {'width':>5} {'unfolded us':>12} {'folded us':>10} {'ratio':>6} {'rel diff':>9}")
+    for (b, n, h), tokens in ((s, int(t)) for s in SHAPES for t in a.prompt_tokens.split(",")):
+        fold_case(b, n, h, tokens)
+
+
+def fold_case(b: int, n: int, h: int, tokens: int) -> None:
+    from fastwan.attention import text_cross
+
+    ops = torch.ops.fastwan
+    c = h * 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, n, c, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
+    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    wo = torch.randn(c, c, device="cuda", dtype=torch.bfloat16, generator=g) * c ** -0.5
+    x0 = torch.randn(b, n, c, device="cuda", dtype=torch.bfloat16, generator=g)
+    width = -(-min(tokens + 1, 512) // text_cross.FOLD_ALIGN) * text_cross.FOLD_ALIGN
+    if width > text_cross.MAX_KEYS:
+        return
+    u = text_cross.fold_values(v, keys, width, wo)
+    xa, xb = x0.clone(), x0.clone()
+
+    def unfolded():
+        ops.residual_linear_(xa, ops.text_cross_attention_normq(q, w, 1e-6, k, v, keys).flatten(2), wo)
+
+    def folded():
+        ops.residual_bmm_(xb, ops.text_cross_probs_normq(q, w, 1e-6, k, keys, width).flatten(2), u)
+
+    unfolded(), folded()
+    d = xa.float() - x0.float()
+    rel = float((xb.float() - xa.float()).norm() / d.norm())
+    ta, tb = span_ms(unfolded), span_ms(folded)
+    print(f"{b}x{n}x{h:<4} {tokens:>4} {width:>5} {ta * 1e3:>12.1f} {tb * 1e3:>10.1f} {tb / ta:>6.3f} {rel:>9.2e}",
+          flush=True)
 
 if __name__ == "__main__":
     main()

@@ -276,7 +276,8 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
     sequential, optionally "-unshared" (both passes in full, without forward_cfg's shared start) and/or "-nogr"
     (without the residual adds in the output GEMMs, WanTransformer.set_fast_paths(gemm_residual=False)) and/or
     "-nocollapse" (the cross-attention over all 512 text tokens, set_fast_paths(text_collapse=False)) and/or
-    "-nosplit" (FLASH_ATTN's FA4 query in one launch, fa4_split=False)."""
+    "-nosplit" (FLASH_ATTN's FA4 query in one launch, fa4_split=False) and/or "-nofold" (the cross-attention's
+    output projection not folded into the text values, set_fast_paths(text_fold=False))."""
     import torch._dynamo.config as dcfg
 
     from fastwan import VideoGenerator
@@ -292,7 +293,8 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
     def run(mode, gen=gen, **extra):
         gen.cfg_mode = mode.split("-")[0]
         for m in gen.transformers:
-            m.set_fast_paths(gemm_residual="-nogr" not in mode, text_collapse="-nocollapse" not in mode)
+            m.set_fast_paths(gemm_residual="-nogr" not in mode, text_collapse="-nocollapse" not in mode,
+                             text_fold="-nofold" not in mode)
         for b in (gen.attention.self_backend, gen.attention.cross_backend):
             if hasattr(b, "fa4_split"):  # FLASH_ATTN: FA4's query in two launches of whole waves where they pay
                 b.fa4_split = "-nosplit" not in mode
@@ -341,7 +343,8 @@ def main(argv=None) -> int:
     p.add_argument("--cfg-ab-modes", default="sequential,batched",
                    help="cfgab phase: batched|sequential, each optionally with -unshared (no shared start) "
                         "and/or -nogr (no residual adds in the output GEMMs) and/or -nocollapse (cross-attention "
-                        "over all 512 text tokens) and/or -nosplit (FA4's query in one launch)")
+                        "over all 512 text tokens) and/or -nosplit (FA4's query in one launch) and/or -nofold (no "
+                        "folded cross-attention output projection)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-variants", default="sta-auto-fa4,vsa-auto-fa4,gna-auto-fa4")

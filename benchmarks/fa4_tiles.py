@@ -39,6 +39,10 @@ CONFIGS = [  # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); the first is FA
     (128, 144, True, True),
     (128, 128, False, True),
     (192, 128, False, True),
+    (192, 112, False, True),
+    (192, 96, False, True),
+    (192, 128, False, False),
+    (192, 128, True, True),
 ]
 
 

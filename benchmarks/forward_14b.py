@@ -32,7 +32,8 @@ def main() -> int:
                    help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
                         "+nofn for the Inductor norms instead of the fused Triton ones, +nogr without the residual "
                         "adds in the output GEMMs, +nocollapse with the cross-attention over all 512 text tokens, "
-                        "+nosplit with FA4's query in one launch")
+                        "+nosplit with FA4's query in one launch, +nofold without the cross-attention's output "
+                        "projection folded into the text values")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
     p.add_argument("--prompt-tokens", type=int, default=512,
@@ -76,9 +77,10 @@ def main() -> int:
     models = {}
     for label in a.variants.split(","):
         tile, _, norms = label.partition("+")
-        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse", "nosplit"):
+        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse", "nosplit",
+                                                                    "nofold"):
             raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn, +nogr, +nocollapse "
-                             "or +nosplit")
+                             "or +nosplit or +nofold")
         conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t")),
                 "fa4_split": norms != "nosplit"} if a.backend == "FLASH_ATTN" else None
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
@@ -87,7 +89,7 @@ def main() -> int:
         model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
         model.eval()
         model.set_fast_paths(fused_norms=norms != "nofn", gemm_residual=norms != "nogr",
-                             text_collapse=norms != "nocollapse")
+                             text_collapse=norms != "nocollapse", text_fold=norms != "nofold")
         if a.compile:
             for blk in model.blocks:
                 blk.compile(fullgraph=True)

@@ -84,49 +84,10 @@ def check_inputs(q, k, v, keys) -> None:
 
 
 @functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
+def _kernels():
+    from fastwan.attention import text_cross_kernels  # imports Triton
 
-    @triton.jit
-    def text_attn(Q, K, V, OUT, NK, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, S, L, H, scale_log2,
-                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        # program (query block, b * H + h): online softmax over the first n keys of sample b; key n - 1 counts
-        # L - n + 1 times (log2 weight added to its score, which is in log2 units here)
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        n = tl.load(NK + b)
-        log2m = tl.log2((L - n + 1).to(tl.float32))
-        rows = pid_m * BM + tl.arange(0, BM)
-        d = tl.arange(0, D)
-        rmask = rows < S
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :], mask=rmask[:, None], other=0.0)
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        start = 0
-        while start < n:  # a runtime bound (a while loop: Triton's interpreter takes no loaded range bounds)
-            cols = start + tl.arange(0, BN)
-            cmask = cols < n
-            kt = tl.load(K + b * skb + h * skh + cols[None, :] * sks + d[:, None], mask=cmask[None, :], other=0.0)
-            s = tl.dot(q, kt) * scale_log2
-            s += tl.where(cols == n - 1, log2m, 0.0)[None, :]
-            s = tl.where(cmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(V + b * svb + h * svh + cols[:, None] * svs + d[None, :], mask=cmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-            start += BN
-        out = acc / l_i[:, None]
-        tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=rmask[:, None])
-
-    return text_attn
+    return text_cross_kernels
 
 
 @torch.library.custom_op("fastwan::text_cross_attention", mutates_args=())
@@ -141,7 +102,7 @@ def text_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys
     out = torch.empty(B, S, H, D, device=q.device, dtype=q.dtype)
     bm = 128 if D <= 128 else 64
     grid = (-(-S // bm), B * H)
-    _kernel()[grid](q, k, v, out, keys, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+    _kernels().text_attn[grid](q, k, v, out, keys, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                     S, k.shape[1], H, D ** -0.5 * math.log2(math.e), D=D, BM=bm, BN=64,
                     num_warps=8 if D >= 128 else 4, num_stages=2)
     return out
@@ -179,66 +140,6 @@ def normq_block(D: int) -> int:
     return 64 if D <= 128 else 32
 
 
-@functools.cache
-def _normq_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def text_attn_normq(Q, W, K, V, OUT, NK, sqb, sqs, skb, sks, skh, svb, svs, svh, sob, sos, soh, S, L, H, C,
-                        eps, scale_log2, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        # program (query block, b): pass 1 sums x^2 over all H heads' channels; pass 2, per head, normalizes the
-        # q chunk (rms_rope_rows' roundings) and runs text_attn's online softmax over the first n keys
-        pid_m = tl.program_id(0)
-        b = tl.program_id(1)
-        n = tl.load(NK + b)
-        log2m = tl.log2((L - n + 1).to(tl.float32))
-        rows = pid_m * BM + tl.arange(0, BM)
-        d = tl.arange(0, D)
-        rmask = rows < S
-        qp = Q + b * sqb + rows[:, None] * sqs + d[None, :]
-        ss = tl.zeros([BM], tl.float32)
-        h = 0
-        while h < H:  # while loops: the interpreter cannot index range() with a runtime int (numpy >= 2)
-            x = tl.load(qp + h * D, mask=rmask[:, None], other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, 1)
-            h += 1
-        rstd = tl.rsqrt(ss / C + eps)
-        h = 0
-        while h < H:
-            x = tl.load(qp + h * D, mask=rmask[:, None], other=0.0).to(tl.float32)  # again: mostly from L2
-            w = tl.load(W + h * D + d).to(tl.float32)
-            # rounded as PyTorch's rms_norm(x).to(w.dtype) * w (and rms_rope_rows): twice
-            q = ((x * rstd[:, None]).to(OUT.dtype.element_ty).to(tl.float32) * w[None, :]).to(OUT.dtype.element_ty)
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, D], tl.float32)
-            start = 0
-            while start < n:
-                cols = start + tl.arange(0, BN)
-                cmask = cols < n
-                kt = tl.load(K + b * skb + h * skh + cols[None, :] * sks + d[:, None], mask=cmask[None, :],
-                             other=0.0)
-                s = tl.dot(q, kt) * scale_log2
-                s += tl.where(cols == n - 1, log2m, 0.0)[None, :]
-                s = tl.where(cmask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vt = tl.load(V + b * svb + h * svh + cols[:, None] * svs + d[None, :], mask=cmask[:, None],
-                             other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m_i = m_new
-                start += BN
-            out = acc / l_i[:, None]
-            tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + d[None, :], out.to(OUT.dtype.element_ty),
-                     mask=rmask[:, None])
-            h += 1
-
-    return text_attn_normq
-
-
 @torch.library.custom_op("fastwan::text_cross_attention_normq", mutates_args=())
 def text_cross_attention_normq(q: torch.Tensor, weight: torch.Tensor, eps: float, k: torch.Tensor,
                                v: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -255,7 +156,7 @@ def text_cross_attention_normq(q: torch.Tensor, weight: torch.Tensor, eps: float
     out = torch.empty(B, S, H, D, device=q.device, dtype=q.dtype)
     if out.numel():
         bm = normq_block(D)
-        _normq_kernel()[(-(-S // bm), B)](
+        _kernels().text_attn_normq[(-(-S // bm), B)](
             q, weight, k, v, out, keys, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             S, k.shape[1], H, C, eps, D ** -0.5 * math.log2(math.e), D=D, BM=bm, BN=64,
             num_warps=8 if D >= 128 else 4, num_stages=2)
@@ -265,3 +166,95 @@ def text_cross_attention_normq(q: torch.Tensor, weight: torch.Tensor, eps: float
 @text_cross_attention_normq.register_fake
 def _(q, weight, eps, k, v, keys):
     return torch.empty(*q.shape[:2], *k.shape[2:], dtype=q.dtype, device=q.device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cross-attention's output projection folded into the values
+#
+# With the weights P [S, H, n] of a head h over the text keys, the block adds (sum_j P[:, h, j] v[j, h]) W_o,h^T
+# over the heads: the same as P [S, H * n] @ U with U [H * n, C] holding v[j, h] @ W_o,h^T per (head, key). U
+# depends on the prompt only, so it is computed once per prompt (:func:`fold_values`); each forward then writes P
+# (``text_cross_probs_normq``) and runs one GEMM with K = H * width instead of the attention's P @ V and the
+# [S, C] x [C, C] output projection. Exact in real arithmetic (the product reassociated).
+
+FOLD_ALIGN = 8  # width rounds the key count up to this (P's rows stay 16-byte aligned for cuBLAS in fp16/bf16)
+FOLD_MAX_WIDTH = 0.5  # fold where width <= this fraction of the head dim: the GEMM's K at most half the projection's
+
+
+def fold_width(max_keys: int, head_dim: int) -> int | None:
+    """The width of P and U for prompts of at most ``max_keys`` keys (rounded up to FOLD_ALIGN), or None where the
+    fold does not pay (width above FOLD_MAX_WIDTH of the head dim)."""
+    if max_keys < 1:
+        raise ValueError(f"fold_width: max_keys must be >= 1, got {max_keys}")
+    width = -(-max_keys // FOLD_ALIGN) * FOLD_ALIGN
+    return width if width <= FOLD_MAX_WIDTH * head_dim else None
+
+
+def fold_values(v: torch.Tensor, keys: torch.Tensor, width: int, weight: torch.Tensor) -> torch.Tensor:
+    """U for the folded output projection: v [B, L, H, D], keys int32 [B], weight [N, H * D] (``to_out``'s,
+    without bias) -> [B, H * width, N] in v's dtype, U[b, h * width + j] = v[b, j, h] @ weight[:, h*D:(h+1)*D]^T
+    for j < keys[b] and 0 for the rest (computed in fp32, or fp64 for fp64 inputs)."""
+    B, L, H, D = v.shape
+    if weight.dim() != 2 or weight.shape[1] != H * D:
+        raise ValueError(f"fold_values: weight must be [N, H * D = {H * D}], got {tuple(weight.shape)}")
+    if keys.shape != (B,):
+        raise ValueError(f"fold_values: keys must be [{B}], got {tuple(keys.shape)}")
+    dt = torch.float64 if v.dtype == torch.float64 else torch.float32
+    vv = v[:, :width].to(dt)
+    if vv.shape[1] < width:  # a text shorter than the width: the missing keys get no weight (U rows 0)
+        vv = F.pad(vv, (0, 0, 0, 0, 0, width - vv.shape[1]))
+    vv = vv * (torch.arange(width, device=v.device).view(1, -1) < keys.view(-1, 1)).to(dt).view(B, width, 1, 1)
+    u = torch.einsum("bjhd,nhd->bhjn", vv, weight.to(dt).view(-1, H, D))
+    return u.reshape(B, H * width, -1).to(v.dtype)
+
+
+def probs_reference(q, weight, eps: float, k, keys, width: int) -> torch.Tensor:
+    """The PyTorch route of ``text_cross_probs_normq``: the weights of :func:`normq_reference`'s softmax over
+    the first ``width`` keys (fp32, or fp64 for fp64 inputs) -> [B, S, H, width] in q's dtype."""
+    B, L, H, D = k.shape
+    if int(keys.max()) > width:
+        raise ValueError(f"text_cross_probs_normq: a sample has {int(keys.max())} keys, more than width={width}; "
+                         "width must be at least keys.max() (fold_width)")
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qn = (F.rms_norm(q, (q.shape[-1],), eps=eps).to(weight.dtype) * weight).unflatten(-1, (H, D))
+    s = torch.einsum("bshd,blhd->bhsl", qn.to(dt), k.to(dt)) * D ** -0.5
+    n = keys.to(torch.int64).view(-1, 1)
+    j = torch.arange(L, device=k.device).view(1, -1)
+    bias = torch.where(j == n - 1, torch.log((L - n + 1).to(dt)), 0.0)
+    bias = torch.where(j < n, bias, -math.inf).to(dt)
+    p = (s + bias.view(B, 1, 1, L)).softmax(-1).permute(0, 2, 1, 3)[..., :width]  # [B, S, H, min(L, width)]
+    return F.pad(p, (0, width - p.shape[-1])).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("fastwan::text_cross_probs_normq", mutates_args=())
+def text_cross_probs_normq(q: torch.Tensor, weight: torch.Tensor, eps: float, k: torch.Tensor, keys: torch.Tensor,
+                           width: int) -> torch.Tensor:
+    """The attention weights of ``text_cross_attention_normq``: q [B, S, C] the raw projection (any row stride),
+    weight [C], k [B, L, H, D] with H * D = C, keys int32 [B] with every keys[b] <= ``width`` (the caller's
+    guarantee; :func:`fold_width` of the largest) -> P [B, S, H, width] in q's dtype: P[b, s, h, j] is the weight
+    of key j (key keys[b] - 1 with its padding count), 0 for j >= keys[b]."""
+    check_inputs_normq(q, weight, k, k, keys)
+    H, D = k.shape[2:]
+    if not 1 <= width <= MAX_KEYS:
+        raise ValueError(f"text_cross_probs_normq: width={width} must be in 1..{MAX_KEYS} (one key tile)")
+    if not (text_cross_ok(q, D) and weight.dtype == k.dtype == q.dtype):
+        return probs_reference(q, weight, eps, k, keys, width)
+    q, weight, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, weight, k))
+    B, S, C = q.shape
+    p = torch.empty(B, S, H, width, device=q.device, dtype=q.dtype)
+    if p.numel():
+        bm = normq_block(D)
+        _kernels().text_probs_normq[(-(-S // bm), B)](
+            q, weight, k, p, keys, *q.stride()[:2], *k.stride()[:3], *p.stride()[:3], S, k.shape[1], H, C, eps,
+            D ** -0.5 * math.log2(math.e), width, D=D, BM=bm, BN=max(16, triton_next_pow2(width)),
+            num_warps=8 if D >= 128 else 4, num_stages=2)
+    return p
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@text_cross_probs_normq.register_fake
+def _(q, weight, eps, k, keys, width):
+    return q.new_empty(*q.shape[:2], *k.shape[2:3], width)

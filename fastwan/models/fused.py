@@ -16,6 +16,7 @@ Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 
   fp32 per-channel offset [B or 1, 1, C] that is added in fp32 and not stored;
 * ``residual_linear_(x, a, weight)``: ``x += a @ weight^T`` in place, one GEMM reading x as its C operand
   (no kernel of ours: cuBLAS through ``addmm_``; an op so that torch.compile keeps it in place);
+* ``residual_bmm_(x, a, u)``: ``x += a @ u`` in place with per-sample u [B or 1, K, N] (cuBLAS, as above);
 * ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
   interleaved-pair RoPE of :func:`fastwan.models.wan.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
 """
@@ -213,6 +214,24 @@ def residual_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> 
     x.view(-1, x.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), weight.t())
 
 
+@torch.library.custom_op("fastwan::residual_bmm_", mutates_args=("x",))
+def residual_bmm_(x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> None:
+    """x += a @ u, in place, one (batched) GEMM reading x as its C operand: x [B, S, N] contiguous, a [B, S, K],
+    u [B or 1, K, N] (per-sample right operands: the folded text values, :func:`fastwan.attention.text_cross.
+    fold_values`)."""
+    if not x.is_contiguous():
+        raise ValueError(f"residual_bmm_: x with shape {tuple(x.shape)} and strides {x.stride()} must be "
+                         "contiguous (it is updated in place).")
+    if a.dim() != 3 or u.dim() != 3 or a.shape[:2] != x.shape[:2] or u.shape[1:] != (a.shape[2], x.shape[2]) \
+            or u.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"residual_bmm_: x [B, S, N], a [B, S, K], u [B or 1, K, N] expected, got x "
+                         f"{tuple(x.shape)}, a {tuple(a.shape)}, u {tuple(u.shape)}")
+    if x.shape[0] == 1 or u.shape[0] == 1:  # one right operand: one plain GEMM over all rows
+        x.view(-1, x.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), u[0])
+    else:
+        x.baddbmm_(a, u)
+
+
 @torch.library.custom_op("fastwan::residual_norm_mod", mutates_args=())
 def residual_norm_mod(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None,
                       bias: torch.Tensor | None, scale: torch.Tensor | None, shift: torch.Tensor | None,
@@ -264,6 +283,11 @@ def _(x, offset, weight, bias, scale, shift, eps):
 
 @residual_linear_.register_fake
 def _(x, a, weight):
+    return None
+
+
+@residual_bmm_.register_fake
+def _(x, a, u):
     return None
 
 

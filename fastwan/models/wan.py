@@ -101,10 +101,15 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 class CrossKV(NamedTuple):
     """One block's cross-attention keys and values, computed from the text once per prompt
     (:meth:`WanTransformer._contexts`): k (after ``norm_k``) and v [B, L, H, D]; ``keys`` int32 [B] where the
-    text padding is collapsed into one weighted key (:mod:`fastwan.attention.text_cross`), else None."""
+    text padding is collapsed into one weighted key (:mod:`fastwan.attention.text_cross`), else None.
+
+    With the output projection folded into the values (``text_fold``), ``u`` [B, H * width, C] holds
+    :func:`fastwan.attention.text_cross.fold_values` of v and ``to_out``'s weight, and v is None: the block adds
+    P @ u (P the attention weights [B, S, H * width]) plus ``to_out``'s bias instead of projecting P @ V."""
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None
     keys: torch.Tensor | None
+    u: torch.Tensor | None = None
 
 
 class WanAttention(nn.Module):
@@ -156,6 +161,13 @@ class WanAttention(nn.Module):
         return (self._norm(self.to_k(context), self.norm_k, None, fused_ok),
                 self.to_v(context).unflatten(-1, (self.heads, self.head_dim)))
 
+    def text_probs(self, x: torch.Tensor, ctx: CrossKV) -> torch.Tensor:
+        """The cross-attention weights of x [B, S, C] over a folded :class:`CrossKV` (``u`` set) ->
+        [B, S, heads * width] (``fastwan::text_cross_probs_normq``: q's RMSNorm inside the kernel)."""
+        width = ctx.u.shape[1] // self.heads
+        return torch.ops.fastwan.text_cross_probs_normq(self.to_q(x), self.norm_q.weight, self.norm_q.eps, ctx.k,
+                                                        ctx.keys, width).flatten(2)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -172,11 +184,19 @@ class WanAttention(nn.Module):
         into the residual stream itself). A context given as ``(context, keys)`` (``keys``: int32 [B] from
         :func:`fastwan.attention.text_cross.text_keys`) attends with the text padding collapsed into one
         weighted key (``fastwan::text_cross_attention``, exact); a :class:`CrossKV` brings the keys and values
-        already projected (:meth:`text_kv`)."""
+        already projected (:meth:`text_kv`), or folded into the output projection (then ``project`` must be
+        True)."""
         keys = None
+        if isinstance(context, CrossKV) and context.u is not None:  # P @ (V W_o^T) + b_o, one batched GEMM
+            if not project:
+                raise ValueError("WanAttention: a folded CrossKV (u set) includes the output projection; call with "
+                                 "project=True, or add text_probs(x, ctx) @ ctx.u to the residual yourself.")
+            p = self.text_probs(x, context)
+            bias = self.to_out[0].bias.to(p.dtype).view(1, 1, -1).expand(p.shape[0], p.shape[1], -1)
+            return torch.baddbmm(bias, p, context.u.expand(p.shape[0], -1, -1))
         if isinstance(context, CrossKV):  # keys and values computed once per prompt
             q = self.to_q(x)
-            k, v, keys = context
+            k, v, keys, _ = context
         else:
             if isinstance(context, tuple):
                 context, keys = context
@@ -356,8 +376,12 @@ class WanBlock(nn.Module):
         shift2, scale2, gate2 = mod[3:]
         if pending is not None and len(pending) == 1:  # the residual adds in the output GEMMs
             ops = torch.ops.fastwan
-            o = self.attn2(h, attn, context=context, fused_ok=True, project=False)
-            offset = self._residual_linear(x, o, self.attn2.to_out[0], None, pending[0])
+            if isinstance(context, CrossKV) and context.u is not None:  # x += P @ u; b_o into the offset
+                ops.residual_bmm_(x, self.attn2.text_probs(h, context), context.u)
+                offset = pending[0] + self.attn2.to_out[0].bias.float().view(1, 1, -1)
+            else:
+                o = self.attn2(h, attn, context=context, fused_ok=True, project=False)
+                offset = self._residual_linear(x, o, self.attn2.to_out[0], None, pending[0])
             h = ops.offset_norm_mod(x, offset, None, None, scale2, shift2, self.norm3.eps)
             f = linear_gelu_tanh(h, self.ffn.net[0].proj, self.ffn.gelu_epilogue)
             return x, (self._residual_linear(x, f, self.ffn.net[2], gate2, offset),)
@@ -434,7 +458,8 @@ class WanTransformer(nn.Module):
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.text_collapse = True  # cross-attention with the text padding as one weighted key (set_fast_paths)
         self.text_kv_cache = True  # cross-attention keys/values once per prompt (set_fast_paths, _contexts)
-        self._keys_cache: dict[int, tuple] = {}  # id(text) -> (weakref, version, keys or None); see _text_keys
+        self.text_fold = True  # cross-attention output projection folded into the cached values (set_fast_paths)
+        self._keys_cache: dict[int, tuple] = {}  # id(text) -> (weakref, version, keys or None, max keys); _text_keys
         self._kv_cache: dict[tuple, tuple] = {}  # ids of the texts -> (refs, versions, signature, contexts)
 
     # -- attention ----------------------------------------------------------------------------------------
@@ -449,7 +474,8 @@ class WanTransformer(nn.Module):
 
     def set_fast_paths(self, *, fuse_qkv: bool | None = None, gelu_epilogue: bool | None = None,
                        fused_norms: bool | None = None, gemm_residual: bool | None = None,
-                       text_collapse: bool | None = None, text_kv_cache: bool | None = None) -> None:
+                       text_collapse: bool | None = None, text_kv_cache: bool | None = None,
+                       text_fold: bool | None = None) -> None:
         """Speed options that keep the math (bf16 rounding aside); None leaves an option as it is.
 
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
@@ -464,9 +490,16 @@ class WanTransformer(nn.Module):
         text_kv_cache: the text embedding and every block's cross-attention keys and values computed once per
         prompt tensor and reused by later forwards (a denoising loop passes the same embeddings every step; the
         same values, computed outside the compiled blocks). Costs their memory (2 x layers x L x C per prompt).
+        text_fold: with text_kv_cache and the collapsed text attention, each block's cross-attention output
+        projection folded into its cached values (:func:`fastwan.attention.text_cross.fold_values`): the
+        attention writes its weights P [S, H x width] and one GEMM adds P @ U to the residual stream, instead of
+        P @ V and the [S, C] x [C, C] projection. Where the prompts' key count rounded up (``fold_width``) is at
+        most half the head dim (short prompts); U replaces V in the cache (H x width x C per block and prompt).
         """
         if text_collapse is not None:
             self.text_collapse = bool(text_collapse)
+        if text_fold is not None:
+            self.text_fold = bool(text_fold)
         if text_kv_cache is not None:
             self.text_kv_cache = bool(text_kv_cache)
             self._kv_cache = {}
@@ -521,14 +554,31 @@ class WanTransformer(nn.Module):
         n = int(keys.max())  # one sync per new text tensor
         keys = keys if n < text.shape[1] and n <= text_cross.MAX_KEYS else None
         self._keys_cache = {k: v for k, v in self._keys_cache.items() if v[0]() is not None}
-        self._keys_cache[id(text)] = (weakref.ref(text), text._version, keys)
+        self._keys_cache[id(text)] = (weakref.ref(text), text._version, keys, n)
         return keys
+
+    def _fold_width(self, texts: tuple[torch.Tensor, ...]) -> int | None:
+        """The width of the folded cross-attention for these texts (their keys known to :meth:`_text_keys`), or
+        None where the fold is off or does not pay (:func:`fastwan.attention.text_cross.fold_width`)."""
+        if not self.text_fold:
+            return None
+        hits = [self._keys_cache.get(id(t)) for t in texts]
+        if any(h is None or h[0]() is not t or h[2] is None for h, t in zip(hits, texts)):
+            return None
+        return text_cross.fold_width(max(h[3] for h in hits), self.config.attention_head_dim)
 
     def _text_params(self):
         yield from self.condition_embedder.text_embedder.parameters()
         for blk in self.blocks:
             a = blk.attn2
-            yield from (a.to_k.weight, a.to_k.bias, a.to_v.weight, a.to_v.bias, a.norm_k.weight)
+            yield from (a.to_k.weight, a.to_k.bias, a.to_v.weight, a.to_v.bias, a.norm_k.weight, a.to_out[0].weight)
+
+    def _folds(self, blk: WanBlock, fused_ok: bool) -> bool:
+        """Whether a block's cross-attention runs folded when the prompts allow it: the route of the q RMSNorm
+        inside the collapsed text kernel (WanAttention.forward's condition for text_cross_attention_normq)."""
+        a = blk.attn2
+        return bool(fused_ok and blk.fused_norms and a.fused_norms and a.text_normq
+                    and a.norm_q.weight.dtype == self.dtype)
 
     def _text_context(self, texts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The text embedder on the texts concatenated along the batch -> [sum B_i, L, C]."""
@@ -541,7 +591,8 @@ class WanTransformer(nn.Module):
 
         With ``text_kv_cache`` (and autograd off): a :class:`CrossKV` per block, cached per tuple of text tensors
         (objects and versions), the weights they were computed from (storage and version) and the options that
-        change their bits, so a denoising loop computes them at its first step only. Otherwise the text
+        change their bits, so a denoising loop computes them at its first step only; with ``text_fold`` (where
+        :meth:`_fold_width` and :meth:`_folds` allow) v is folded into the output projection. Otherwise the text
         embedding ``context`` (computed here if not given), or ``(context, keys)`` with the text padding
         collapsed (:meth:`_text_keys`), shared by all blocks."""
         keys = [self._text_keys(t) for t in texts]
@@ -550,7 +601,9 @@ class WanTransformer(nn.Module):
             context = self._text_context(texts) if context is None else context
             return [context if keys is None else (context, keys)] * len(self.blocks)
         ident = tuple(id(t) for t in texts)
-        sig = (fused_ok, self.text_collapse, tuple((blk.fused_norms, blk.attn2.fused_norms) for blk in self.blocks),
+        width = None if keys is None else self._fold_width(texts)
+        sig = (fused_ok, self.text_collapse, width,
+               tuple((blk.fused_norms, blk.attn2.fused_norms, blk.attn2.text_normq) for blk in self.blocks),
                tuple((p.data_ptr(), p._version) for p in self._text_params()))
         hit = self._kv_cache.get(ident)
         if (hit is not None and all(r() is t for r, t in zip(hit[0], texts))
@@ -558,7 +611,15 @@ class WanTransformer(nn.Module):
             return hit[3]
         context = self._text_context(texts) if context is None else context
         # the norm the block itself would run: fused only on its fused route
-        kvs = [CrossKV(*blk.attn2.text_kv(context, fused_ok and blk.fused_norms), keys) for blk in self.blocks]
+        kvs = []
+        for blk in self.blocks:
+            k, v = blk.attn2.text_kv(context, fused_ok and blk.fused_norms)
+            if width is not None and self._folds(blk, fused_ok):
+                u = text_cross.fold_values(v, keys, width, blk.attn2.to_out[0].weight)
+                torch._dynamo.maybe_mark_dynamic(u, 1)  # compiled blocks: one graph for every prompt width
+                kvs.append(CrossKV(k, None, keys, u))
+            else:
+                kvs.append(CrossKV(k, v, keys))
         live = {k: v for k, v in self._kv_cache.items() if all(r() is not None for r in v[0]) and k != ident}
         self._kv_cache = dict(list(live.items())[-3:])  # the latest prompts only (each holds 2 x layers x L x C)
         self._kv_cache[ident] = (tuple(weakref.ref(t) for t in texts), tuple(t._version for t in texts), sig, kvs)

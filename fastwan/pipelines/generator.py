@@ -105,6 +105,7 @@ class VideoGenerator:
         gemm_residual: bool = True,
         text_collapse: bool = True,
         text_kv_cache: bool = True,
+        text_fold: bool = True,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
@@ -127,7 +128,11 @@ class VideoGenerator:
         prompt); False keeps the attention backend's kernel for the cross-attention too. ``text_kv_cache``: the
         text embedding and every block's cross-attention keys and values are computed once per prompt and reused
         by the later denoising steps (the same values; their memory, 2 x layers x 512 x hidden per prompt, is
-        held while the prompt's embeddings live).
+        held while the prompt's embeddings live). ``text_fold`` (with both of those): for short prompts (key count
+        rounded up to 8 at most half the head dim), each block's cross-attention output projection is folded into
+        its cached values per prompt, so the cross-attention costs one GEMM with K = heads x width instead of the
+        [tokens, hidden] x [hidden, hidden] projection (:func:`fastwan.attention.text_cross.fold_values`; exact in
+        real arithmetic).
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
         one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
@@ -162,7 +167,8 @@ class VideoGenerator:
             raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
         for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
                            ("gemm_residual", gemm_residual), ("text_collapse", text_collapse),
-                           ("text_kv_cache", text_kv_cache), ("enable_torch_compile", enable_torch_compile)):
+                           ("text_kv_cache", text_kv_cache), ("text_fold", text_fold),
+                           ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} must be True or False.")
         if device is None:
@@ -192,7 +198,8 @@ class VideoGenerator:
         ]
         for t in transformers_:
             t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms,
-                             gemm_residual=gemm_residual, text_collapse=text_collapse, text_kv_cache=text_kv_cache)
+                             gemm_residual=gemm_residual, text_collapse=text_collapse, text_kv_cache=text_kv_cache,
+                             text_fold=text_fold)
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)

@@ -80,3 +80,67 @@ def test_normq_kernel_equals_norm_then_attention(b, s, h, tokens, strided):
     print(f"\n{b}x{s}x{h}: |fused - two kernels| {diff:.2e} ({frac:.2e} of elements differ); vs fp32 {err:.2e} "
           f"/ {err_two:.2e}")
     assert err <= max(1.5 * err_two, 4e-3) and frac < 1e-3
+
+
+@pytest.mark.parametrize("b,s,h,tokens,strided", [(1, 32760, 12, 20, True), (2, 4097, 40, 60, False),
+                                                  (1, 300, 2, 0, False)])
+def test_folded_projection_matches_fp32(b, s, h, tokens, strided):
+    """The folded cross-attention (text_cross_probs_normq + residual_bmm_ with fold_values) against the
+    unfolded one (text_cross_attention_normq + residual_linear_), both against fp32 arithmetic on the same bf16
+    inputs: the fold's error must be no larger than the unfolded route's (bf16 P and U instead of bf16 P@V)."""
+    from fastwan.attention import text_cross
+
+    g = torch.Generator("cuda").manual_seed(2)
+    c = h * 128
+    buf = torch.randn(b, s, 2 * c if strided else c, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    q = buf[..., :c]
+    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
+    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    wo = torch.randn(c, c, device="cuda", dtype=torch.bfloat16, generator=g) * c ** -0.5
+    x0 = torch.randn(b, s, c, device="cuda", dtype=torch.bfloat16, generator=g)
+    width = text_cross.fold_width(tokens + 1, 128)
+    p = torch.ops.fastwan.text_cross_probs_normq(q, w, 1e-6, k, keys, width)
+    # fp32 truth: the normalized q (bf16, as both routes round it), attention and projection in fp32
+    qn = torch.ops.fastwan.rms_rope(q, w, None, 1e-6, 128).unflatten(-1, (h, 128))
+    want = x0.float() + _fp32_attention(qn, k, v).flatten(2) @ wo.float().t()
+    p32 = torch.softmax(torch.einsum("bshd,blhd->bshl", qn.float(), k.float()) / 128 ** 0.5, -1)
+    p32 = torch.cat([p32[..., :tokens], p32[..., tokens:].sum(-1, keepdim=True)], -1)  # padding summed
+    p_err = float((p[..., :tokens + 1].float() - p32).abs().max())
+    if width > tokens + 1:
+        assert float(p[..., tokens + 1:].abs().max()) == 0  # the keys after the last get no weight
+    xa, xb = x0.clone(), x0.clone()
+    torch.ops.fastwan.residual_linear_(xa, torch.ops.fastwan.text_cross_attention_normq(q, w, 1e-6, k, v, keys)
+                                       .flatten(2), wo)
+    torch.ops.fastwan.residual_bmm_(xb, p.flatten(2), text_cross.fold_values(v, keys, width, wo))
+    err_a, err_b = ((x.float() - want).abs().max().item() for x in (xa, xb))
+    print(f"\n{b}x{s}x{h}, {tokens} tokens, width {width}: P vs fp32 {p_err:.2e}; x error unfolded {err_a:.2e}, "
+          f"folded {err_b:.2e}")
+    assert p_err <= 4e-3 and err_b <= max(1.5 * err_a, 2e-2)
+
+
+def test_dit_fold_on_vs_off():
+    pytest.importorskip("flash_attn.cute")
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import WanConfig, WanTransformer
+
+    cfg = WanConfig(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=4, text_dim=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = WanTransformer(cfg).to(torch.bfloat16)
+    model.set_attention(AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128))
+    g = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(1, 16, 5, 30, 52, device="cuda", generator=g)
+    t = torch.tensor([700.0], device="cuda")
+    text = torch.zeros(1, 512, 4096, device="cuda")
+    text[:, :20] = torch.randn(1, 20, 4096, device="cuda", generator=g)
+    with torch.no_grad():
+        model.set_fast_paths(text_fold=False)
+        want = model(x, t, text).float()
+        model.set_fast_paths(text_fold=True)
+        got = model(x, t, text).float()
+        assert model._contexts((text,), True)[0].u is not None  # the fold ran
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"\nDiT (4 layers) fold on vs off: rel L2 {rel:.2e}")
+    assert rel <= 1e-2
