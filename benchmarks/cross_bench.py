@@ -92,6 +92,7 @@ def fold_main(a) -> None:
 
 def fold_case(b: int, n: int, h: int, tokens: int) -> None:
     from fastwan.attention import text_cross
+    from fastwan.models import fused  # noqa: F401  (registers fastwan::residual_linear_ / residual_bmm_)
 
     ops = torch.ops.fastwan
     c = h * 128

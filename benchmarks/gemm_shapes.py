@@ -1,0 +1,89 @@
+"""The GEMMs of a Wan 14B block at 720p (M = 75,600 tokens) as the model calls them, with 8192^3 for scale.
+
+    python benchmarks/gemm_shapes.py [M]
+
+Each case: 3 interleaved rounds of 10 calls (CUDA events, median), the SM clock and power from nvidia-smi mid-round,
+then the cuBLAS kernel names of one call each (torch.profiler). Random bf16 operands; needs a GPU.
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+C, FF = 5120, 13824
+
+
+def smi() -> tuple[float, float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout.split("\n")[0]
+        mhz, w = (float(v) for v in out.split(","))
+        return mhz, w
+    except Exception:
+        return float("nan"), float("nan")
+
+
+def one_round(fn, n: int = 10) -> tuple[float, tuple[float, float]]:
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    sample = (float("nan"), float("nan"))
+    for i, (start, end) in enumerate(ev):
+        start.record()
+        fn()
+        end.record()
+        if i == n // 2:
+            sample = smi()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev), sample
+
+
+@torch.no_grad()
+def main(m: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+
+    h, f, x = rnd(m, C), rnd(m, FF), rnd(m, C)
+    w, b, w3, b3 = rnd(C, C), rnd(C), rnd(3 * C, C), rnd(3 * C)
+    wu, bu, wd = rnd(FF, C), rnd(FF), rnd(C, FF)
+    a8, b8 = rnd(8192, 8192), rnd(8192, 8192)
+    cases = {
+        "8192^3 mm": (lambda: a8 @ b8, 2 * 8192**3),
+        "linear 5120->5120 +b": (lambda: F.linear(h, w, b), 2 * m * C * C),
+        "mm 5120->5120 nob": (lambda: h @ w.t(), 2 * m * C * C),
+        "linear 5120->15360 +b": (lambda: F.linear(h, w3, b3), 2 * m * C * 3 * C),
+        "addmm_ resid 5120->5120": (lambda: x.addmm_(h, w.t()), 2 * m * C * C),
+        "gelu-epi 5120->13824": (lambda: torch._addmm_activation(bu, h, wu.t(), use_gelu=True), 2 * m * C * FF),
+        "linear 5120->13824 +b": (lambda: F.linear(h, wu, bu), 2 * m * C * FF),
+        "addmm_ resid 13824->5120": (lambda: x.addmm_(f, wd.t()), 2 * m * C * FF),
+        "mm 13824->5120 nob": (lambda: f @ wd.t(), 2 * m * C * FF),
+    }
+    for fn, _ in cases.values():
+        fn()
+    torch.cuda.synchronize()
+    per = {k: [] for k in cases}
+    for _ in range(3):
+        for k, (fn, _) in cases.items():
+            per[k].append(one_round(fn))
+    print(f"{'case':<28} {'ms':>8} {'TFLOP/s':>8} {'MHz':>6} {'W':>5}")
+    for k, rounds in per.items():
+        ms = statistics.median(r[0] for r in rounds)
+        print(f"{k:<28} {ms:>8.3f} {cases[k][1] / ms / 1e9:>8.1f} {statistics.median(r[1][0] for r in rounds):>6.0f} "
+              f"{statistics.median(r[1][1] for r in rounds):>5.0f}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for fn, _ in cases.values():
+            fn()
+        torch.cuda.synchronize()
+    seen: set[str] = set()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in seen:
+            seen.add(e.name)
+            print("kernel:", e.name[:150])
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 75600)
