@@ -8,23 +8,13 @@ then the cuBLAS kernel names of one call each (torch.profiler). Random bf16 oper
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
+from fa4_tiles import smi  # benchmarks/ is on sys.path when a script here runs
 
 C, FF = 5120, 13824
-
-
-def smi() -> tuple[float, float]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5).stdout.split("\n")[0]
-        mhz, w = (float(v) for v in out.split(","))
-        return mhz, w
-    except Exception:
-        return float("nan"), float("nan")
 
 
 def one_round(fn, n: int = 10) -> tuple[float, tuple[float, float]]:

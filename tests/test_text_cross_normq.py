@@ -19,11 +19,12 @@ ops = torch.ops.fastwan
 EPS = 1e-6
 
 
-def normq_inputs(B, S, L, H, D, lengths, seed=0, dtype=torch.float64):
+def normq_inputs(B, S, L, H, D, lengths, seed=0, dtype=torch.float64, wide=False):
     """q [B, S, H * D] raw, weight [H * D], k, v [B, L, H, D] with one repeated padding key/value after
-    lengths[b] keys, keys int32 [B] (lengths + 1, at most L)."""
+    lengths[b] keys, keys int32 [B] (lengths + 1, at most L). ``wide``: q is a view of a [B, S, 2 * H * D] buffer
+    (row stride 2C, as a slice of a fused projection)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, H * D, generator=g, dtype=dtype) * 3
+    q = (torch.randn(B, S, 2 * H * D if wide else H * D, generator=g, dtype=dtype) * 3)[..., :H * D]
     w = torch.rand(H * D, generator=g, dtype=dtype) + 0.5
     k, v = (torch.randn(B, L, H, D, generator=g, dtype=dtype) for _ in range(2))
     for b, n in enumerate(lengths):
@@ -82,11 +83,7 @@ text_cross.normq_reference = None  # the kernel must run, not the PyTorch route
 worst = 0.0
 for B, S, L, H, D, lengths, wide in [(2, 70, 20, 3, 16, [3, 19], False), (2, 33, 70, 3, 32, [66, 0], True),
                                      (1, 5, 4, 2, 16, [4], True)]:
-    q, w, k, v, keys = normq_inputs(B, S, L, H, D, lengths, seed=S, dtype=torch.float32)
-    if wide:  # q a view of a wider buffer (the row stride is 2C)
-        buf = torch.randn(B, S, 2 * H * D)
-        buf[..., :H * D] = q
-        q = buf[..., :H * D]
+    q, w, k, v, keys = normq_inputs(B, S, L, H, D, lengths, seed=S, dtype=torch.float32, wide=wide)
     got = torch.ops.fastwan.text_cross_attention_normq(q, w, EPS, k, v, keys)
     assert got.shape == (B, S, H, D)
     worst = max(worst, float((got.double() - composed64(q, w, k, v)).abs().max()))

@@ -118,11 +118,7 @@ worst = 0.0
 for B, S, L, H, D, lengths, width, wide in [(2, 70, 20, 3, 16, [3, 19], 24, False),
                                             (2, 33, 70, 2, 32, [60, 0], 64, True),
                                             (1, 5, 4, 2, 16, [4], 8, True)]:
-    q, w, k, v, keys = normq_inputs(B, S, L, H, D, lengths, seed=S, dtype=torch.float32)
-    if wide:  # q a view of a wider buffer (the row stride is 2C)
-        buf = torch.randn(B, S, 2 * H * D)
-        buf[..., :H * D] = q
-        q = buf[..., :H * D]
+    q, w, k, v, keys = normq_inputs(B, S, L, H, D, lengths, seed=S, dtype=torch.float32, wide=wide)
     got = torch.ops.fastwan.text_cross_probs_normq(q, w, EPS, k, keys, width)
     assert got.shape == (B, S, H, width)
     worst = max(worst, float((got.double() - weights64(q, w, k, keys, width)).abs().max()))

@@ -50,6 +50,16 @@ def _attend(q, K, V, kbase, vbase, sks, svs, d, n, scale_log2, log2m, BM: tl.con
 
 
 @triton.jit
+def _query_block(NK, b, pid_m, S, L, BM: tl.constexpr, D: tl.constexpr):
+    """Sample b's key count n, the log2 weight of its last key, and query block pid_m's rows, channels and row
+    mask."""
+    n = tl.load(NK + b)
+    log2m = tl.log2((L - n + 1).to(tl.float32))
+    rows = pid_m * BM + tl.arange(0, BM)
+    return n, log2m, rows, tl.arange(0, D), rows < S
+
+
+@triton.jit
 def _rstd(qp, rmask, H, C, eps, D: tl.constexpr, BM: tl.constexpr):
     """1 / RMS over all H heads' channels of the raw q rows at qp ([BM, D] offsets of head 0), fp32 [BM]."""
     ss = tl.zeros([BM], tl.float32)
@@ -79,11 +89,7 @@ def text_attn(Q, K, V, OUT, NK, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    n = tl.load(NK + b)
-    log2m = tl.log2((L - n + 1).to(tl.float32))
-    rows = pid_m * BM + tl.arange(0, BM)
-    d = tl.arange(0, D)
-    rmask = rows < S
+    n, log2m, rows, d, rmask = _query_block(NK, b, pid_m, S, L, BM, D)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :], mask=rmask[:, None], other=0.0)
     out = _attend(q, K, V, b * skb + h * skh, b * svb + h * svh, sks, svs, d, n, scale_log2, log2m, BM, D, BN)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + d[None, :], out.to(OUT.dtype.element_ty),
@@ -96,11 +102,7 @@ def text_attn_normq(Q, W, K, V, OUT, NK, sqb, sqs, skb, sks, skh, svb, svs, svh,
     # program (query block, b): the rows' RMS over all heads, then per head the normalized q and the attention
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
-    n = tl.load(NK + b)
-    log2m = tl.log2((L - n + 1).to(tl.float32))
-    rows = pid_m * BM + tl.arange(0, BM)
-    d = tl.arange(0, D)
-    rmask = rows < S
+    n, log2m, rows, d, rmask = _query_block(NK, b, pid_m, S, L, BM, D)
     qp = Q + b * sqb + rows[:, None] * sqs + d[None, :]
     rstd = _rstd(qp, rmask, H, C, eps, D, BM)
     h = 0
@@ -119,12 +121,8 @@ def text_probs_normq(Q, W, K, P, NK, sqb, sqs, skb, sks, skh, spb, sps, sph, S, 
     # is exact in one step and its weights are stored (keys n .. width - 1 get 0)
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
-    n = tl.load(NK + b)
-    log2m = tl.log2((L - n + 1).to(tl.float32))
-    rows = pid_m * BM + tl.arange(0, BM)
-    d = tl.arange(0, D)
+    n, log2m, rows, d, rmask = _query_block(NK, b, pid_m, S, L, BM, D)
     cols = tl.arange(0, BN)
-    rmask = rows < S
     smask = rmask[:, None] & (cols < width)[None, :]
     qp = Q + b * sqb + rows[:, None] * sqs + d[None, :]
     rstd = _rstd(qp, rmask, H, C, eps, D, BM)

@@ -1,9 +1,13 @@
 """GPU: fastwan's collapsed text cross-attention kernel (fastwan.attention.text_cross) in bf16 against an fp32
 attention over all 512 (padded) keys, at the Wan shapes; its error must be no larger than a dense bf16 kernel's
-(cuDNN through SDPA) over the same keys. And the DiT with the collapse on vs off (same weights, bf16)."""
+(cuDNN through SDPA) over the same keys; the q norm fused in; the output projection folded into the values
+(text_fold). And the DiT with the collapse or the fold on vs off (same weights, bf16)."""
 import pytest
 import torch
 import torch.nn.functional as F
+
+import fastwan.attention.text_cross  # noqa: F401  (registers the fastwan:: text ops)
+import fastwan.models.fused  # noqa: F401  (registers rms_rope, residual_linear_, residual_bmm_)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,32 +33,6 @@ def test_kernel_matches_fp32_attention_over_all_keys(b, s, h, tokens):
     err, err_dense = ((x.float() - want).abs().max().item() for x in (got, dense))
     print(f"\n{b}x{s}x{h}, {tokens} tokens: collapsed {err:.2e}, dense bf16 {err_dense:.2e}")
     assert err <= max(2 * err_dense, 4e-3)
-
-
-def test_dit_collapse_on_vs_off():
-    pytest.importorskip("flash_attn.cute")
-    from fastwan.attention import AttentionDispatch
-    from fastwan.models import WanConfig, WanTransformer
-
-    cfg = WanConfig(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=4, text_dim=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WanTransformer(cfg).to(torch.bfloat16)
-    model.set_attention(AttentionDispatch.resolve("FLASH_ATTN", device="cuda", dtype=torch.bfloat16, head_dim=128))
-    g = torch.Generator("cuda").manual_seed(1)
-    x = torch.randn(1, 16, 5, 30, 52, device="cuda", generator=g)
-    t = torch.tensor([700.0], device="cuda")
-    text = torch.zeros(1, 512, 4096, device="cuda")
-    text[:, :20] = torch.randn(1, 20, 4096, device="cuda", generator=g)
-    with torch.no_grad():
-        model.set_fast_paths(text_collapse=False)
-        want = model(x, t, text).float()
-        model.set_fast_paths(text_collapse=True)
-        assert model._text_keys(text).tolist() == [21]
-        got = model(x, t, text).float()
-    rel = ((got - want).norm() / want.norm()).item()
-    print(f"\nDiT (4 layers) collapse on vs off: rel L2 {rel:.2e}")
-    assert rel <= 1e-2
 
 
 @pytest.mark.parametrize("b,s,h,tokens,strided", [(1, 32760, 12, 20, True), (2, 4097, 40, 100, False),
@@ -120,7 +98,9 @@ def test_folded_projection_matches_fp32(b, s, h, tokens, strided):
     assert p_err <= 4e-3 and err_b <= max(1.5 * err_a, 2e-2)
 
 
-def test_dit_fold_on_vs_off():
+@pytest.mark.parametrize("option", ["text_collapse", "text_fold"])
+def test_dit_fast_path_on_vs_off(option):
+    """A 4-layer 1.3B-width DiT in bf16 with a padded 20-token prompt, with the option on against off."""
     pytest.importorskip("flash_attn.cute")
     from fastwan.attention import AttentionDispatch
     from fastwan.models import WanConfig, WanTransformer
@@ -135,12 +115,15 @@ def test_dit_fold_on_vs_off():
     t = torch.tensor([700.0], device="cuda")
     text = torch.zeros(1, 512, 4096, device="cuda")
     text[:, :20] = torch.randn(1, 20, 4096, device="cuda", generator=g)
+    if option == "text_collapse":
+        model.set_fast_paths(text_fold=False)  # the collapse alone (the fold builds on it)
     with torch.no_grad():
-        model.set_fast_paths(text_fold=False)
+        model.set_fast_paths(**{option: False})
         want = model(x, t, text).float()
-        model.set_fast_paths(text_fold=True)
+        model.set_fast_paths(**{option: True})
         got = model(x, t, text).float()
-        assert model._contexts((text,), True)[0].u is not None  # the fold ran
+        assert model._text_keys(text).tolist() == [21]
+        assert (model._contexts((text,), True)[0].u is not None) == (option == "text_fold")  # the fold ran
     rel = ((got - want).norm() / want.norm()).item()
-    print(f"\nDiT (4 layers) fold on vs off: rel L2 {rel:.2e}")
+    print(f"\nDiT (4 layers) {option} on vs off: rel L2 {rel:.2e}")
     assert rel <= 1e-2
