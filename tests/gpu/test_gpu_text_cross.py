@@ -35,19 +35,25 @@ def test_kernel_matches_fp32_attention_over_all_keys(b, s, h, tokens):
     assert err <= max(2 * err_dense, 4e-3)
 
 
+def _normq_case(b, s, h, tokens, strided, g):
+    """bf16 inputs of the q-norm text kernels: raw q [b, s, h * 128] (a view with row stride 2C if ``strided``),
+    norm weight, k/v [b, 512, h, 128] padded after ``tokens`` rows as Wan pads them, and the key counts."""
+    c = h * 128
+    buf = torch.randn(b, s, 2 * c if strided else c, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
+    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    return buf[..., :c], w, k, v, keys
+
+
 @pytest.mark.parametrize("b,s,h,tokens,strided", [(1, 32760, 12, 20, True), (2, 4097, 40, 100, False),
                                                   (1, 300, 2, 0, False)])
 def test_normq_kernel_equals_norm_then_attention(b, s, h, tokens, strided):
     """fastwan::text_cross_attention_normq (the q RMSNorm inside the kernel) against the two-kernel route
     (rms_rope, then text_cross_attention): the same bf16 q values up to the last bit of the statistic."""
     g = torch.Generator("cuda").manual_seed(1)
-    c = h * 128
-    buf = torch.randn(b, s, 2 * c if strided else c, device="cuda", dtype=torch.bfloat16, generator=g) * 3
-    q = buf[..., :c]
-    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
-    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
-    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    q, w, k, v, keys = _normq_case(b, s, h, tokens, strided, g)
     got = torch.ops.fastwan.text_cross_attention_normq(q, w, 1e-6, k, v, keys)
     qn = torch.ops.fastwan.rms_rope(q, w, None, 1e-6, 128).unflatten(-1, (h, 128))
     two = torch.ops.fastwan.text_cross_attention(qn, k, v, keys)
@@ -70,12 +76,7 @@ def test_folded_projection_matches_fp32(b, s, h, tokens, strided):
 
     g = torch.Generator("cuda").manual_seed(2)
     c = h * 128
-    buf = torch.randn(b, s, 2 * c if strided else c, device="cuda", dtype=torch.bfloat16, generator=g) * 3
-    q = buf[..., :c]
-    w = torch.rand(c, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
-    k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
-    keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
+    q, w, k, v, keys = _normq_case(b, s, h, tokens, strided, g)
     wo = torch.randn(c, c, device="cuda", dtype=torch.bfloat16, generator=g) * c ** -0.5
     x0 = torch.randn(b, s, c, device="cuda", dtype=torch.bfloat16, generator=g)
     width = text_cross.fold_width(tokens + 1, 128)
