@@ -18,6 +18,7 @@ import torch
 
 from fastwan import envs
 from fastwan.attention.base import AttentionBackend
+from fastwan.errors import UserError
 
 logger = logging.getLogger("fastwan.attention")
 
@@ -36,7 +37,7 @@ BACKENDS: dict[str, str] = {
 AUTO_ORDER: tuple[str, ...] = ("FLASH_ATTN", "TORCH_SDPA")
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(UserError, RuntimeError):
     """An explicitly requested backend cannot run; the message lists every reason."""
 
 

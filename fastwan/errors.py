@@ -1,0 +1,39 @@
+"""The exception types fastwan raises for a user's mistake.
+
+Rule: an error whose cause is the caller's input, files or environment (a bad argument, a checkpoint that does
+not fit, an output path that cannot be written, a backend that cannot run here) is a :class:`UserError`, and its
+message names the value, the rule and the fix. The CLI prints a user error as one line and exits 2; any other
+exception is a bug and keeps its traceback. Each concrete class also derives from the builtin a Python caller
+would catch (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Base of every error caused by the caller's input, files or environment."""
+
+
+class InvalidArgument(UserError, ValueError):
+    """An argument's value breaks a rule (range, form, combination)."""
+
+
+class InvalidArgumentType(UserError, TypeError):
+    """An argument has the wrong type."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint's files or metadata do not describe a model fastwan can load."""
+
+
+class OutputPathError(UserError, OSError):
+    """The requested output destination cannot be written (raised before any compute)."""
+
+
+class OutputExistsError(OutputPathError, FileExistsError):
+    """The output file exists and overwriting was not asked for."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (a multi-line message's lines joined with '; ')."""
+    lines = [ln.strip().lstrip("- ").strip() for ln in str(exc).splitlines()]
+    return "; ".join(ln for ln in lines if ln) or type(exc).__name__
