@@ -4,10 +4,11 @@ Phases (run them in one process or separately; each appends to the JSON given by
   make       write a random checkpoint at the real Wan2.1-1.3B shapes (DiT, UMT5-XXL, Wan VAE) to --ckpt
   forward    DiT forward ms at batch 1 and 2: diffusers (SDPA default) and fastwan per --backends
   diffusers  WanPipeline end to end (--steps, CFG --guidance), frames saved for the comparison
+  diffusers_tuned  the same with compile_repeated_blocks(fullgraph=True) and the _native_cudnn attention backend
   fastwan    VideoGenerator end to end (--backend, --cfg-mode), frames compared with the diffusers run
 Random weights have the FLOPs and kernels of the real model; image quality is not measured here.
 
-  python benchmarks/e2e.py --phase make,forward,diffusers,fastwan --out results.json
+  python benchmarks/e2e.py --phase make,forward,diffusers,diffusers_tuned,fastwan --compile --out results.json
 """
 from __future__ import annotations
 
@@ -170,14 +171,25 @@ def phase_forward(root: Path, backends: list[str], res: dict, iters: int, compil
     torch.cuda.empty_cache()
 
 
-def phase_diffusers(root: Path, steps: int, guidance: float, res: dict) -> None:
+def tune_diffusers(transformer) -> None:
+    """The tuned diffusers peer: its cuDNN attention backend and compile_repeated_blocks(fullgraph=True)."""
+    transformer.set_attention_backend("_native_cudnn")
+    transformer.compile_repeated_blocks(fullgraph=True)
+
+
+def phase_diffusers(root: Path, steps: int, guidance: float, res: dict, tuned: bool = False) -> None:
+    """diffusers' WanPipeline end to end (fp32 VAE), as installed (eager) or tuned (:func:`tune_diffusers`)."""
     from diffusers import AutoencoderKLWan, WanPipeline
 
     vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=torch.float32)
     pipe = WanPipeline.from_pretrained(root, vae=vae, torch_dtype=torch.bfloat16).to("cuda")
     pipe.set_progress_bar_config(disable=True)
-    pipe(PROMPT, negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=1,
-         guidance_scale=guidance, output_type="latent")  # warm-up (cuDNN/cuBLAS handles), not timed
+    if tuned:
+        tune_diffusers(pipe.transformer)
+    t0 = time.perf_counter()
+    pipe(PROMPT, negative_prompt=NEG, height=H, width=W, num_frames=F, num_inference_steps=2 if tuned else 1,
+         guidance_scale=guidance, output_type="latent")  # warm-up (handles; compilation when tuned), not timed
+    warmup = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -186,11 +198,19 @@ def phase_diffusers(root: Path, steps: int, guidance: float, res: dict) -> None:
     torch.cuda.synchronize()
     e2e = time.perf_counter() - t0
     frames = (out * 255).round().astype(np.uint8)
-    np.save("/tmp/diffusers_frames.npy", frames)
-    res["diffusers_e2e"] = {"seconds": e2e, "steps": steps, "s_per_step": e2e / steps,
-                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    log(f"diffusers e2e {e2e:.2f}s, peak {res['diffusers_e2e']['peak_gib']:.2f} GiB")
+    key = "diffusers_tuned_e2e" if tuned else "diffusers_e2e"
+    res[key] = {"seconds": e2e, "steps": steps, "s_per_step": e2e / steps, "warmup_s": warmup,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "setup": "compile_repeated_blocks(fullgraph=True) + _native_cudnn, fp32 VAE" if tuned
+                else "as installed (eager, default attention), fp32 VAE"}
+    if tuned:
+        res[key]["vs_diffusers"] = compare(frames, "/tmp/diffusers_frames.npy")
+    else:
+        np.save("/tmp/diffusers_frames.npy", frames)
+    log(f"{key} {e2e:.2f}s, peak {res[key]['peak_gib']:.2f} GiB")
     del pipe, vae
+    if tuned:
+        torch._dynamo.reset()
     torch.cuda.empty_cache()
 
 
@@ -362,6 +382,8 @@ def main(argv=None) -> int:
             phase_forward(root, a.backends.split(","), res, a.iters, a.compile)
         elif ph == "diffusers":
             phase_diffusers(root, a.steps, a.guidance, res)
+        elif ph == "diffusers_tuned":
+            phase_diffusers(root, a.steps, a.guidance, res, tuned=True)
         elif ph == "sparse":  # configs at ~85% sparsity, chosen as in benchmarks/sparse_bench.py
             from sparse_bench import variants
 
@@ -380,7 +402,20 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown phase {ph!r}")
         Path(a.out).write_text(json.dumps(res, indent=1))
     log(json.dumps(res, indent=1))
+    summary(res)
     return 0
+
+
+def summary(res: dict) -> None:
+    """The end-to-end figures of this run as a short table: each fastwan run against both diffusers peers."""
+    peers = {k: res[k]["seconds"] for k in ("diffusers_e2e", "diffusers_tuned_e2e") if k in res}
+    rows = [(k, v["seconds"], v["peak_gib"]) for k, v in res.items() if k.startswith(("diffusers_e2e",
+                                                                                      "diffusers_tuned_e2e"))]
+    rows += [(k, v["seconds"], v["peak_gib"]) for k, v in res.items()
+             if k.startswith("fastwan_e2e[") and isinstance(v, dict)]
+    log("\n| run | seconds | peak GiB | " + " | ".join(f"vs {p}" for p in peers) + " |")
+    for name, sec, peak in rows:
+        log(f"| {name} | {sec:.2f} | {peak:.2f} | " + " | ".join(f"{p / sec:.3f}x" for p in peers.values()) + " |")
 
 
 if __name__ == "__main__":

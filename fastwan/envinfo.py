@@ -97,9 +97,10 @@ def backend_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> lis
                 kernel=backend.kernel_name(device),
                 sparse=bool(getattr(backend, "sparse", False)),
                 reasons=reasons,
+                unverified=None if reasons else backend.unverified(device, head_dim),
             )
         except Exception as exc:  # e.g. a sparse backend module that is not there yet
-            row.update(available=False, version=None, kernel=None, sparse=None,
+            row.update(available=False, version=None, kernel=None, sparse=None, unverified=None,
                        reasons=[f"cannot create: {type(exc).__name__}: {exc}"])
         rows.append(row)
     return rows
@@ -154,15 +155,21 @@ def render(info: dict[str, Any], console=None) -> None:
         console.print("[bold]Environment[/]  " + escape(", ".join(f"{k}={v}" for k, v in info["env"].items())))
     p = info["problem"]
     table = Table(title=f"Attention backends on {p['device']} ({p['dtype']}, head dim {p['head_dim']})")
-    for col in ("backend", "available", "version", "kernel", "why not"):
+    for col in ("backend", "available", "version", "kernel", "why not / unverified"):
         table.add_column(col, overflow="fold")
     for r in info["backends"]:
+        if not r["available"]:
+            avail = Text("no", style="red")
+        elif r.get("unverified"):
+            avail = Text("yes, unverified", style="yellow")
+        else:
+            avail = Text("yes", style="green")
         table.add_row(
             Text(r["backend"]),
-            Text("yes", style="green") if r["available"] else Text("no", style="red"),
+            avail,
             Text(r["version"] or "-"),
             Text(r["kernel"] or "-"),
-            Text("\n".join(r["reasons"]) or "-"),
+            Text("\n".join(r["reasons"]) or r.get("unverified") or "-"),
         )
     console.print(table)
     console.print(f"[bold]Automatic choice[/]  {escape(info['auto_backend'])}")

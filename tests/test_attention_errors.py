@@ -194,7 +194,8 @@ def test_flash_fa4_on_blackwell_rejects_head_dim_192_without_fa2(fake_gpu):
 @pytest.mark.parametrize(
     "cc,installed,expected",
     [
-        ((9, 0), {2, 3, 4}, "flash_attn_interface FA3 (sm90)"),
+        ((9, 0), {2, 3, 4}, "flash_attn.cute FA4 (sm90)"),  # measured on sm90 before the unmeasured FA3
+        ((9, 0), {2, 3}, "flash_attn_interface FA3 (sm90)"),
         ((9, 0), {2, 4}, "flash_attn.cute FA4 (sm90)"),
         ((9, 0), {2}, "flash_attn FA2 (sm90)"),
         ((10, 0), {2, 3, 4}, "flash_attn.cute FA4 (sm100)"),
@@ -212,14 +213,14 @@ def test_flash_picks_best_installed_for_the_device(fake_gpu, cc, installed, expe
 
 def test_installed_but_broken_package_is_a_reason(fake_gpu, monkeypatch, caplog):
     fake_gpu(cc=(9, 0), fa={3, 4}, sage=1)
-    monkeypatch.setattr(kernels, "flash_import_error", lambda v: "ImportError: undefined symbol" if v == 3 else None)
+    monkeypatch.setattr(kernels, "flash_import_error", lambda v: "ImportError: undefined symbol" if v == 4 else None)
     b = FlashAttnBackend()
     with caplog.at_level(logging.WARNING, logger="fastwan.attention"):
         assert b.reasons(device="cuda", dtype=BF16, head_dim=128) == []
-    assert b.kernel_name("cuda") == "flash_attn.cute FA4 (sm90)"  # the next generation, and a warning says why
-    assert "FA3 is installed but does not import (ImportError: undefined symbol)" in caplog.text
-    text = "\n".join(FlashAttnBackend(version=3).reasons(device="cuda", dtype=BF16, head_dim=128))
-    assert "FA3 is installed but does not import" in text
+    assert b.kernel_name("cuda") == "flash_attn_interface FA3 (sm90)"  # the next generation, and a warning says why
+    assert "FA4 is installed but does not import (ImportError: undefined symbol)" in caplog.text
+    text = "\n".join(FlashAttnBackend(version=4).reasons(device="cuda", dtype=BF16, head_dim=128))
+    assert "FA4 is installed but does not import" in text
     monkeypatch.setattr(kernels, "sage_import_error", lambda: "ModuleNotFoundError: No module named 'triton'")
     text = "\n".join(SageAttnBackend().reasons(device="cuda", dtype=BF16, head_dim=128))
     assert "sageattention is installed but does not import (ModuleNotFoundError" in text
@@ -328,6 +329,56 @@ def test_auto_mode_logs_choice_and_skips(caplog, no_packages):
     assert chosen and chosen[0].levelno == logging.INFO and "TORCH_SDPA" in chosen[0].getMessage()
 
 
+@pytest.mark.parametrize(
+    "cc,installed,auto_kernel",
+    [
+        ((9, 0), {2, 3, 4}, "FLASH_ATTN"),  # FA4 on sm90 is the measured kernel
+        ((9, 0), {3}, "TORCH_SDPA"),  # FA3 never ran on a GPU here: automatic selection passes it over
+        ((9, 0), {2}, "TORCH_SDPA"),
+        ((10, 0), {4}, "TORCH_SDPA"),  # FA4 on Blackwell: not measured by fastwan
+    ],
+)
+def test_auto_mode_picks_only_verified_kernels(fake_gpu, caplog, cc, installed, auto_kernel):
+    fake_gpu(cc=cc, fa=installed)
+    caplog.set_level(logging.DEBUG, logger="fastwan.attention")
+    b = resolve_backend(None, device="cuda", dtype=BF16, head_dim=128, env={})
+    assert b.name == auto_kernel
+    if auto_kernel == "TORCH_SDPA":
+        skip = [r.getMessage() for r in caplog.records if "skip FLASH_ATTN" in r.getMessage()]
+        assert skip and "unverified" in skip[0] and "ask for it by name" in skip[0]
+
+
+def test_explicit_unverified_kernel_runs_with_a_warning(fake_gpu, caplog):
+    fake_gpu(cc=(9, 0), fa={3})
+    with caplog.at_level(logging.WARNING, logger="fastwan.attention"):
+        b = resolve_backend("FLASH_ATTN", device="cuda", dtype=BF16, head_dim=128, env={})
+    assert b.kernel_name("cuda") == "flash_attn_interface FA3 (sm90)"
+    assert "unverified" in caplog.text and "FA3 has not been run by fastwan on sm90" in caplog.text
+    fake_gpu(fa={4})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastwan.attention"):
+        resolve_backend("FLASH_ATTN", device="cuda", dtype=BF16, head_dim=128, env={})
+    assert "unverified" not in caplog.text
+
+
+def test_sage_two_is_unverified_one_is_not(fake_gpu):
+    fake_gpu(cc=(9, 0), sage=1)
+    assert SageAttnBackend().unverified("cuda", 128) is None
+    fake_gpu(sage=2)
+    assert "sageattention 2.x has not been run by fastwan on sm90" in SageAttnBackend().unverified("cuda", 128)
+
+
+def test_env_report_marks_unverified_backends(fake_gpu):
+    from fastwan.envinfo import backend_rows
+
+    fake_gpu(cc=(9, 0), fa={3})
+    rows = {r["backend"]: r for r in backend_rows(torch.device("cuda"), BF16, 128)}
+    flash = next(r for k, r in rows.items() if k.startswith("FLASH_ATTN"))
+    assert flash["available"] and "FA3 has not been run" in flash["unverified"]
+    sdpa = next(r for k, r in rows.items() if k.startswith("TORCH_SDPA"))
+    assert sdpa["unverified"] is None
+
+
 def test_context_manager_scopes_and_restores():
     assert requested_backend(env={})[1] == "automatic"
     with attention_backend("TORCH_SDPA"):
@@ -396,7 +447,7 @@ def test_explicit_fa4_tile_is_a_reason_off_sm90_or_off_head_dim_128(fake_gpu):
     assert "the head dim is 64" in text
     text = "\n".join(FlashAttnBackend(version=2, fa4_tile_m=128).reasons(device="cuda", dtype=BF16, head_dim=128))
     assert "but version=2" in text
-    fake_gpu(cc=(9, 0), fa={3, 4})  # FA3 would be picked on sm90: the tile needs FA4 pinned
+    fake_gpu(cc=(9, 0), fa={3})  # FA3 would be picked on sm90: the tile needs FA4 pinned
     text = "\n".join(FlashAttnBackend(fa4_tile_m=128).reasons(device="cuda", dtype=BF16, head_dim=128))
     assert "FA3 was picked here (pin version=4)" in text
     # auto never adds a reason

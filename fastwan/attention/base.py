@@ -162,6 +162,12 @@ class AttentionBackend:
         """Version of the package that provides the kernel (e.g. 'FA4 4.0.0'), None if not installed."""
         return None
 
+    def unverified(self, device: torch.device | str, head_dim: int | None = None) -> str | None:
+        """Why the kernel this backend would run on ``device`` counts as unverified (None: fastwan has run and
+        measured it on such a GPU). Automatic selection skips unverified kernels; asking for one by name runs
+        it with a warning."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,

@@ -2,8 +2,10 @@
 
 What each generation supports is data (:data:`VARIANTS`, :data:`PREFERENCE`); :meth:`FlashAttnBackend.reasons`
 turns it into reasons. Choice: ``version=`` argument > ``FASTWAN_FLASH_ATTN_VERSION`` > the best installed
-for the device (sm90: FA3 > FA4 > FA2; sm100/sm103/sm110: FA4 > FA2; others: FA2). A pinned version that is
-not installed or does not support the GPU is a reason, never a silent switch to another generation.
+for the device, measured kernels first (sm90: FA4 > FA3 > FA2; sm100/sm103/sm110: FA4 > FA2; others: FA2). A pinned
+version that is not installed or does not support the GPU is a reason, never a silent switch to another generation.
+A generation counts as verified only on the GPUs listed in its ``verified_on`` (where fastwan's GPU tests and
+benchmarks ran it); elsewhere :meth:`FlashAttnBackend.unverified` says so and automatic selection skips it.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class FlashVariant:
     compute_capabilities: tuple[CC, ...] | None  # exact list; None = min_cc and newer
     min_cc: CC
     head_dims: dict[int, HeadDimRule]  # by compute-capability major; key 0 = default
+    verified_on: tuple[CC, ...] = ()  # GPUs on which fastwan's GPU tests and benchmarks have run this generation
 
 
 VARIANTS: dict[int, FlashVariant] = {
@@ -65,11 +68,12 @@ VARIANTS: dict[int, FlashVariant] = {
         4, "flash_attn.cute FA4", "pip install flash-attn-4",
         ((9, 0), (10, 0), (10, 3), (11, 0)), (9, 0),
         {9: HeadDimRule(8, 256, 8), 10: HeadDimRule(8, 128, 8, (256,)), 11: HeadDimRule(8, 128, 8, (256,))},
+        verified_on=((9, 0),),
     ),
 }
 
-# Fastest first, by compute-capability major.
-PREFERENCE: dict[int, tuple[int, ...]] = {9: (3, 4, 2), 10: (4, 2), 11: (4, 2)}
+# By compute-capability major: generations measured on that GPU first (fastest first), then the unmeasured ones.
+PREFERENCE: dict[int, tuple[int, ...]] = {9: (4, 3, 2), 10: (4, 2), 11: (4, 2)}
 DEFAULT_PREFERENCE: tuple[int, ...] = (2,)
 
 NVFP4_COMPUTE_CAPABILITIES: tuple[CC, ...] = ((10, 0), (10, 3))
@@ -197,6 +201,20 @@ class FlashAttnBackend(AttentionBackend):
         if self.fa4_tile_m != "auto":
             reasons.extend(self._tile_reasons(device, head_dim))
         return reasons
+
+    def unverified(self, device, head_dim=None) -> str | None:
+        device = torch.device(device)
+        cc = self._cc(device)
+        if cc is None:
+            return None
+        if self.nvfp4:
+            return "NVFP4 Q/K attention has run only against CPU emulation, never on a Blackwell GPU"
+        ver = self._picked.get((self._index(device), head_dim)) if head_dim is not None else None
+        if ver is None:
+            ver = self.select(device, head_dim)[0]
+        if ver is None or cc in VARIANTS[ver].verified_on:
+            return None
+        return f"FA{ver} has not been run by fastwan on {_sm(cc)} (only against CPU fakes)"
 
     def _tile_reasons(self, device: torch.device, head_dim: int | None) -> list[str]:
         """Why an explicit ``fa4_tile_m`` cannot be honoured (it is a tile of FA4's sm90 kernel for D=128)."""

@@ -2,8 +2,9 @@
 
 Choice order: an explicit name (argument) > ``FASTVIDEO_ATTENTION_BACKEND`` / ``FASTWAN_ATTENTION_BACKEND``
 > automatic. Automatic mode walks :data:`AUTO_ORDER` (fastest first for the device), skips backends that
-cannot run (debug log with the reasons) and logs the one it picked at info level. An explicitly requested
-backend that cannot run raises :class:`BackendUnavailableError` listing every reason.
+cannot run or whose kernel here is unverified (never run on such a GPU by fastwan; debug log with the reasons)
+and logs the one it picked at info level. An unverified kernel asked for by name runs, with a warning. An
+explicitly requested backend that cannot run raises :class:`BackendUnavailableError` listing every reason.
 """
 from __future__ import annotations
 
@@ -123,6 +124,10 @@ def resolve_backend(
                 + "\n  - ".join(reasons)
                 + f"\nPick another backend ({', '.join(BACKENDS)}) or unset it for automatic selection."
             )
+        why = backend.unverified(device, head_dim)
+        if why:
+            logger.warning("attention backend %s (%s), requested by %s, is unverified: %s", backend.name,
+                           backend.kernel_name(device), source, why)
         logger.info("attention backend %s (%s), requested by %s", backend.name, backend.kernel_name(device), source)
         return backend
     if config:
@@ -151,6 +156,9 @@ def auto_backend(
             logger.debug("auto attention: skip %s (%s)", name, exc)
             continue
         reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        if not reasons:
+            why = backend.unverified(device, head_dim)
+            reasons = [f"unverified: {why} (ask for it by name to run it)"] if why else []
         if reasons:
             skipped.append(f"{name}: {'; '.join(reasons)}")
             logger.debug("auto attention: skip %s (%s)", name, "; ".join(reasons))

@@ -24,6 +24,7 @@ INSTALL = (
 class SageVariant:
     label: str
     capabilities: Capabilities
+    verified_on: tuple[tuple[int, int], ...] = ()  # GPUs on which fastwan's GPU tests and benchmarks ran it
 
 
 SAGE_VARIANTS: dict[int, SageVariant] = {
@@ -36,6 +37,7 @@ SAGE_VARIANTS: dict[int, SageVariant] = {
             compute_capabilities=((8, 0), (8, 6), (8, 9), (9, 0)),
             packages=(("triton", "pip install triton"),),
         ),
+        verified_on=((9, 0),),
     ),
     2: SageVariant(
         "CUDA INT8 QK, fp8/fp16 PV",
@@ -75,6 +77,16 @@ class SageAttnBackend(AttentionBackend):
             if err:
                 reasons.append(f"sageattention is installed but does not import ({err})")
         return reasons
+
+    def unverified(self, device, head_dim=None) -> str | None:
+        device = torch.device(device)
+        major = kernels.sage_major()
+        if device.type != "cuda" or not torch.cuda.is_available() or major not in SAGE_VARIANTS:
+            return None
+        cc = tuple(torch.cuda.get_device_capability(device))
+        if cc in SAGE_VARIANTS[major].verified_on:
+            return None
+        return f"sageattention {major}.x has not been run by fastwan on sm{cc[0]}{cc[1]} (only against CPU fakes)"
 
     def kernel_name(self, device=None) -> str:
         major = kernels.sage_major()
