@@ -15,13 +15,13 @@ def main():
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     gen = VideoGenerator.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
                                          attention_backend=args.attention_backend)
     res = gen.generate_video(args.prompt, seed=args.seed)
-    print(f"{res.video_path}  ({res.attention_backend})")
+    print(f"{res.video_path}  (seed {res.seed}, {res.attention_backend})")
     print({k: round(v, 2) for k, v in res.timings.items()})
 
 

@@ -1,8 +1,20 @@
-"""The ``fastwan`` command: ``fastwan generate ...`` and ``fastwan env``."""
+"""The ``fastwan`` command: ``fastwan generate ...`` and ``fastwan env``.
+
+Errors: a user error (an exception in :data:`USER_ERRORS`) prints one line, ``fastwan: error: <message>`` (a
+multi-line message joined with '; ' by :func:`fastwan.errors.one_line`), on stderr and exits 2; any other
+exception is a bug and propagates with its traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+from fastwan.errors import UserError, one_line
+
+# The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
+USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
+USER_ERROR_EXIT = 2
 
 
 def _generate_parser(sub) -> None:
@@ -18,9 +30,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--guidance-scale-2", type=float, default=None, help="low-noise expert's scale (Wan2.2 A14B)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
     p.add_argument("--fps", type=int, default=None)
     p.add_argument("--output", default="outputs/", help="folder, or a path ending in .mp4")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing video at the output path")
     p.add_argument("--attention-backend", default=None,
                    help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN")
     p.add_argument("--attention-config", default=None, help="JSON file with the sparse backend's settings")
@@ -51,15 +64,34 @@ def _chunk_arg(text: str):
     return value
 
 
+def _dtype_name(args, device: str) -> str:
+    """--dtype, else bfloat16 on CUDA and float32 elsewhere. ``device`` is not parsed here: from_pretrained
+    reports a bad --device."""
+    if args.dtype is not None:
+        return args.dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def _check_output(args) -> None:
+    """The output destination's checks (:mod:`fastwan.pipelines.output`), before the model is loaded: a path
+    that cannot be written, or an existing file without --overwrite, fails at once. generate_video checks again."""
+    from fastwan.pipelines import output
+
+    output.prepare_output(output.check_output_path(args.output, args.overwrite))
+
+
 def _run_generate(args) -> int:
+    """Check the output destination, load the model, make one video, print where it is, the seed and the
+    timings."""
     import torch
 
     from fastwan import VideoGenerator
 
+    _check_output(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    dtype = getattr(torch, _dtype_name(args, device))
     gen = VideoGenerator.from_pretrained(
-        args.model, device=device, dtype=getattr(torch, dtype_name), attention_backend=args.attention_backend,
+        args.model, device=device, dtype=dtype, attention_backend=args.attention_backend,
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames,
@@ -68,10 +100,11 @@ def _run_generate(args) -> int:
         args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
         num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
-        return_frames=False,
+        overwrite=args.overwrite, return_frames=False,
     )
     t = res.timings
     print(f"video: {res.video_path}")
+    print(f"seed: {res.seed}")
     print(f"attention: {res.attention_backend}")
     print("time: text {:.2f}s, denoise {:.2f}s, decode {:.2f}s, total {:.2f}s".format(
         t["text_encoding"], t["denoising"], t["decoding"], t["total"]))
@@ -80,23 +113,33 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _run_env(argv: list[str]) -> int:
+    """``fastwan env ...`` (:mod:`fastwan.envinfo`)."""
+    from fastwan.envinfo import main as env_main
+
+    return env_main(argv)
+
+
+def _report_user_errors(run: Callable[[], int]) -> int:
+    """``run()``, with a user error (:data:`USER_ERRORS`) printed as one line on stderr and exit code 2."""
+    try:
+        return run()
+    except USER_ERRORS as exc:
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        return USER_ERROR_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "env":
-        from fastwan.envinfo import main as env_main
-
-        return env_main(argv[1:])
+        return _report_user_errors(lambda: _run_env(argv[1:]))
     parser = argparse.ArgumentParser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     sub.add_parser("env", help="device, versions and attention backends available here")
     args = parser.parse_args(argv)
     if args.command == "generate":
-        try:
-            return _run_generate(args)
-        except (ValueError, TypeError, FileNotFoundError) as exc:
-            print(f"fastwan: error: {exc}", file=sys.stderr)
-            return 2
+        return _report_user_errors(lambda: _run_generate(args))
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastwan import envs
+from fastwan.errors import InvalidArgument
 
 PACKAGES = (
     "flash-attn",
@@ -186,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         dtype = parse_dtype(args.dtype)
     except ValueError as exc:
         parser.error(str(exc))
-    info = collect(torch.device(args.device) if args.device else None, dtype, args.head_dim)
+    device = None
+    if args.device:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, TypeError):
+            raise InvalidArgument(
+                f"--device {args.device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'."
+            ) from None
+    info = collect(device, dtype, args.head_dim)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:

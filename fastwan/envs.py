@@ -9,6 +9,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+
 
 def _get(env: Mapping[str, str] | None, name: str) -> str | None:
     env = os.environ if env is None else env
@@ -23,7 +25,7 @@ def attention_backend(env: Mapping[str, str] | None = None) -> str | None:
     a = _get(env, "FASTVIDEO_ATTENTION_BACKEND")
     b = _get(env, "FASTWAN_ATTENTION_BACKEND")
     if a and b and a.upper() != b.upper():
-        raise ValueError(
+        raise InvalidArgument(
             f"FASTVIDEO_ATTENTION_BACKEND={a!r} and FASTWAN_ATTENTION_BACKEND={b!r} disagree; "
             "set only one of them (or set both to the same backend name)."
         )
@@ -43,7 +45,7 @@ def sdpa_kernel(env: Mapping[str, str] | None = None) -> str:
     """``FASTWAN_SDPA_KERNEL``: one of auto|flash|cudnn|efficient|math (default auto)."""
     value = (_get(env, "FASTWAN_SDPA_KERNEL") or "auto").lower()
     if value not in SDPA_KERNELS:
-        raise ValueError(
+        raise InvalidArgument(
             f"FASTWAN_SDPA_KERNEL={value!r} is not a PyTorch SDPA kernel; use one of {', '.join(SDPA_KERNELS)}."
         )
     return value
@@ -55,7 +57,9 @@ def flash_attn_version(env: Mapping[str, str] | None = None) -> int | None:
     if value is None:
         return None
     if value not in ("2", "3", "4"):
-        raise ValueError(f"FASTWAN_FLASH_ATTN_VERSION={value!r} must be 2, 3 or 4 (or unset for the best installed).")
+        raise InvalidArgument(
+            f"FASTWAN_FLASH_ATTN_VERSION={value!r} must be 2, 3 or 4 (or unset for the best installed)."
+        )
     return int(value)
 
 
@@ -67,7 +71,7 @@ def _flag(env: Mapping[str, str] | None, name: str) -> bool:
         return True
     if value.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off.")
+    raise InvalidArgument(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off.")
 
 
 def nvfp4_fa4(env: Mapping[str, str] | None = None) -> bool:
@@ -83,20 +87,28 @@ def cfg_gate_step(env: Mapping[str, str] | None = None) -> float | None:
     try:
         x = float(value)
     except ValueError:
-        raise ValueError(f"FASTVIDEO_CFG_GATE_STEP={value!r} is not a number; use a fraction in [0, 1].") from None
+        raise InvalidArgument(f"FASTVIDEO_CFG_GATE_STEP={value!r} is not a number; use a fraction in [0, 1].") from None
     validate_cfg_gate_step(x, source="FASTVIDEO_CFG_GATE_STEP")
     return x
 
 
 def validate_cfg_gate_step(x, source: str = "cfg_gate_step") -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{source}={x!r} must be a float in [0, 1] (1.0 = gating off).")
+        raise InvalidArgumentType(f"{source}={x!r} must be a float in [0, 1] (1.0 = gating off).")
     if not math.isfinite(x) or not 0.0 <= x <= 1.0:
-        raise ValueError(
+        raise InvalidArgument(
             f"{source}={x!r} is outside [0, 1]; it is the fraction of steps run with full CFG "
             "(e.g. 0.5 skips the uncond forward in the second half; 1.0 turns gating off)."
         )
     return float(x)
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """``FASTWAN_CACHE``, else ``$XDG_CACHE_HOME/fastwan``, else ``~/.cache/fastwan`` (``~`` expanded)."""
+    root = _get(env, "FASTWAN_CACHE")
+    if root is None:
+        root = os.path.join(_get(env, "XDG_CACHE_HOME") or os.path.join("~", ".cache"), "fastwan")
+    return os.path.expanduser(root)
 
 
 # Every variable read above, for `fastwan env` to show (values are printed as set, not parsed).
@@ -111,6 +123,8 @@ KNOWN_VARIABLES: tuple[str, ...] = (
     "FASTWAN_NVFP4_FA4",
     "FASTVIDEO_CFG_GATE_STEP",
     "FASTWAN_CFG_GATE_STEP",
+    "FASTWAN_CACHE",
+    "XDG_CACHE_HOME",
 )
 
 

@@ -25,12 +25,20 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint's files or metadata do not describe a model fastwan can load."""
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the call names or needs does not exist (a model folder, a checkpoint component, a shard)."""
+
+
 class OutputPathError(UserError, OSError):
     """The requested output destination cannot be written (raised before any compute)."""
 
 
 class OutputExistsError(OutputPathError, FileExistsError):
     """The output file exists and overwriting was not asked for."""
+
+
+class VideoWriteError(OutputPathError):
+    """The video encoder failed or wrote nothing (after compute); the destination was left unchanged."""
 
 
 def one_line(exc: BaseException) -> str:

@@ -6,18 +6,24 @@ Three variants, the same component layout as the published checkpoints:
 - ``wan2.2-a14b``: two experts (``transformer``, ``transformer_2``) and ``boundary_ratio`` in model_index.json;
 - ``wan2.2-ti2v``: 48-channel latents, the residual VAE (spatial factor 16) and ``expand_timesteps``.
 
-Weights are random (seeded), saved as safetensors. The tokenizer is a small Unigram model built in code,
-so nothing is downloaded.
+Weights are random (seeded), saved as safetensors (optionally sharded, with an index, as the published
+checkpoints are). The tokenizer is a small Unigram model built in code, so nothing is downloaded.
+:func:`write_hub_cache` lays a checkpoint folder out as the Hugging Face cache does, to load it by Hub id
+offline.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from fastwan.errors import InvalidArgument, MissingFileError
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
 TINY_IDS = {
@@ -55,10 +61,26 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: int = 0) -> Path:
-    """Write a tiny random checkpoint of ``variant`` (one of :data:`VARIANTS`) to ``path``; returns it."""
+def _check_variant(variant: str) -> None:
+    """Rule: a tiny variant is one of :data:`VARIANTS`."""
     if variant not in VARIANTS:
-        raise ValueError(f"tiny variant {variant!r} is unknown; use one of {', '.join(VARIANTS)}.")
+        raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of {', '.join(VARIANTS)}.")
+
+
+def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: int = 0,
+                          max_shard_size: int | None = None) -> Path:
+    """Write a tiny random checkpoint of ``variant`` (one of :data:`VARIANTS`) to ``path``; returns it.
+
+    ``max_shard_size`` (bytes): the transformer(s) and the text encoder are saved as safetensors shards of at
+    most this size plus a ``*.safetensors.index.json`` (the layout of the published checkpoints); None (the
+    default) saves each as one file. The weights are the same either way.
+    """
+    _check_variant(variant)
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
+                                       or max_shard_size <= 0):
+        raise InvalidArgument(f"max_shard_size={max_shard_size!r} must be a positive int (bytes) or None "
+                              "(one file per component), e.g. 40_000 splits the tiny models into a few shards.")
+    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -77,7 +99,7 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
     torch.manual_seed(seed)
     te = UMT5EncoderModel(te_cfg).eval()
     _randomize(te, seed + 1, std=0.5)
-    te.save_pretrained(path / "text_encoder", safe_serialization=True)
+    te.save_pretrained(path / "text_encoder", safe_serialization=True, **shard)
 
     experts = ["transformer", "transformer_2"] if variant == "wan2.2-a14b" else ["transformer"]
     for i, name in enumerate(experts):
@@ -87,7 +109,7 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
             qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
         )
         _randomize(dit, seed + 10 + i, std=0.1)
-        dit.save_pretrained(path / name, safe_serialization=True)
+        dit.save_pretrained(path / name, safe_serialization=True, **shard)
 
     if ti2v:
         vae = AutoencoderKLWan(
@@ -122,16 +144,14 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
 
 
 def tiny_cache_dir() -> Path:
-    root = os.environ.get("FASTWAN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fastwan"
-    )
-    return Path(root) / "tiny"
+    from fastwan import envs
+
+    return Path(envs.cache_dir()) / "tiny"
 
 
 def tiny_checkpoint(variant: str = "wan2.1") -> Path:
     """Path of a cached tiny checkpoint of ``variant``, written on first use (atomically)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"tiny variant {variant!r} is unknown; use one of {', '.join(VARIANTS)}.")
+    _check_variant(variant)
     final = tiny_cache_dir() / f"{variant}-v{_FORMAT}"
     if (final / "model_index.json").is_file():
         return final
@@ -147,3 +167,59 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# Files the Hub stores with Git LFS (their cache blob is named by the content's sha256; others by the git sha1).
+_LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".model")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_REF = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")  # a branch or tag name
+
+
+def _blob_name(rel: Path, data: bytes) -> str:
+    """The cache's blob name for a file: sha256 of the content for LFS files, else the git blob sha1."""
+    if rel.suffix in _LFS_SUFFIXES:
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def write_hub_cache(src: str | Path, cache_dir: str | Path, repo_id: str, *, revision: str | None = None,
+                    ref: str = "main") -> Path:
+    """Lay the files of folder ``src`` out as huggingface_hub's cache holds model ``repo_id``; the snapshot path.
+
+    The layout: ``<cache_dir>/models--<owner>--<name>/`` with ``blobs/<hash>`` (each distinct content once),
+    ``refs/<ref>`` (holding the commit hash, no newline) and ``snapshots/<revision>/<path>``, where every file
+    is a relative symlink into ``blobs/`` (``../../blobs/<hash>``, one more ``../`` per nested folder).
+    ``revision`` (40 hex digits) defaults to a hash of the file listing. With ``HF_HUB_CACHE=<cache_dir>`` and
+    ``HF_HUB_OFFLINE=1``, ``snapshot_download(repo_id)`` returns the snapshot.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise MissingFileError(f"src={str(src)!r} is not a folder; pass the checkpoint folder to lay out.")
+    if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id):
+        raise InvalidArgument(f"repo_id={repo_id!r} must be a Hub model id 'owner/name' (e.g. 'Wan-AI/tiny').")
+    if revision is not None and not (isinstance(revision, str) and _COMMIT.match(revision)):
+        raise InvalidArgument(f"revision={revision!r} must be a commit hash (40 lowercase hex digits) or None.")
+    if not isinstance(ref, str) or not _REF.match(ref) or ".." in ref:
+        raise InvalidArgument(f"ref={ref!r} must be a branch or tag name such as 'main'.")
+    storage = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    files = {p.relative_to(src): p.read_bytes() for p in sorted(src.rglob("*")) if p.is_file()}
+    blobs = {rel: _blob_name(rel, data) for rel, data in files.items()}
+    if revision is None:
+        listing = "".join(f"{rel.as_posix()} {blob}\n" for rel, blob in blobs.items())
+        revision = hashlib.sha1(listing.encode()).hexdigest()
+    snapshot = storage / "snapshots" / revision
+    for rel, data in files.items():
+        blob = storage / "blobs" / blobs[rel]
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.is_file():
+            blob.write_bytes(data)
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    ref_file = storage / "refs" / ref
+    ref_file.parent.mkdir(parents=True, exist_ok=True)
+    ref_file.write_text(revision)
+    return snapshot

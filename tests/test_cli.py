@@ -1,52 +1,172 @@
-"""The CLI makes an mp4 that imageio reads back with the right frame count and size."""
+"""The CLI: it makes an mp4 that imageio reads back; a user error is one line on stderr and exit code 2 (before
+any work), a bug keeps its traceback; its flags reach the generator."""
+import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import imageio.v3 as iio
 
+from fastwan import VideoGenerator, cli
 
-def test_cli_generate_writes_mp4(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTWAN_CACHE", str(tmp_path / "cache"))
+
+def test_cli_generate_writes_mp4(tmp_path):
     out = tmp_path / "clip.mp4"
     r = subprocess.run(
         [sys.executable, "-m", "fastwan.cli", "generate", "--prompt", "a red kite over a beach", "--height", "64",
          "--width", "96", "--num-frames", "9", "--steps", "2", "--output", str(out)],
         capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "FASTWAN_CACHE": str(tmp_path / "cache")},
+        env={**os.environ, "FASTWAN_CACHE": str(tmp_path / "cache")},
     )
     assert r.returncode == 0, r.stderr
-    assert out.is_file()
+    assert f"video: {out}" in r.stdout.splitlines()
+    assert re.search(r"^seed: \d+$", r.stdout, re.M), r.stdout  # no --seed: a random one, printed
     frames = iio.imread(out)
     assert frames.shape == (9, 64, 96, 3)
 
 
-def test_cli_bad_input_is_a_clean_error(tmp_path):
-    out = tmp_path / "x.mp4"
-    r = subprocess.run([sys.executable, "-m", "fastwan.cli", "generate", "--prompt", "x", "--num-frames", "8",
-                        "--output", str(out)], capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "FASTWAN_CACHE": str(tmp_path / "cache")})
-    assert r.returncode == 2
-    assert "num_frames=8" in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+def assert_one_error_line(err: str, words, case) -> None:
+    """stderr is exactly one line, 'fastwan: error: ...', holding each of ``words``, and no traceback."""
+    assert err.endswith("\n") and err.count("\n") == 1, (case, err)
+    assert err.startswith("fastwan: error: ") and "Traceback" not in err, (case, err)
+    for w in words:
+        assert w in err, (case, w, err)
+
+
+def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
+    """Each kind of user error, through the real loading and generation code."""
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("not a folder")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"kernel_size": [3, 3, 3],}')
+    existing = tmp_path / "existing.mp4"
+    existing.write_bytes(b"an earlier video")
+    out = tmp_path / "out"
+    base = ["generate", "--prompt", "a kite", "--model", str(tiny_ckpts["wan2.1"]), "--height", "64", "--width",
+            "64", "--num-frames", "5", "--steps", "1", "--device", "cpu", "--output", str(out)]
+    cases = [  # (extra args, which win over base; words the message must hold): all before the model loads
+        (["--attention-backend", "FLASH_ATTN"], ["FLASH_ATTN"]),  # a multi-line BackendUnavailableError
+        (["--attention-config", str(tmp_path / "missing.json")], ["missing.json", "does not exist"]),
+        (["--attention-backend", "NEIGHBORHOOD_ATTN", "--attention-config", str(bad_json)], ["not valid JSON"]),
+        (["--model", str(tmp_path / "no_such_model")], ["no_such_model"]),
+        (["--model", str(a_file)], ["a_file.txt", "is a file"]),
+        (["--device", "nonsense"], ["device='nonsense'"]),
+        (["--output", str(a_file / "clip.mp4")], [str(a_file)]),
+        (["--output", str(existing)], [str(existing), "--overwrite"]),
+    ]
+    for extra, words in cases:
+        capsys.readouterr()
+        assert cli.main(base + extra) == 2, extra
+        assert_one_error_line(capsys.readouterr().err, words, extra)
+    assert sorted(tmp_path.rglob("*.mp4")) == [existing] and existing.read_bytes() == b"an earlier video"
+    # a setting checked against the loaded model: after the loading progress bars, the one error line
+    assert cli.main(base + ["--num-frames", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n") and [ln for ln in err.split("\n") if "error" in ln] == [
+        "fastwan: error: num_frames=8 is not 4k+1 (the VAE compresses time by 4); use 5 or 9."], err
+
+
+class FakeGenerator:
+    """Stands in for VideoGenerator: records generate_video's kwargs, then raises or returns ``outcome``."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+        self.kwargs = None
+
+    def generate_video(self, prompt, **kwargs):
+        self.kwargs = kwargs
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def fake_generator(monkeypatch, outcome) -> FakeGenerator:
+    fake = FakeGenerator(outcome)
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", lambda model, **kw: fake)
+    return fake
+
+
+def test_user_errors_print_one_line_and_bugs_keep_their_traceback(monkeypatch, capsys):
+    from fastwan.errors import InvalidArgument, OutputExistsError, OutputPathError
+
+    argv = ["generate", "--prompt", "x"]
+    for exc, line in (
+        (OutputPathError("output folder /o cannot be created\n  - /o is a file"),
+         "output folder /o cannot be created; /o is a file"),
+        (OutputExistsError("output file /o/v.mp4 exists;\npass --overwrite to replace it"),
+         "output file /o/v.mp4 exists;; pass --overwrite to replace it"),
+        (InvalidArgument("steps=0 must be >= 1\n\n  use 50"), "steps=0 must be >= 1; use 50"),
+    ):
+        fake_generator(monkeypatch, exc)
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err == f"fastwan: error: {line}\n"
+    for bug in (ZeroDivisionError("division by zero"), RuntimeError("CUDA error: an illegal memory access\nat"),
+                KeyError("weight"), OSError(28, "No space left on device")):
+        fake_generator(monkeypatch, bug)
+        with pytest.raises(type(bug)) as info:
+            cli.main(argv)
+        assert info.value is bug
+
+
+def test_env_errors_are_reported_the_same_way(monkeypatch, capsys):
+    from fastwan import envinfo
+    from fastwan.errors import InvalidArgument
+
+    def bad_device(*a, **k):
+        raise InvalidArgument("device='nonsense' is not a torch device;\nuse 'cpu' or 'cuda:0'")
+
+    monkeypatch.setattr(envinfo, "collect", bad_device)
+    capsys.readouterr()
+    assert cli.main(["env", "--json"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ["device='nonsense'", "; use 'cpu'"], "env")
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(envinfo, "collect", bug)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["env", "--json"])
+
+
+def test_seed_and_overwrite_reach_the_generator(monkeypatch, capsys):
+    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1234, attention_backend="TORCH_SDPA", peak_memory=None,
+                             timings={"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6})
+    fake = fake_generator(monkeypatch, result)
+    capsys.readouterr()
+    assert cli.main(["generate", "--prompt", "x"]) == 0
+    assert fake.kwargs["seed"] is None and fake.kwargs["overwrite"] is False  # defaults: random seed, no overwrite
+    lines = capsys.readouterr().out.splitlines()
+    assert "video: outputs/v.mp4" in lines and "seed: 1234" in lines  # the seed used, as the generator reports it
+    assert cli.main(["generate", "--prompt", "x", "--seed", "7", "--overwrite"]) == 0
+    assert fake.kwargs["seed"] == 7 and fake.kwargs["overwrite"] is True
 
 
 def test_cli_vae_tiling_reaches_the_generator(monkeypatch):
-    from fastwan import VideoGenerator, cli
+    class Stop(Exception):
+        pass
 
     seen = {}
 
     def fake_from_pretrained(model, **kw):
         seen.update(kw)
-        raise ValueError("stop here")  # the CLI turns it into a clean error (exit 2)
+        raise Stop  # the arguments are all this test needs
 
     monkeypatch.setattr(VideoGenerator, "from_pretrained", fake_from_pretrained)
-    assert cli.main(["generate", "--prompt", "x", "--vae-tiling"]) == 2
+
+    def run(*extra):
+        with pytest.raises(Stop):
+            cli.main(["generate", "--prompt", "x", *extra])
+
+    run("--vae-tiling")
     assert seen["vae_tiling"] is True
-    assert cli.main(["generate", "--prompt", "x"]) == 2 and seen["vae_tiling"] is False
-    assert seen["vae_chunk_frames"] == "auto"
-    assert cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", "3"]) == 2 and seen["vae_chunk_frames"] == 3
+    run()
+    assert seen["vae_tiling"] is False and seen["vae_chunk_frames"] == "auto"
+    run("--vae-chunk-frames", "3")
+    assert seen["vae_chunk_frames"] == 3
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan import envs
 from fastwan.attention import kernels
 from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
@@ -123,7 +124,7 @@ class FlashAttnBackend(AttentionBackend):
             if isinstance(version, str) and version.strip() in ("2", "3", "4"):
                 version = int(version)
             if version not in VARIANTS or isinstance(version, bool):
-                raise ValueError(
+                raise InvalidArgument(
                     f"FLASH_ATTN version={version!r} is not 2, 3 or 4; leave it unset to use the best installed."
                 )
         self.version: int | None = version
@@ -132,14 +133,15 @@ class FlashAttnBackend(AttentionBackend):
         if isinstance(fa4_tile_m, str) and fa4_tile_m.strip().isdigit():
             fa4_tile_m = int(fa4_tile_m)
         if fa4_tile_m != "auto" and (isinstance(fa4_tile_m, bool) or fa4_tile_m not in kernels.FA4_SM90_TILES):
-            raise ValueError(
+            raise InvalidArgument(
                 f"FLASH_ATTN fa4_tile_m={fa4_tile_m!r} must be 'auto' or one of {sorted(kernels.FA4_SM90_TILES)} "
                 "(FA4's query tile on sm90 for head dim 128); leave it 'auto' to pick by shape."
             )
         self.fa4_tile_m: int | str = fa4_tile_m
         if not isinstance(fa4_split, bool):
-            raise TypeError(f"FLASH_ATTN fa4_split={fa4_split!r} must be True or False (with fa4_tile_m='auto', "
-                            "whether FA4's sm90 forward may cover the query in two launches of whole waves).")
+            raise InvalidArgumentType(
+                f"FLASH_ATTN fa4_split={fa4_split!r} must be True or False (with fa4_tile_m='auto', "
+                "whether FA4's sm90 forward may cover the query in two launches of whole waves).")
         self.fa4_split: bool = fa4_split
         self._sms: dict[int, int] = {}  # CUDA device index -> SM count, for sm90 devices (read when selecting)
 

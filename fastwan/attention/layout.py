@@ -27,6 +27,8 @@ from itertools import product
 
 import torch
 
+from fastwan.errors import InvalidArgument
+
 Triple = tuple[int, int, int]
 
 # Tiles ``choose_tile`` considers: at most this many frames, and h/w between these bounds (tokens).
@@ -44,13 +46,13 @@ def _as_triple(value, name: str, *, allow_scalar: bool = True) -> Triple:
         or len(value) != 3
         or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
     ):
-        raise ValueError(
+        raise InvalidArgument(
             f"{name}={value!r} must be three integers (T, H, W)"
             + (" or one integer for all three" if allow_scalar else "")
             + "; e.g. [2, 8, 8]."
         )
     if any(x < 1 for x in value):
-        raise ValueError(f"{name}={list(value)!r}: every entry must be >= 1.")
+        raise InvalidArgument(f"{name}={list(value)!r}: every entry must be >= 1.")
     return (int(value[0]), int(value[1]), int(value[2]))
 
 
@@ -79,7 +81,7 @@ def choose_tile(grid: Sequence[int], block_size: int = 128) -> Triple:
         if best is None or key < best:
             best = key
     if best is None:  # unreachable for block_size >= 16; keep the error explicit anyway
-        raise ValueError(f"no tile of at most {block_size} tokens fits grid {grid}; give tile= explicitly.")
+        raise InvalidArgument(f"no tile of at most {block_size} tokens fits grid {grid}; give tile= explicitly.")
     return best[3]
 
 
@@ -115,7 +117,7 @@ class TokenLayout:
         if block_size is None:
             block_size = default_block_size(self.tile)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < self.tile_tokens:
-            raise ValueError(
+            raise InvalidArgument(
                 f"block_size={block_size!r} must be an integer >= the tile's token count "
                 f"{self.tile_tokens} (tile {list(self.tile)}); leave it unset for the default "
                 f"{default_block_size(self.tile)}."

@@ -19,7 +19,7 @@ import torch
 
 from fastwan import envs
 from fastwan.attention.base import AttentionBackend
-from fastwan.errors import UserError
+from fastwan.errors import InvalidArgument, InvalidArgumentType, UserError
 
 logger = logging.getLogger("fastwan.attention")
 
@@ -48,10 +48,12 @@ def backend_names() -> list[str]:
 
 def _check_name(name: str, source: str) -> str:
     if not isinstance(name, str):
-        raise TypeError(f"{source}={name!r} must be a backend name string; valid names: {', '.join(BACKENDS)}.")
+        raise InvalidArgumentType(
+            f"{source}={name!r} must be a backend name string; valid names: {', '.join(BACKENDS)}."
+        )
     key = name.strip().upper()
     if key not in BACKENDS:
-        raise ValueError(
+        raise InvalidArgument(
             f"Unknown attention backend {name!r} (from {source}); valid names: {', '.join(BACKENDS)}."
         )
     return key
@@ -131,7 +133,7 @@ def resolve_backend(
         logger.info("attention backend %s (%s), requested by %s", backend.name, backend.kernel_name(device), source)
         return backend
     if config:
-        raise ValueError(
+        raise InvalidArgument(
             f"an attention config was given ({sorted(config)}) but no attention backend was named; name the "
             "backend it is for (attention_backend= or FASTVIDEO_ATTENTION_BACKEND), e.g. SLIDING_TILE_ATTN."
         )

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fastwan.errors import InvalidArgument
 from fastwan import envs
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
@@ -78,7 +79,7 @@ class TorchSDPABackend(AttentionBackend):
     def __init__(self, kernel: str | None = None):
         kernel = (kernel or envs.sdpa_kernel()).lower()
         if kernel not in envs.SDPA_KERNELS:
-            raise ValueError(f"SDPA kernel {kernel!r} is unknown; use one of {', '.join(envs.SDPA_KERNELS)}.")
+            raise InvalidArgument(f"SDPA kernel {kernel!r} is unknown; use one of {', '.join(envs.SDPA_KERNELS)}.")
         self.kernel = kernel
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):

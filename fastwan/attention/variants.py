@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastwan.errors import InvalidArgument
 from fastwan.attention.registry import BACKENDS, create_backend
 
 # Per backend: extra variants (label suffix, config) beyond the default configuration.
@@ -61,7 +62,7 @@ def backend_specs(names: Iterable[str] | None = None, *, variants: bool = False)
         elif key in BACKENDS:
             wanted.append(key)
         else:
-            raise ValueError(f"Unknown attention backend {n!r}; valid names: {', '.join(BACKENDS)} or 'all'.")
+            raise InvalidArgument(f"Unknown attention backend {n!r}; valid names: {', '.join(BACKENDS)} or 'all'.")
     specs: list[BackendSpec] = []
     for name in dict.fromkeys(wanted):
         if name == "TORCH_SDPA":

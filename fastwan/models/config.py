@@ -1,32 +1,104 @@
-"""One dataclass config for the Wan DiT, read from a Diffusers ``transformer/config.json``."""
+"""One dataclass config for the Wan DiT, read from a Diffusers ``transformer/config.json`` and checked.
+
+Each field carries the rule its config.json value must meet (:class:`Rule`, in the field's metadata);
+:meth:`WanConfig.from_dict` checks every field present against its rule, then the rules that tie fields
+together, and raises :class:`~fastwan.errors.CheckpointError` naming the file, the key, the value, the rule
+and the fix. A key that is absent takes the Diffusers default.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from fastwan.errors import CheckpointError
+from fastwan.models.loading import json_text, read_json
+
 WAN_CLASS_NAMES = ("WanTransformer3DModel",)
+QK_NORMS = ("rms_norm_across_heads",)
+
+
+def _is_int(value: object) -> bool:
+    """A JSON integer: an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: object) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _positive_even_int(value: object) -> bool:
+    return _positive_int(value) and value % 2 == 0
+
+
+def _patch_size(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_int(v) for v in value)
+
+
+def _positive_finite(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _qk_norm(value: object) -> bool:
+    return isinstance(value, str) and value in QK_NORMS
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a config.json value must be: ``test(value)`` is true for a valid value, ``text`` states the rule.
+
+    ``nullable``: JSON null is valid too (the field is unset).
+    """
+
+    test: Callable[[object], bool]
+    text: str
+    nullable: bool = False
+
+    def accepts(self, value: object) -> bool:
+        return (value is None and self.nullable) or self.test(value)
+
+
+POSITIVE_INT = Rule(_positive_int, "a positive integer (a JSON number without a fraction, not a string or boolean)")
+# the sinusoidal time embedding and RoPE both work on channel pairs
+EVEN_INT = Rule(_positive_even_int, "a positive even integer (it is split into channel pairs)")
+OPTIONAL_INT = Rule(_positive_int, "a positive integer or null", nullable=True)
+PATCH = Rule(_patch_size, "a list of 3 positive integers [t, h, w]")
+BOOL = Rule(_is_bool, "true or false (a JSON boolean, not a string or number)")
+EPS = Rule(_positive_finite, "a finite positive number (a JSON number, not a string)")
+QK_NORM = Rule(_qk_norm, f"one of {', '.join(json_text(n) for n in QK_NORMS)} (the q/k normalisation Wan uses)")
+
+
+def _field(default: object, rule: Rule):
+    """A dataclass field with its default (the Diffusers default) and the rule its value must meet."""
+    return field(default=default, metadata={"rule": rule})
 
 
 @dataclass(frozen=True)
 class WanConfig:
     """Hyper-parameters of ``WanTransformer3DModel`` (the Diffusers names and defaults)."""
 
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    num_attention_heads: int = 40
-    attention_head_dim: int = 128
-    in_channels: int = 16
-    out_channels: int = 16
-    text_dim: int = 4096
-    freq_dim: int = 256
-    ffn_dim: int = 13824
-    num_layers: int = 40
-    cross_attn_norm: bool = True
-    qk_norm: str | None = "rms_norm_across_heads"
-    eps: float = 1e-6
-    image_dim: int | None = None
-    added_kv_proj_dim: int | None = None
-    rope_max_seq_len: int = 1024
-    pos_embed_seq_len: int | None = None
+    patch_size: tuple[int, int, int] = _field((1, 2, 2), PATCH)
+    num_attention_heads: int = _field(40, POSITIVE_INT)
+    attention_head_dim: int = _field(128, EVEN_INT)
+    in_channels: int = _field(16, POSITIVE_INT)
+    out_channels: int | None = _field(16, OPTIONAL_INT)  # null: the same as in_channels (as in Diffusers)
+    text_dim: int = _field(4096, POSITIVE_INT)
+    freq_dim: int = _field(256, EVEN_INT)
+    ffn_dim: int = _field(13824, POSITIVE_INT)
+    num_layers: int = _field(40, POSITIVE_INT)
+    cross_attn_norm: bool = _field(True, BOOL)
+    qk_norm: str = _field("rms_norm_across_heads", QK_NORM)
+    eps: float = _field(1e-6, EPS)
+    image_dim: int | None = _field(None, OPTIONAL_INT)
+    added_kv_proj_dim: int | None = _field(None, OPTIONAL_INT)
+    rope_max_seq_len: int = _field(1024, POSITIVE_INT)
+    pos_embed_seq_len: int | None = _field(None, OPTIONAL_INT)
 
     @property
     def inner_dim(self) -> int:
@@ -34,32 +106,62 @@ class WanConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> WanConfig:
-        name = raw.get("_class_name")
-        if name not in WAN_CLASS_NAMES:
-            raise ValueError(
-                f"{source} describes {name!r}, not a Wan DiT (expected _class_name in {WAN_CLASS_NAMES}). "
-                "Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers layout."
-            )
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in known}
+        """The config a Diffusers ``config.json`` (``raw``, read from ``source``) describes, checked first."""
+        _check_class_name(raw, source)
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in raw:
+                _check_value(source, f.name, raw[f.name], f.metadata["rule"], f.default)
+                kwargs[f.name] = raw[f.name]
         if "patch_size" in kwargs:
             kwargs["patch_size"] = tuple(kwargs["patch_size"])
+        if "eps" in kwargs:
+            kwargs["eps"] = float(kwargs["eps"])
+        if "out_channels" in kwargs and kwargs["out_channels"] is None:
+            kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
         cfg = cls(**kwargs)
-        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
-            raise ValueError(
-                f"{source} is an image-to-video Wan DiT (image_dim={cfg.image_dim}, "
-                f"added_kv_proj_dim={cfg.added_kv_proj_dim}); fastwan runs text-to-video checkpoints "
-                "(Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B in text mode)."
-            )
-        if cfg.qk_norm not in ("rms_norm_across_heads",):
-            raise ValueError(f"{source}: qk_norm={cfg.qk_norm!r} is not supported (Wan uses 'rms_norm_across_heads').")
-        if len(cfg.patch_size) != 3:
-            raise ValueError(f"{source}: patch_size={cfg.patch_size!r} must have 3 entries (t, h, w).")
+        _check_text_to_video(cfg, source)
         return cfg
 
     @classmethod
     def from_file(cls, path: str | Path) -> WanConfig:
-        from fastwan.models.loading import read_json
-
         raw = read_json(path, missing="a Diffusers Wan transformer folder needs config.json.")
         return cls.from_dict(raw, source=str(path))
+
+
+def _check_class_name(raw: dict, source: str) -> None:
+    """Rule: ``_class_name`` names the Wan DiT class."""
+    name = raw.get("_class_name")
+    if not (isinstance(name, str) and name in WAN_CLASS_NAMES):
+        raise CheckpointError(
+            f"{source}: \"_class_name\": {json_text(name)} describes a model that is not a Wan DiT (expected "
+            f"_class_name in {WAN_CLASS_NAMES}). Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers "
+            "layout."
+        )
+
+
+def _check_value(source: str, key: str, value: object, rule: Rule, default: object) -> None:
+    """Raise a CheckpointError naming the file, key, value, rule and fix unless ``rule`` accepts ``value``."""
+    if rule.accepts(value):
+        return
+    raise CheckpointError(
+        f"{source}: \"{key}\": {json_text(value)} is invalid; {key} must be {rule.text}. Fix config.json (the "
+        f"Diffusers default is \"{key}\": {json_text(list(default) if isinstance(default, tuple) else default)}) "
+        "or download the checkpoint again."
+    )
+
+
+def _check_text_to_video(cfg: WanConfig, source: str) -> None:
+    """Rules for a text-to-video DiT: no image conditioning, and it predicts a latent of the shape it reads."""
+    if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
+        raise CheckpointError(
+            f"{source} is an image-to-video Wan DiT (\"image_dim\": {json_text(cfg.image_dim)}, "
+            f"\"added_kv_proj_dim\": {json_text(cfg.added_kv_proj_dim)}); fastwan runs text-to-video checkpoints "
+            "(Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B in text mode); image-to-video is not supported yet."
+        )
+    if cfg.out_channels != cfg.in_channels:
+        raise CheckpointError(
+            f"{source}: \"in_channels\": {cfg.in_channels} and \"out_channels\": {cfg.out_channels} differ; a "
+            "text-to-video Wan DiT predicts a latent with the channels it reads (more input channels mean an "
+            "image-to-video DiT, which fastwan does not support yet). Use a text-to-video checkpoint."
+        )

@@ -3,30 +3,133 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import torch
 from safetensors import safe_open
+
+from fastwan.errors import CheckpointError, MissingFileError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def read_json(path: str | Path, *, missing: str) -> dict:
-    """A checkpoint's JSON file as a dict; FileNotFoundError (with ``missing`` as the hint) or ValueError."""
+    """A checkpoint's JSON file as a dict; MissingFileError (with ``missing`` as the hint) or CheckpointError."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {missing}")
+        raise MissingFileError(f"{path} is missing: {missing}")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); re-download the checkpoint.") from None
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-download the checkpoint.") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}; re-download the checkpoint.")
+        raise CheckpointError(
+            f"{path} must hold a JSON object, got a JSON {json_type(raw)}; re-download the checkpoint."
+        )
     return raw
 
 
+def json_text(value: object) -> str:
+    """``value`` as it is written in a JSON file (its repr when it is not JSON data)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def json_type(value: object) -> str:
+    """The JSON type name of a value read from a JSON file ('number', 'string', 'array', 'null', ...)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names = {str: "string", list: "array", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
 def _index_files(folder: Path) -> list[Path]:
+    """The folder's shard indexes (the first, by name, is the one read)."""
     return sorted(folder.glob("*.safetensors.index.json"))
+
+
+def plain_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a plain file name (None when it is).
+
+    Rule: a plain file name is a non-empty string without a path separator ('/' or '\\'), a NUL byte or a
+    drive ('C:'), and is not '.' or '..'. Weight files are addressed by such a name inside their component
+    folder; where the folder entry (a symlink in the Hugging Face cache) points is not judged.
+    """
+    if not isinstance(name, str):
+        return f"it is a JSON {json_type(name)}, not a string"
+    if not name:
+        return "it is empty"
+    if "/" in name or "\\" in name:
+        return "it contains a path separator (it is a path, not a file name; it may point outside the folder)"
+    if "\0" in name:
+        return "it contains a NUL byte"
+    if name in (".", ".."):
+        return "it names a folder ('.' or '..'), not a file"
+    if PureWindowsPath(name).drive:
+        return "it names a drive (it may point outside the folder)"
+    return None
+
+
+def _component_file(folder: Path, name: str, named_by: Path | None = None) -> Path:
+    """``folder / name``, checked to be a file (a symlink is followed wherever it points)."""
+    path = folder / name
+    if not path.is_file():
+        what = "a broken link" if path.is_symlink() else ("not a file" if path.exists() else "missing")
+        where = f"{named_by} names weight file {name!r}, which is {what} in {folder}"
+        if named_by is None:
+            where = f"{path} is {what}"
+        raise MissingFileError(f"{where}; the download is incomplete: download the checkpoint again.")
+    return path
+
+
+def _shard_files(folder: Path, index: Path) -> list[Path]:
+    """The shards ``index`` lists: each entry must be a plain file name inside ``folder`` (see
+    :func:`plain_name_problem`), and each shard must exist."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except OSError as exc:
+        raise MissingFileError(
+            f"{index} cannot be read ({exc}); the download is incomplete: download the checkpoint again."
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{index} is not a valid shard index ({type(exc).__name__}: {exc}); it needs a \"weight_map\" object "
+            "of tensor name -> shard file name. Re-download the checkpoint."
+        ) from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index}: \"weight_map\" is {json_text(weight_map)[:80]}, but it must be a non-empty object of "
+            "tensor name -> shard file name. Re-download the checkpoint."
+        )
+    for key, name in weight_map.items():
+        problem = plain_name_problem(name)
+        if problem is not None:
+            raise CheckpointError(
+                f"{index}: weight_map entry {key!r} names shard {json_text(name)}, which is not a plain file name "
+                f"({problem}); a shard index may only name files in its own folder {folder} (outside files are "
+                "refused). The index is corrupt or was tampered with: download the checkpoint again."
+            )
+    return [_component_file(folder, name, index) for name in sorted(set(weight_map.values()))]
+
+
+def _pickle_files(folder: Path, *, allow_pickle: bool) -> list[Path]:
+    """A folder's pickle weight files when ``allow_pickle``; otherwise an error naming them (or no weights)."""
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and allow_pickle:
+        return [_component_file(folder, name) for name in pickles]
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds only pickle weights ({', '.join(pickles)}); fastwan loads safetensors only, "
+            "because unpickling can run arbitrary code. Convert them to safetensors, or pass "
+            "allow_pickle=True if you trust the source."
+        )
+    raise MissingFileError(
+        f"{folder} has no *.safetensors weights (nor a *.safetensors.index.json); download the checkpoint again."
+    )
 
 
 def _check_safetensors_header(path: Path) -> None:
@@ -41,11 +144,13 @@ def _check_safetensors_header(path: Path) -> None:
             if n <= 0 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit in a {size}-byte file")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {json_type(header)}, not an object")
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
         if 8 + n + end > size:
             raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size} bytes")
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(
+    except (ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
             f"{path} is not a valid safetensors file ({exc}); it is truncated or corrupt. "
             "Delete it and download the checkpoint again."
         ) from None
@@ -54,47 +159,24 @@ def _check_safetensors_header(path: Path) -> None:
 def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path]:
     """The safetensors files holding a component's weights (validated), in a deterministic order.
 
-    Accepts one ``*.safetensors`` file, or shards listed by a ``*.safetensors.index.json`` whose
-    ``weight_map`` names files inside ``folder``. Pickle checkpoints are refused unless ``allow_pickle``.
+    Accepts one or more ``*.safetensors`` files, or the shards listed by a ``*.safetensors.index.json``.
+    Files are addressed by their name inside ``folder`` (index entries must be plain file names) and the
+    returned paths keep that name; a folder entry that is a symlink is followed wherever it points, as in
+    the Hugging Face cache, whose snapshot files link into ``../../blobs/``. Pickle checkpoints are refused
+    unless ``allow_pickle``.
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} does not exist or is not a folder.")
+        raise MissingFileError(f"{folder} does not exist or is not a folder; download the checkpoint again.")
     indexes = _index_files(folder)
     if indexes:
-        index = indexes[0]
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a valid shard index ({exc}); re-download the checkpoint.") from None
-        root = folder.resolve()
-        files = []
-        for name in sorted(set(weight_map.values())):
-            target = (folder / name).resolve()
-            if Path(name).is_absolute() or target.parent != root:
-                raise ValueError(
-                    f"{index} names shard {name!r}, which is outside {folder}; shard indexes may only name "
-                    "files in their own folder. The index is corrupt or malicious: re-download it."
-                )
-            if not target.is_file():
-                raise FileNotFoundError(f"{index} names shard {name!r}, which is missing from {folder}.")
-            files.append(target)
+        files = _shard_files(folder, indexes[0])
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = [_component_file(folder, p.name) for p in sorted(folder.glob("*.safetensors"))]
     if not files:
-        pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
-        if pickles and allow_pickle:
-            return sorted(folder / p for p in pickles)
-        if pickles:
-            raise ValueError(
-                f"{folder} holds only pickle weights ({', '.join(sorted(pickles))}); fastwan loads safetensors only, "
-                "because unpickling can run arbitrary code. Convert them to safetensors, or pass "
-                "allow_pickle=True if you trust the source."
-            )
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights (nor a *.safetensors.index.json).")
+        return _pickle_files(folder, allow_pickle=allow_pickle)
     for f in files:
-        if f.suffix == ".safetensors":
-            _check_safetensors_header(f)
+        _check_safetensors_header(f)
     return files
 
 
@@ -119,8 +201,8 @@ class CheckpointTensors:
                 names = list(loaded)
             for key in names:
                 if key in self.where:
-                    raise ValueError(f"tensor {key!r} appears in more than one shard ({self.where[key]}, {f}); "
-                                     "the checkpoint is inconsistent: re-download it.")
+                    raise CheckpointError(f"tensor {key!r} appears in more than one shard ({self.where[key]}, {f}); "
+                                          "the checkpoint is inconsistent: re-download it.")
                 self.where[key] = f
 
     def keys(self) -> list[str]:
@@ -157,7 +239,7 @@ def load_into(
         def show(xs):
             return ", ".join(xs[:8]) + (f" ... (+{len(xs) - 8})" if len(xs) > 8 else "")
 
-        raise ValueError(
+        raise CheckpointError(
             f"{source} does not match the Wan DiT described by its config: "
             + (f"missing {len(missing)} tensors [{show(missing)}]" if missing else "")
             + ("; " if missing and unexpected else "")
@@ -168,7 +250,7 @@ def load_into(
     cast = {}
     for k, v in state.items():
         if v.shape != shapes[k]:
-            raise ValueError(
+            raise CheckpointError(
                 f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(shapes[k])}."
             )
         target = torch.float32 if keep_fp32(k) else dtype

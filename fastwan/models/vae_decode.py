@@ -15,11 +15,20 @@ convolution kernels pick for the larger batch. The temporal upsampler's special 
 cached frame) also covers a chunk of several frames: each frame sees the same zero-padded window as before.
 
 It also collects the chunks' outputs and concatenates them once (diffusers concatenates the growing output with
-each new chunk: quadratic in the frame count).
+each new chunk: quadratic in the frame count), and shows a progress bar over the decoder calls ("decoding").
+
+:func:`vae_tiling_kwargs` checks the ``vae_tiling`` option against the VAE's config before anything is loaded.
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
 import torch
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 # decode_latents(chunk="auto"): latent frames per call such that a call's output holds at most this many
 # pixel-frames (frames x height x width). Two latent frames at 480x832 = 8 output frames (3.2M).
@@ -38,8 +47,8 @@ def check_chunk(chunk) -> None:
     if chunk == "auto":
         return
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"vae_chunk_frames={chunk!r} must be 'auto' or an int >= 1 (latent frames per VAE decoder "
-                         "call after the first; 1 is diffusers' frame-by-frame decode).")
+        raise InvalidArgument(f"vae_chunk_frames={chunk!r} must be 'auto' or an int >= 1 (latent frames per VAE "
+                              "decoder call after the first; 1 is diffusers' frame-by-frame decode).")
 
 
 @torch.no_grad()
@@ -49,8 +58,11 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
     vae: diffusers ``AutoencoderKLWan`` (any of its decoders; fastwan's module swaps optional).
     z: [B, z_dim, F, h, w] latents, already de-normalised (what ``vae.decode`` takes).
     Returns [B, 3, T, H, W] in [-1, 1], what ``vae.decode(z, return_dict=False)[0]`` returns. With spatial tiling
-    enabled and a latent larger than a tile, this is ``vae.decode`` itself (its tiled path).
+    enabled and a latent larger than a tile, this is ``vae.decode`` itself (its tiled path, one call, no progress
+    bar); otherwise a progress bar ("decoding", cleared when done) counts the decoder calls.
     """
+    from tqdm.auto import tqdm
+
     check_chunk(chunk)
     if z.dim() != 5:
         raise ValueError(f"latents of shape {tuple(z.shape)} must be [B, C, F, h, w].")
@@ -66,7 +78,7 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
         x = vae.post_quant_conv(z)
         outs = []
         starts = [0] + list(range(1, num_frames, chunk))
-        for i, start in enumerate(starts):
+        for i, start in enumerate(tqdm(starts, desc="decoding", unit="call", leave=False)):
             stop = 1 if i == 0 else min(start + chunk, num_frames)
             vae._conv_idx = [0]
             outs.append(vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
@@ -82,3 +94,59 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
         vae.clear_cache()
 
 
+
+
+def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto") -> np.ndarray:
+    """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3]."""
+    c = vae.config
+    z = latents.to(vae.dtype)
+    mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    z = z / (1.0 / std) + mean
+    video = decode_latents(vae, z, chunk)  # [1, 3, T, H, W] in [-1, 1]
+    video = (video[0] / 2 + 0.5).clamp(0, 1).float()
+    return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+
+
+def vae_scale_factors(vae) -> tuple[int, int]:
+    """(temporal, spatial) latent compression of ``vae`` (from its config)."""
+    c = vae.config
+    t = getattr(c, "scale_factor_temporal", None) or 2 ** sum(c.temperal_downsample)
+    s = getattr(c, "scale_factor_spatial", None) or 2 ** len(c.temperal_downsample)
+    return int(t), int(s)
+
+
+VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
+                   "tile_sample_stride_width")
+VAE_TILING_DEFAULTS = (256, 192)  # AutoencoderKLWan's tile_sample_min_* and tile_sample_stride_* (pixels)
+
+
+def vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
+    """vae_tiling (False / True / dict of tile sizes) -> enable_tiling kwargs, or None for no tiling. Checked
+    against the VAE's config.json before anything is loaded."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentType(
+            f"vae_tiling={value!r} must be True, False or a dict with keys among {VAE_TILING_KEYS}."
+        )
+    unknown = sorted(set(value) - set(VAE_TILING_KEYS))
+    if unknown:
+        raise InvalidArgument(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
+    from fastwan.models.loading import read_json
+
+    c = read_json(vae_folder / "config.json", missing="the VAE component needs it.")
+    factor = int(c.get("scale_factor_spatial") or 2 ** len(c.get("temperal_downsample", (0, 0, 0))))
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0 or v % factor:
+            raise InvalidArgument(f"vae_tiling[{key!r}]={v!r} must be a positive multiple of the VAE's spatial "
+                                  f"factor {factor} (pixels), e.g. {factor * 32}.")
+        out[key] = int(v)
+    for axis in ("height", "width"):  # a size not given keeps diffusers' default (tile 256, stride 192 pixels)
+        tile = out.get(f"tile_sample_min_{axis}", VAE_TILING_DEFAULTS[0])
+        stride = out.get(f"tile_sample_stride_{axis}", VAE_TILING_DEFAULTS[1])
+        if stride > tile:
+            raise InvalidArgument(f"vae_tiling: tile_sample_stride_{axis}={stride} exceeds "
+                                  f"tile_sample_min_{axis}={tile}; tiles must overlap or touch (stride <= tile).")
+    return out

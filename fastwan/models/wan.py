@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.attention import text_cross
 from fastwan.attention.text_cross import text_cross_ok, text_keys
+from fastwan.errors import InvalidArgument
 from fastwan.models import fused
 from fastwan.models.config import WanConfig
 
@@ -73,7 +74,8 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
     T, H, W = grid
     for name, n in zip("THW", grid):
         if n > max_len:
-            raise ValueError(f"token grid {name}={n} exceeds rope_max_seq_len={max_len} of this checkpoint.")
+            raise InvalidArgument(f"token grid {name}={n} exceeds rope_max_seq_len={max_len} of this checkpoint; "
+                                  "make the video smaller along that axis.")
     hw = 2 * (head_dim // 6)
     dims = (head_dim - 2 * hw, hw, hw)
     angles = []

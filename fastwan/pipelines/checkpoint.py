@@ -1,12 +1,15 @@
 """Resolve a model argument (Hub id, local folder, ``tiny``) to a checked Diffusers-format Wan checkpoint."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
 from fastwan.models.config import WanConfig
-from fastwan.models.loading import read_json, weight_files
+from fastwan.models.loading import PICKLE_SUFFIXES, json_text, read_json, weight_files
 from fastwan.testing import TINY_IDS, tiny_checkpoint
 
 
@@ -44,6 +47,13 @@ WAN_NEGATIVE_PROMPT = (
 
 REQUIRED = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B)
+# the task of a Wan pipeline class fastwan does not run, by a word in its name
+OTHER_TASKS = (("ImageToVideo", "image-to-video"), ("I2V", "image-to-video"), ("VideoToVideo", "video-to-video"),
+               ("VACE", "VACE (video editing)"), ("Animate", "character animation"))
+# the files a component folder holds that fastwan reads (configs, weights, tokenizer files)
+_COMPONENT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")
 
 
 @dataclass(frozen=True)
@@ -61,77 +71,201 @@ class Checkpoint:
         return self.root / component
 
 
-def _download(model_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+@dataclass(frozen=True)
+class PipelineIndex:
+    """What fastwan reads from ``model_index.json``, checked."""
 
+    experts: tuple[str, ...]
+    boundary_ratio: float | None
+    expand_timesteps: bool
+
+
+def _download(model_id: str, patterns: list[str], revision: str | None = None) -> Path:
+    """``snapshot_download`` of the files matching ``patterns`` (from the cache when offline); the snapshot
+    folder. Its files may be symlinks into the cache's ``blobs/``."""
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub import snapshot_download
+
+    incomplete = getattr(hf_errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 2
     try:
-        return Path(snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as exc:
-        raise FileNotFoundError(
+        return Path(snapshot_download(model_id, revision=revision, allow_patterns=patterns))
+    except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError, hf_errors.GatedRepoError) as exc:
+        raise MissingFileError(
             f"model {model_id!r} is neither a local folder nor a Hub repository you can access ({type(exc).__name__}). "
             "Pass a Diffusers-format Wan folder, a Hub id such as 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', or 'tiny'."
         ) from None
-    except LocalEntryNotFoundError:
-        raise FileNotFoundError(
+    except incomplete as exc:
+        raise MissingFileError(
+            f"model {model_id!r} is in the Hugging Face cache, but its snapshot misses files ({exc}). Download it "
+            "again with network access (unset HF_HUB_OFFLINE), or pass a complete local folder."
+        ) from None
+    except hf_errors.LocalEntryNotFoundError:
+        raise MissingFileError(
             f"model {model_id!r} is not a local folder and is not in the Hugging Face cache, and the Hub cannot be "
             "reached (offline or HF_HUB_OFFLINE=1). Download it first or pass a local folder."
         ) from None
 
 
-def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
-    """Check everything that can be checked without loading weights; raise early with a clear message."""
-    if not isinstance(model, (str, Path)):
-        raise TypeError(f"model={model!r} must be a Hub id, a folder path or 'tiny', not {type(model).__name__}.")
-    name = str(model)
+def _component_patterns(experts: tuple[str, ...], allow_pickle: bool) -> list[str]:
+    """allow_patterns for the files of the components fastwan loads (pickle weights only when allowed)."""
+    suffixes = _COMPONENT_FILES + (tuple(f"*{s}" for s in PICKLE_SUFFIXES) if allow_pickle else ())
+    comps = experts + tuple(c for c in REQUIRED if c not in experts)
+    return ["model_index.json"] + [f"{c}/{s}" for c in comps for s in suffixes]
+
+
+def _locate(name: str) -> tuple[Path, str | None, bool]:
+    """(folder, tiny variant or None, whether it is a Hub snapshot holding only model_index.json so far)."""
     tiny_variant = TINY_IDS.get(name)
     if tiny_variant is not None:
-        root = tiny_checkpoint(tiny_variant)
-    elif Path(name).expanduser().exists():
+        return tiny_checkpoint(tiny_variant), tiny_variant, False
+    if Path(name).expanduser().exists():
         root = Path(name).expanduser()
         if not root.is_dir():
-            raise FileNotFoundError(f"model {name!r} is a file; pass the checkpoint folder (with model_index.json).")
-    elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
-        root = _download(name)
-    else:
-        raise FileNotFoundError(
-            f"model {name!r} is not a folder that exists, not a Hub id (owner/name), and not one of "
-            f"{', '.join(TINY_IDS)}. Check the path or the model id."
-        )
+            raise MissingFileError(
+                f"model {name!r} is a file; pass the checkpoint folder (the one holding model_index.json)."
+            )
+        return root, None, False
+    if _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+        return _download(name, ["model_index.json"]), None, True
+    raise MissingFileError(
+        f"model {name!r} is not a folder that exists, not a Hub id (owner/name), and not one of "
+        f"{', '.join(TINY_IDS)}. Check the path or the model id."
+    )
 
+
+def _check_pipeline_class(index: dict, path: Path) -> None:
+    """Rule: ``_class_name`` is the Wan text-to-video pipeline class."""
+    cls = index.get("_class_name")
+    if cls == T2V_PIPELINE:
+        return
+    if not (isinstance(cls, str) and cls.startswith("Wan")):
+        raise CheckpointError(
+            f"{path}: \"_class_name\": {json_text(cls)} describes a pipeline that is not a Wan pipeline; fastwan runs "
+            f"Wan text-to-video checkpoints, whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\". "
+            "Point fastwan at a Wan2.1/Wan2.2 text-to-video checkpoint in the Diffusers layout."
+        )
+    task = next((t for word, t in OTHER_TASKS if word in cls), "this pipeline's task")
+    raise CheckpointError(
+        f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
+        f"checkpoints (\"_class_name\": \"{T2V_PIPELINE}\": Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B), and "
+        f"{task} is not supported yet. Use a text-to-video checkpoint."
+    )
+
+
+def _index_experts(index: dict, path: Path) -> tuple[str, ...]:
+    """The DiT experts: rule: ``transformer_2`` is absent, null or [null, null] (one expert), or a
+    [library, class] pair of non-empty strings (a second expert in ``transformer_2/``)."""
+    entry = index.get("transformer_2")
+    if entry is None or entry == [None, None]:
+        return ("transformer",)
+    if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry):
+        return ("transformer", "transformer_2")
+    raise CheckpointError(
+        f"{path}: \"transformer_2\": {json_text(entry)} is invalid; it must be [null, null] (one DiT) or a "
+        "[library, class] pair such as [\"diffusers\", \"WanTransformer3DModel\"] (a second expert in "
+        "transformer_2/). Fix model_index.json or download the checkpoint again."
+    )
+
+
+def _index_boundary(index: dict, path: Path, experts: tuple[str, ...]) -> float | None:
+    """Rule: ``boundary_ratio`` is a number in (0, 1) exactly when there are two experts (null otherwise)."""
+    value = index.get("boundary_ratio")
+    two = len(experts) == 2
+    if value is None:
+        if two:
+            raise CheckpointError(
+                f"{path}: \"boundary_ratio\": null (or absent) with two experts; it cannot tell when to switch "
+                "from the high-noise to the low-noise expert. Set it (Wan2.2-T2V-A14B uses 0.875) or download "
+                "the checkpoint again."
+            )
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and 0 < value < 1):
+        raise CheckpointError(
+            f"{path}: \"boundary_ratio\": {json_text(value)} is invalid; it must be a number in (0, 1) (the fraction "
+            "of the training timesteps above which the high-noise expert runs; Wan2.2-T2V-A14B uses 0.875). Fix "
+            "model_index.json or download the checkpoint again."
+        )
+    if not two:
+        raise CheckpointError(
+            f"{path}: \"boundary_ratio\": {json_text(value)} is set, but \"transformer_2\" names no second expert; "
+            "the ratio switches between two experts. Set \"boundary_ratio\": null for a one-DiT checkpoint, or "
+            "download the checkpoint again."
+        )
+    return float(value)
+
+
+def _index_expand(index: dict, path: Path) -> bool:
+    """Rule: ``expand_timesteps`` is true or false (absent or null: false)."""
+    value = index.get("expand_timesteps")
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise CheckpointError(
+        f"{path}: \"expand_timesteps\": {json_text(value)} is invalid; it must be true or false (a JSON boolean; "
+        "Wan2.2-TI2V-5B uses true). Fix model_index.json or download the checkpoint again."
+    )
+
+
+def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
+    """The checked meaning of a ``model_index.json`` (``index``, read from ``path``)."""
+    _check_pipeline_class(index, path)
+    experts = _index_experts(index, path)
+    return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path))
+
+
+def _check_components(root: Path, index_path: Path, experts: tuple[str, ...]) -> None:
+    """Every component folder the checkpoint needs exists."""
+    for comp in REQUIRED + experts[1:]:
+        if not (root / comp).is_dir():
+            raise MissingFileError(
+                f"checkpoint {root} is missing its '{comp}/' component; this Wan checkpoint (per {index_path.name}) "
+                f"needs {', '.join(REQUIRED + experts[1:])}. Download the checkpoint again."
+            )
+
+
+def _expert_configs(root: Path, experts: tuple[str, ...]) -> list[WanConfig]:
+    """The experts' checked configs; rule: two experts share one architecture."""
+    configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
+    if len(configs) == 2 and configs[0] != configs[1]:
+        a, b = (dataclasses.asdict(c) for c in configs)
+        diff = [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
+        raise CheckpointError(
+            f"{root / 'transformer' / 'config.json'} and {root / 'transformer_2' / 'config.json'} describe different "
+            f"DiTs ({'; '.join(diff)}); the two experts of a Wan2.2 checkpoint share one architecture. Download "
+            "the checkpoint again."
+        )
+    return configs
+
+
+def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
+    """Check everything that can be checked without loading weights; raise early with a clear message.
+
+    A Hub id is fetched with ``huggingface_hub.snapshot_download`` (the cache only, when offline):
+    model_index.json first, which is checked before the components it names are fetched.
+    """
+    if not isinstance(model, (str, Path)):
+        raise InvalidArgumentType(
+            f"model={model!r} must be a Hub id, a folder path or 'tiny', not {type(model).__name__}."
+        )
+    name = str(model)
+    root, tiny_variant, hub = _locate(name)
     index_path = root / "model_index.json"
     index = read_json(index_path, missing=f"{root} is not a Diffusers-format pipeline folder.")
-    cls = index.get("_class_name", "")
-    if not (isinstance(cls, str) and cls.startswith("Wan")):
-        raise ValueError(f"{index_path} describes a {cls!r} pipeline, not a Wan pipeline (WanPipeline).")
-    for comp in REQUIRED:
-        if not (root / comp).is_dir():
-            raise FileNotFoundError(
-                f"checkpoint {root} is missing its '{comp}/' component; a Wan checkpoint needs {', '.join(REQUIRED)}."
-            )
-    has_second = bool(index.get("transformer_2")) and index["transformer_2"][0] is not None
-    experts = ("transformer", "transformer_2") if has_second else ("transformer",)
-    if has_second and not (root / "transformer_2").is_dir():
-        raise FileNotFoundError(f"{index_path} lists transformer_2, but {root / 'transformer_2'} is missing.")
-    configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
-    for e in experts:
-        weight_files(root / e, allow_pickle=allow_pickle)
-    for comp in ("text_encoder", "vae"):
+    meta = read_pipeline_index(index, index_path)
+    if hub:
+        root = _download(name, _component_patterns(meta.experts, allow_pickle),
+                         revision=root.name if _COMMIT.match(root.name) else None)
+    _check_components(root, index_path, meta.experts)
+    configs = _expert_configs(root, meta.experts)
+    for comp in meta.experts + ("text_encoder", "vae"):
         weight_files(root / comp, allow_pickle=allow_pickle)
     read_json(root / "scheduler" / "scheduler_config.json", missing="the scheduler component needs it.")
 
-    boundary = index.get("boundary_ratio")
-    if has_second and boundary is None:
-        raise ValueError(f"{index_path} has two experts but no boundary_ratio; it cannot tell when to switch.")
-    expand = bool(index.get("expand_timesteps", False))
-    variant = "wan2.2-a14b" if has_second else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
+    expand = meta.expand_timesteps
+    two = len(meta.experts) == 2
+    variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
     preset = (TINY_PRESETS if tiny_variant else PRESETS)[variant]
-    return Checkpoint(root, variant, preset, index, configs[0], experts, boundary, expand)
+    return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand)
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

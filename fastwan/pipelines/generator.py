@@ -4,12 +4,16 @@ Text encoder/tokenizer come from transformers, the VAE and scheduler from diffus
 (:mod:`fastwan.models`). The denoising loop runs CFG as one batch of 2 or as two batch-1 passes (``cfg_mode``),
 with the passes' common start computed once (:meth:`WanTransformer.forward_cfg`), optionally gated (skip the
 uncond forward late in sampling and reuse the last guidance delta).
+
+Every input of :meth:`VideoGenerator.generate_video` (sizes, step count against the scheduler's limit, seed range,
+output destination) is checked before any compute; calls on one generator from several threads run one at a time
+(a per-instance lock: the VAE's decode cache and the DiT's text K/V cache live on the modules). The mp4 is written
+by :mod:`fastwan.pipelines.output` (automatic names, no overwrite unless asked, atomic moves).
 """
 from __future__ import annotations
 
 import logging
-import math
-import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,11 +25,14 @@ import torch
 
 from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models import load_transformer
 from fastwan.models.vae_convs import fast_decoder_convs
-from fastwan.models.vae_decode import check_chunk, decode_latents
+from fastwan.models.vae_decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
 from fastwan.models.vae_norms import fuse_decoder_norms
+from fastwan.pipelines import output
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
+from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -38,30 +45,12 @@ AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from t
 class GenerationResult:
     frames: np.ndarray | None  # uint8 [T, H, W, 3]
     video_path: str | None
-    seed: int
-    timings: dict[str, float]  # seconds: text_encoding, denoising, decoding, total
+    seed: int  # the seed used (drawn at random for seed=None): pass it back to make the same video again
+    timings: dict[str, float]  # seconds: text_encoding, denoising, decoding, saving, total
     attention_backend: str
     peak_memory: int | None  # bytes (CUDA max allocated), None on CPU
     num_transformer_forwards: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_number(name: str, value, *, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name}={value!r} must be a number (a float >= {minimum}).")
-    value = float(value)
-    if not math.isfinite(value) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be finite and >= {minimum}; e.g. 5.0 (1.0 or less disables CFG).")
-    return value
-
-
-def _slug(text: str) -> str:
-    s = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:60]
-    return s or "video"
 
 
 def _sync(device: torch.device) -> None:
@@ -83,6 +72,9 @@ class VideoGenerator:
         self.cfg_mode = cfg_mode
         self.vae_chunk_frames = vae_chunk_frames
         self.preset = ckpt.preset
+        # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
+        # decode feature cache, the DiT's text K/V cache), so one generator makes one video at a time
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod
@@ -155,33 +147,34 @@ class VideoGenerator:
             vae_dtype = dtype
         for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
             if dt not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ValueError(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
+                raise InvalidArgument(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
         if cfg_mode not in CFG_MODES:
-            raise ValueError(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
+            raise InvalidArgument(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
                              "'sequential' saves memory).")
         if cfg_gate_step is None:
             cfg_gate_step = envs.cfg_gate_step()
         else:
             cfg_gate_step = envs.validate_cfg_gate_step(cfg_gate_step)
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
-            raise TypeError(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
+            raise InvalidArgumentType(
+                f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
         for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
                            ("gemm_residual", gemm_residual), ("text_collapse", text_collapse),
                            ("text_kv_cache", text_kv_cache), ("text_fold", text_fold),
                            ("enable_torch_compile", enable_torch_compile)):
             if not isinstance(flag, bool):
-                raise TypeError(f"{name}={flag!r} must be True or False.")
+                raise InvalidArgumentType(f"{name}={flag!r} must be True or False.")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
+            raise InvalidArgument(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device} was requested but CUDA is not available; use device='cpu'.")
+            raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = _attention_config(attention_config)
         ckpt = resolve(model, allow_pickle=allow_pickle)
-        tiling = _vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
+        tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         check_chunk(vae_chunk_frames)
         head_dim = ckpt.transformer_config.attention_head_dim
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
@@ -229,48 +222,20 @@ class VideoGenerator:
     @property
     def vae_scale_factors(self) -> tuple[int, int]:
         """(temporal, spatial) latent compression of the VAE."""
-        c = self.vae.config
-        t = getattr(c, "scale_factor_temporal", None) or 2 ** sum(c.temperal_downsample)
-        s = getattr(c, "scale_factor_spatial", None) or 2 ** len(c.temperal_downsample)
-        return int(t), int(s)
+        return vae_scale_factors(self.vae)
 
-    def _check_inputs(self, prompt, negative_prompt, s, seed, output_path) -> None:
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt={prompt!r} must be a string.")
-        if not prompt.strip():
-            raise ValueError("prompt is empty; describe the video to generate, e.g. 'a cat surfing a wave'.")
-        if negative_prompt is not None and not isinstance(negative_prompt, str):
-            raise TypeError(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
-        vt, vs = self.vae_scale_factors
-        step = vs * self.checkpoint.transformer_config.patch_size[1]
-        for name in ("height", "width"):
-            v = getattr(s, name)
-            if not _is_int(v) or v <= 0:
-                raise TypeError(f"{name}={v!r} must be a positive int (a multiple of {step}).")
-            if v % step:
-                lo = max(step, v // step * step)
-                raise ValueError(
-                    f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch "
-                    f"{self.checkpoint.transformer_config.patch_size[1]}); use {lo} or {lo + step}."
-                )
-        if not _is_int(s.num_frames) or s.num_frames < 1:
-            raise TypeError(f"num_frames={s.num_frames!r} must be a positive int of the form {vt}k+1 (e.g. 81).")
-        if (s.num_frames - 1) % vt:
-            lo = (s.num_frames - 1) // vt * vt + 1
-            raise ValueError(
-                f"num_frames={s.num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}."
-            )
-        if not _is_int(s.num_inference_steps) or s.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
-        _check_number("guidance_scale", s.guidance_scale)
-        if s.guidance_scale_2 is not None:
-            _check_number("guidance_scale_2", s.guidance_scale_2)
-        if not _is_int(s.fps) or s.fps < 1:
-            raise ValueError(f"fps={s.fps!r} must be a positive int (e.g. 16).")
-        if not _is_int(seed):
-            raise TypeError(f"seed={seed!r} must be an int (e.g. 0).")
-        if not isinstance(output_path, (str, Path)):
-            raise TypeError(f"output_path={output_path!r} must be a folder or an .mp4 path.")
+    def _check_inputs(self, prompt, negative_prompt, s, seed) -> None:
+        """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
+        cfg = self.checkpoint.transformer_config
+        check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
+                     scheduler=self.scheduler, max_grid=cfg.rope_max_seq_len)
+
+    def _identity(self, negative_prompt: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
+        a = self.attention
+        return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
+                "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
+                "attention": [a.self_backend.name, a.cross_backend.name]}
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -285,24 +250,57 @@ class VideoGenerator:
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         guidance_scale_2: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         fps: int | None = None,
         output_path: str | Path = "outputs/",
         save_video: bool = True,
         return_frames: bool = True,
+        overwrite: bool = False,
     ) -> GenerationResult:
-        """Make one video. ``None`` arguments take the model's preset (see ``self.preset``)."""
+        """Make one video. ``None`` arguments take the model's preset (see ``self.preset``).
+
+        ``seed``: an int in [0, 2**64), or None (default) for a new random one; the seed used is ``result.seed``
+        and part of the automatic file name, so passing it back makes the same video.
+        ``output_path``: a ``.mp4`` path (any case) is the file, anything else a folder where the file gets the
+        automatic name ``<prompt slug>_<seed>_<digest>.mp4``; no file is replaced unless ``overwrite=True`` (a
+        taken automatic name gets ``-2``, ``-3``, ...). The file appears only when complete. All rules:
+        :mod:`fastwan.pipelines.output`. Every check runs before any compute.
+        Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
+        """
         s = with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
                            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                            guidance_scale_2=guidance_scale_2, fps=fps)
-        self._check_inputs(prompt, negative_prompt, s, seed, output_path)
+        self._check_inputs(prompt, negative_prompt, s, seed)
+        if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
+            raise InvalidArgumentType(
+                f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
+        target = output.check_output_path(output_path, overwrite)
+        seed = random_seed() if seed is None else int(seed)
         if negative_prompt is None:
             negative_prompt = WAN_NEGATIVE_PROMPT
+        settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
+                    "vae_chunk_frames": self.vae_chunk_frames}
+        if save_video:
+            output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
+
+        with self._lock:
+            frames, forwards, timings, peak = self._generate(prompt, negative_prompt, s, seed)
+        t0 = time.perf_counter()
         video_file = None
         if save_video:
-            out = Path(output_path)
-            video_file = out if out.suffix.lower() == ".mp4" else out / f"{_slug(prompt)}_{seed}.mp4"
+            name = output.automatic_name(prompt, seed, self._identity(negative_prompt, settings))
+            video_file = output.save_video(target, name, frames, s.fps)
+        timings["saving"] = time.perf_counter() - t0
+        timings["total"] = timings.pop("total") + timings["saving"]  # total last
+        return GenerationResult(
+            frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
+            seed=seed, timings=timings, attention_backend=self.attention.describe(self.device), peak_memory=peak,
+            num_transformer_forwards=forwards, settings=settings,
+        )
 
+    def _generate(self, prompt: str, negative_prompt: str, s, seed: int):
+        """Text encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer forwards,
+        timings in seconds, peak CUDA memory in bytes or None)."""
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -312,26 +310,15 @@ class VideoGenerator:
         emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)
         _sync(dev)
         t1 = time.perf_counter()
-
         latents, forwards = self._denoise(emb, s, seed, do_cfg)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents)
         _sync(dev)
         t3 = time.perf_counter()
-        if video_file is not None:
-            _write_mp4(video_file, frames, s.fps)
-        t4 = time.perf_counter()
-        timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "saving": t4 - t3,
-                   "total": t4 - t0}
+        timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "total": t3 - t0}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-        return GenerationResult(
-            frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
-            seed=seed, timings=timings, attention_backend=self.attention.describe(dev), peak_memory=peak,
-            num_transformer_forwards=forwards,
-            settings={**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
-                      "vae_chunk_frames": self.vae_chunk_frames},
-        )
+        return frames, forwards, timings, peak
 
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool) -> tuple[torch.Tensor, int]:
@@ -407,24 +394,7 @@ class VideoGenerator:
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""
-        c = self.vae.config
-        z = latents.to(self.vae.dtype)
-        mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        z = z / (1.0 / std) + mean
-        video = decode_latents(self.vae, z, self.vae_chunk_frames)  # [1, 3, T, H, W] in [-1, 1]
-        video = (video[0] / 2 + 0.5).clamp(0, 1).float()
-        return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
-
-
-def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
-    import imageio.v2 as imageio
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=8, macro_block_size=1,
-                            ffmpeg_log_level="error") as w:
-        for f in frames:
-            w.append_data(f)
+        return decode_frames(self.vae, latents, self.vae_chunk_frames)
 
 
 def _load_scheduler(folder: Path):
@@ -437,7 +407,7 @@ def _load_scheduler(folder: Path):
     name = cfg.get("_class_name", "")
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
-        raise ValueError(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
+        raise InvalidArgument(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
     return cls.from_config(cfg)
 
 
@@ -445,7 +415,7 @@ def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch
     """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse."""
     kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
     if attention.sparse and kwargs.get("fullgraph"):
-        raise ValueError(
+        raise InvalidArgument(
             f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with the sparse backend "
             f"{attention.self_backend.name}; its attention call runs outside the graph (one graph break per "
             "block). Set fullgraph=False or leave torch_compile_kwargs unset."
@@ -454,40 +424,6 @@ def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch
         logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
                     "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
     return kwargs
-
-
-VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
-                   "tile_sample_stride_width")
-VAE_TILING_DEFAULTS = (256, 192)  # AutoencoderKLWan's tile_sample_min_* and tile_sample_stride_* (pixels)
-
-
-def _vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
-    """vae_tiling (False / True / dict of tile sizes) -> enable_tiling kwargs, or None for no tiling. Checked
-    against the VAE's config.json before anything is loaded."""
-    if isinstance(value, bool):
-        return {} if value else None
-    if not isinstance(value, Mapping):
-        raise TypeError(f"vae_tiling={value!r} must be True, False or a dict with keys among {VAE_TILING_KEYS}.")
-    unknown = sorted(set(value) - set(VAE_TILING_KEYS))
-    if unknown:
-        raise ValueError(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
-    from fastwan.models.loading import read_json
-
-    c = read_json(vae_folder / "config.json", missing="the VAE component needs it.")
-    factor = int(c.get("scale_factor_spatial") or 2 ** len(c.get("temperal_downsample", (0, 0, 0))))
-    out = {}
-    for key, v in value.items():
-        if not _is_int(v) or v <= 0 or v % factor:
-            raise ValueError(f"vae_tiling[{key!r}]={v!r} must be a positive multiple of the VAE's spatial factor "
-                             f"{factor} (pixels), e.g. {factor * 32}.")
-        out[key] = int(v)
-    for axis in ("height", "width"):  # a size not given keeps diffusers' default (tile 256, stride 192 pixels)
-        tile = out.get(f"tile_sample_min_{axis}", VAE_TILING_DEFAULTS[0])
-        stride = out.get(f"tile_sample_stride_{axis}", VAE_TILING_DEFAULTS[1])
-        if stride > tile:
-            raise ValueError(f"vae_tiling: tile_sample_stride_{axis}={stride} exceeds tile_sample_min_{axis}={tile}; "
-                             "tiles must overlap or touch (stride <= tile).")
-    return out
 
 
 def _attention_config(value) -> dict | None:

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import torch
 
+from fastwan.errors import InvalidArgument
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, check_qkv, package_available
 from fastwan.attention.layout import TokenLayout, choose_tile, default_block_size
 from fastwan.attention.sparse import config as cfg
@@ -44,7 +45,7 @@ class SparseVideoBackend(AttentionBackend):
         self.tile = cfg.tile_option(tile, allow_auto=self.allow_auto_tile)
         self.block_size = cfg.block_size_option(block_size)
         if self.block_size is not None and self.tile != "auto" and self.block_size < _prod(self.tile):
-            raise ValueError(
+            raise InvalidArgument(
                 f"block_size={self.block_size} is smaller than the tile {list(self.tile)} "
                 f"({_prod(self.tile)} tokens); use block_size >= {_prod(self.tile)} or leave it unset."
             )
@@ -125,7 +126,7 @@ class SparseVideoBackend(AttentionBackend):
         kind = self.resolve_kernel(q.device, q.dtype, plan)
         if kind in ("flex-compiled", "fa4") and plan.layout.block_size % (16 if kind != "fa4" else 128):
             need = 16 if kind != "fa4" else 128
-            raise ValueError(
+            raise InvalidArgument(
                 f"{self.name}: block_size={plan.layout.block_size} (tile {list(plan.layout.tile)}) is not a "
                 f"multiple of {need}, which the {_KERNEL_NAMES[kind]} kernel needs; set block_size to a "
                 f"multiple of {need} (>= the tile's {plan.layout.tile_tokens} tokens) or leave it unset."

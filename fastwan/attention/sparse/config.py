@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastwan.errors import InvalidArgument
+
 Triple = tuple[int, int, int]
 
 KERNELS = ("auto", "flex", "sdpa", "fa4")
@@ -29,7 +31,7 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
     if isinstance(source, Mapping):
         return dict(source)
     if not isinstance(source, (str, os.PathLike)):
-        raise ValueError(
+        raise InvalidArgument(
             f"attention config must be a JSON file path, a JSON object string or a dict, got "
             f"{type(source).__name__}."
         )
@@ -38,7 +40,7 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
     if not text.lstrip().startswith("{"):
         path = os.path.expanduser(text)
         if not os.path.isfile(path):
-            raise ValueError(
+            raise InvalidArgument(
                 f"attention config file {text!r} does not exist (from FASTWAN_ATTENTION_CONFIG or "
                 "attention_config=); give the path of a JSON file, or a dict."
             )
@@ -48,12 +50,12 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
+        raise InvalidArgument(
             f"attention config {origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
             "Fix the JSON (keys in double quotes, no trailing commas, no comments)."
         ) from None
     if not isinstance(data, dict):
-        raise ValueError(
+        raise InvalidArgument(
             f"attention config {origin} must hold a JSON object ({{...}}) of backend options, "
             f"got a JSON {type(data).__name__}."
         )
@@ -63,7 +65,7 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
 def reject_unknown(backend: str, unknown: Mapping[str, Any], valid: Sequence[str]) -> None:
     if unknown:
         names = ", ".join(repr(k) for k in sorted(unknown))
-        raise ValueError(
+        raise InvalidArgument(
             f"{backend}: unknown config key(s) {names}; valid keys are {', '.join(valid)}. "
             "Check the spelling in attention_config / FASTWAN_ATTENTION_CONFIG."
         )
@@ -83,7 +85,7 @@ def triple(value: Any, name: str, *, minimum: int = 1, allow_minus_one: bool = F
         or len(value) != 3
         or not all(_is_int(x) for x in value)
     ):
-        raise ValueError(
+        raise InvalidArgument(
             f"{name}={value!r} must be one integer or a list of three integers for the (T, H, W) dimensions, "
             "e.g. [3, 3, 3]."
         )
@@ -92,7 +94,7 @@ def triple(value: Any, name: str, *, minimum: int = 1, allow_minus_one: bool = F
             continue
         if x < minimum:
             extra = " (or -1 for the whole dimension)" if allow_minus_one else ""
-            raise ValueError(f"{name}={list(value)!r}: every entry must be >= {minimum}{extra}, got {x}.")
+            raise InvalidArgument(f"{name}={list(value)!r}: every entry must be >= {minimum}{extra}, got {x}.")
     return (value[0], value[1], value[2])
 
 
@@ -105,7 +107,7 @@ def bool_triple(value: Any, name: str) -> tuple[bool, bool, bool]:
         or len(value) != 3
         or not all(isinstance(x, bool) for x in value)
     ):
-        raise ValueError(f"{name}={value!r} must be a bool or a list of three bools for (T, H, W).")
+        raise InvalidArgument(f"{name}={value!r} must be a bool or a list of three bools for (T, H, W).")
     return (value[0], value[1], value[2])
 
 
@@ -114,7 +116,7 @@ def window(value: Any, where: str) -> Triple:
     w = triple(value, where)
     bad = [x for x in w if x % 2 == 0]
     if bad:
-        raise ValueError(
+        raise InvalidArgument(
             f"{where}={list(w)!r}: STA windows must be odd (a window is centered on the query tile: "
             f"size = 2*radius+1), got {bad[0]}; use {bad[0] - 1} or {bad[0] + 1}."
         )
@@ -125,7 +127,7 @@ def tile_option(value: Any, name: str = "tile", *, allow_auto: bool) -> Triple |
     if isinstance(value, str):
         if value.lower() == "auto" and allow_auto:
             return "auto"
-        raise ValueError(
+        raise InvalidArgument(
             f"{name}={value!r}: give three integers (T, H, W)" + (' or "auto"' if allow_auto else "") + "."
         )
     return triple(value, name)
@@ -135,7 +137,7 @@ def block_size_option(value: Any) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < 1:
-        raise ValueError(
+        raise InvalidArgument(
             f"block_size={value!r} must be a positive integer (slots per tile, >= the tile's token count; "
             "a multiple of 16 for the CUDA kernels); use 64 or 128, or leave it unset."
         )
@@ -144,13 +146,13 @@ def block_size_option(value: Any) -> int | None:
 
 def kernel_option(value: Any) -> str:
     if not isinstance(value, str) or value.lower() not in KERNELS:
-        raise ValueError(f"kernel={value!r} is not a sparse kernel; use one of {', '.join(KERNELS)}.")
+        raise InvalidArgument(f"kernel={value!r} is not a sparse kernel; use one of {', '.join(KERNELS)}.")
     return value.lower()
 
 
 def dense_steps_option(value: Any) -> int:
     if not _is_int(value) or value < 0:
-        raise ValueError(
+        raise InvalidArgument(
             f"dense_steps={value!r} must be an integer >= 0 (the number of first denoising steps that use "
             "full attention)."
         )
@@ -161,7 +163,7 @@ def sparsity_option(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= float(value) < 1.0) or (
         isinstance(value, float) and math.isnan(value)
     ):
-        raise ValueError(
+        raise InvalidArgument(
             f"sparsity={value!r} must be a number in [0, 1): the fraction of key tiles each query tile skips "
             "(0 = dense, 0.9 = keep 10%)."
         )
@@ -172,5 +174,5 @@ def kernel_options_option(value: Any) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise ValueError(f"kernel_options={value!r} must be a dict of FlexAttention kernel options.")
+        raise InvalidArgument(f"kernel_options={value!r} must be a dict of FlexAttention kernel options.")
     return dict(value)

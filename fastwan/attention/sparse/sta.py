@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fastwan.errors import InvalidArgument
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
@@ -87,7 +88,7 @@ class SlidingTileBackend(SparseVideoBackend):
             return (value,)
         if kind == "list":
             if len(value) != heads:
-                raise ValueError(
+                raise InvalidArgument(
                     f"{self.name}: {where} lists {len(value)} per-head windows but the layer has {heads} heads; "
                     f"give exactly {heads} windows (or one window [wt, wh, ww] for all heads)."
                 )
@@ -95,7 +96,7 @@ class SlidingTileBackend(SparseVideoBackend):
         else:
             too_big = [h for h in value if h >= heads]
             if too_big:
-                raise ValueError(
+                raise InvalidArgument(
                     f"{self.name}: strategy key '{step}_{layer}_{too_big[0]}' names head {too_big[0]} but the "
                     f"layer has {heads} heads (0..{heads - 1}); fix the head index."
                 )
@@ -135,7 +136,7 @@ def _parse_strategy(strategy: Any) -> dict:
     if strategy is None:
         return {}
     if not isinstance(strategy, dict):
-        raise ValueError(
+        raise InvalidArgument(
             f"strategy must be a JSON object: {{\"<step>\": {{\"<layer>\": [wt, wh, ww]}}}} or "
             f"{{\"<step>_<layer>_<head>\": [wt, wh, ww]}}; got {type(strategy).__name__}."
         )
@@ -149,17 +150,19 @@ def _parse_strategy(strategy: Any) -> dict:
         return rules
     for s, layers in strategy.items():
         if not isinstance(s, str) or not _KEY.match(s):
-            raise ValueError(
+            raise InvalidArgument(
                 f"strategy key {s!r} is not a step: use a step index like \"0\" or \"*\" (nested form), or "
                 "\"<step>_<layer>_<head>\" keys for all entries (flat form); the two forms cannot be mixed."
             )
         if not isinstance(layers, dict):
-            raise ValueError(
+            raise InvalidArgument(
                 f"strategy[{s!r}] must be an object {{\"<layer>\": window}}, got {layers!r}."
             )
         for lk, value in layers.items():
             if not isinstance(lk, str) or not _KEY.match(lk):
-                raise ValueError(f"strategy[{s!r}] key {lk!r} is not a layer index; use \"0\", \"1\", ... or \"*\".")
+                raise InvalidArgument(
+                    f"strategy[{s!r}] key {lk!r} is not a layer index; use \"0\", \"1\", ... or \"*\"."
+                )
             key = (s if s == "*" else str(int(s)), lk if lk == "*" else str(int(lk)))
             rules[key] = _parse_window_entry(value, f"strategy[{s!r}][{lk!r}]")
     return rules

@@ -1,0 +1,138 @@
+"""Checks of ``generate_video``'s arguments, all made before any compute: prompts, sizes, step count (against
+the scheduler's own limit), guidance scales, fps and the seed. Each failure names the value, the rule and the fix.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+
+import numpy as np
+import torch
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+
+SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
+RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
+
+
+def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
+                 scheduler, max_grid: int | None = None) -> None:
+    """``prompt``/``negative_prompt`` and the resolved settings ``s`` (a Preset) for a VAE of (temporal, spatial)
+    ``vae_factors``, a DiT of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and ``scheduler``;
+    raises InvalidArgument/InvalidArgumentType."""
+    if not isinstance(prompt, str):
+        raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
+    if not prompt.strip():
+        raise InvalidArgument("prompt is empty; describe the video to generate, e.g. 'a cat surfing a wave'.")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise InvalidArgumentType(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
+    vt, vs = vae_factors
+    step = vs * patch[1]
+    for name in ("height", "width"):
+        v = getattr(s, name)
+        if not is_int(v) or v <= 0:
+            raise InvalidArgumentType(f"{name}={v!r} must be a positive int (a multiple of {step}).")
+        if v % step:
+            lo = max(step, v // step * step)
+            raise InvalidArgument(
+                f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch "
+                f"{patch[1]}); use {lo} or {lo + step}."
+            )
+    if not is_int(s.num_frames) or s.num_frames < 1:
+        raise InvalidArgumentType(
+            f"num_frames={s.num_frames!r} must be a positive int of the form {vt}k+1 (e.g. 81).")
+    if (s.num_frames - 1) % vt:
+        lo = (s.num_frames - 1) // vt * vt + 1
+        raise InvalidArgument(
+            f"num_frames={s.num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}."
+        )
+    _check_token_grid(s, vt, vs, patch, max_grid)
+    if not is_int(s.num_inference_steps) or s.num_inference_steps < 1:
+        raise InvalidArgument(f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
+    _check_number("guidance_scale", s.guidance_scale)
+    if s.guidance_scale_2 is not None:
+        _check_number("guidance_scale_2", s.guidance_scale_2)
+    if not is_int(s.fps) or s.fps < 1:
+        raise InvalidArgument(f"fps={s.fps!r} must be a positive int (e.g. 16).")
+    _check_seed(seed)
+    _check_num_steps(scheduler, int(s.num_inference_steps))
+
+
+def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid: int | None) -> None:
+    """The DiT's token grid: latent frames divisible by the time patch, each axis within the RoPE table."""
+    frames = (s.num_frames - 1) // vt + 1
+    if frames % patch[0]:
+        raise InvalidArgument(f"num_frames={s.num_frames} gives {frames} latent frames, not a multiple of the DiT's "
+                              f"time patch {patch[0]}; use a num_frames of the form {vt * patch[0]}k+1.")
+    grid = {"num_frames": frames // patch[0], "height": s.height // (vs * patch[1]),
+            "width": s.width // (vs * patch[2])}
+    for name, n in grid.items():
+        if max_grid is not None and n > max_grid:
+            raise InvalidArgument(
+                f"{name}={getattr(s, name)} gives {n} DiT tokens along that axis, more than this checkpoint's "
+                f"rope_max_seq_len={max_grid}; make the video smaller along it.")
+
+
+def is_int(x) -> bool:
+    """An int (Python or NumPy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_number(name: str, value, *, minimum: float = 0.0) -> float:
+    """A guidance scale: a finite real number >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise InvalidArgumentType(f"{name}={value!r} must be a number (a float >= {minimum}).")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum:
+        raise InvalidArgument(f"{name}={value!r} must be finite and >= {minimum}; e.g. 5.0 (1.0 or less disables CFG).")
+    return value
+
+
+def _check_seed(seed) -> None:
+    """A seed is None (draw one) or an int in [0, SEED_LIMIT); bool is not a seed."""
+    if seed is None:
+        return
+    if not is_int(seed):
+        raise InvalidArgumentType(f"seed={seed!r} must be an int in [0, 2**64) (e.g. 0), or None for a random seed.")
+    if not 0 <= int(seed) < SEED_LIMIT:
+        raise InvalidArgument(f"seed={seed} is outside [0, 2**64); pass an int in that range (e.g. 0), "
+                              "or None for a random seed.")
+
+
+def random_seed() -> int:
+    """A fresh seed from the OS's entropy, in [0, 2**RANDOM_SEED_BITS)."""
+    return secrets.randbits(RANDOM_SEED_BITS)
+
+
+def _check_num_steps(scheduler, n: int) -> None:
+    """Refuse a step count the scheduler cannot run, before any compute: at most ``num_train_timesteps``, and a
+    strictly decreasing schedule (a dry run of ``set_timesteps`` on CPU). Integer timesteps repeat once steps are
+    finer than one timestep where flow_shift packs them (UniPC, shift 3: 999 twice from 334 steps); a repeated first
+    timestep starts the step counter at its second occurrence, so the last ``step`` runs past the schedule."""
+    limit = getattr(scheduler.config, "num_train_timesteps", None)
+    name = type(scheduler).__name__
+    probe = type(scheduler).from_config(scheduler.config)  # the generator's own scheduler keeps its state
+    if limit is not None and n > limit:
+        raise InvalidArgument(f"num_inference_steps={n} exceeds the {name}'s {limit} training timesteps; "
+                              f"use at most {_largest_distinct_steps(probe, limit)} (e.g. 50).")
+    if not _distinct_timesteps(probe, n):
+        raise InvalidArgument(
+            f"num_inference_steps={n} is more than the {name} can resolve: its timesteps (whole numbers) repeat "
+            f"at that count, and it cannot step through a repeated timestep; use at most "
+            f"{_largest_distinct_steps(probe, n - 1)} (e.g. 50)."
+        )
+
+
+def _distinct_timesteps(probe, n: int) -> bool:
+    """Whether ``n`` steps give a strictly decreasing schedule (``probe``: a scheduler for dry runs, on CPU)."""
+    probe.set_timesteps(n, device="cpu")
+    t = probe.timesteps.to(torch.float64)
+    return bool((t[1:] < t[:-1]).all())
+
+
+def _largest_distinct_steps(probe, upper: int) -> int:
+    """The largest step count <= ``upper`` with a strictly decreasing schedule (1 always is)."""
+    for n in range(upper, 1, -1):
+        if _distinct_timesteps(probe, n):
+            return n
+    return 1
