@@ -44,4 +44,7 @@ class VideoWriteError(OutputPathError):
 def one_line(exc: BaseException) -> str:
     """``exc``'s message on one line (a multi-line message's lines joined with '; ')."""
     lines = [ln.strip().lstrip("- ").strip() for ln in str(exc).splitlines()]
-    return "; ".join(ln for ln in lines if ln) or type(exc).__name__
+    out = ""
+    for ln in filter(None, lines):
+        out += ln if not out else (" " if out.endswith(":") else "; ") + ln
+    return out or type(exc).__name__

@@ -136,6 +136,24 @@ def test_index_entry_must_be_a_plain_file_name(plain, tmp_path, entry):
     assert str(index_path) in msg and json.dumps(entry) in msg and "not a plain file name" in msg
 
 
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_index_names_only_safetensors_files(plain, tmp_path, allow_pickle):
+    """A safetensors index naming another kind of file is refused, even with allow_pickle (nothing is unpickled
+    through an index)."""
+    snap = _cache_copy(plain, tmp_path)
+    folder = snap / "transformer"
+    (index_path,) = folder.glob("*.safetensors.index.json")
+    index = json.loads(index_path.read_text())
+    first_key = next(iter(index["weight_map"]))
+    shard = folder / index["weight_map"][first_key]
+    os.symlink(os.readlink(shard), folder / "model.bin")  # the same bytes under a pickle name
+    index["weight_map"][first_key] = "model.bin"
+    index_path.unlink()
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names shard \"model.bin\", which is not a \*\.safetensors file"):
+        VideoGenerator.from_pretrained(snap, device="cpu", allow_pickle=allow_pickle)
+
+
 @pytest.mark.parametrize("layout", ["lone", "sharded"])
 def test_broken_link_is_named(plain, tmp_path, layout):
     """A weight file whose link points nowhere is reported by its name in the folder."""

@@ -107,6 +107,12 @@ def _shard_files(folder: Path, index: Path) -> list[Path]:
         )
     for key, name in weight_map.items():
         problem = plain_name_problem(name)
+        if problem is None and not name.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{index}: weight_map entry {key!r} names shard {json_text(name)}, which is not a *.safetensors "
+                "file; a safetensors index may name only safetensors files (fastwan never unpickles through an "
+                "index). The index is corrupt or was tampered with: download the checkpoint again."
+            )
         if problem is not None:
             raise CheckpointError(
                 f"{index}: weight_map entry {key!r} names shard {json_text(name)}, which is not a plain file name "
