@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from fastwan.testing import write_tiny_checkpoint
 
@@ -9,3 +10,30 @@ def tiny_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {v: write_tiny_checkpoint(root / v, v, seed=i) for i, v in
             enumerate(("wan2.1", "wan2.2-a14b", "wan2.2-ti2v"))}
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_ckpts):
+    """A tiny Wan2.1 generator on the CPU in fp32, one per test module."""
+    from fastwan import VideoGenerator
+
+    return VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def forbid_compute(monkeypatch):
+    """A function that makes any later text-encoder or denoiser call of a generator fail the test: what is
+    checked must be checked before work starts."""
+    def forbid(g):
+        def boom(*a, **k):
+            raise AssertionError("compute started before the checks finished")
+        monkeypatch.setattr(g, "_denoise", boom)
+        monkeypatch.setattr(g.text_encoder, "forward", boom)
+        return g
+    return forbid
+
+
+@pytest.fixture
+def no_compute(gen, forbid_compute):
+    """``gen`` with compute forbidden (see ``forbid_compute``)."""
+    return forbid_compute(gen)

@@ -3,7 +3,6 @@
 The step limit is compared with an independent reference: diffusers' scheduler itself, stepped through the whole
 schedule on a one-element sample, for each step count tried.
 """
-import time
 from pathlib import Path
 
 import diffusers
@@ -11,22 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastwan import VideoGenerator
 
 SMALL = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
-
-
-@pytest.fixture(scope="module")
-def gen(tiny_ckpts):
-    return VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", dtype=torch.float32)
-
-
-def forbid_compute(gen, monkeypatch):
-    """From now on any text-encoder or denoiser call fails the test."""
-    def boom(*a, **k):
-        raise AssertionError("compute started before the input was validated")
-    monkeypatch.setattr(gen, "_denoise", boom)
-    monkeypatch.setattr(gen.text_encoder, "forward", boom)
 
 
 # ---- step counts ------------------------------------------------------------------------------------------------
@@ -55,7 +40,7 @@ def largest_completing(scheduler_cls, config) -> int:
 
 
 @pytest.mark.parametrize("flow_shift", [3.0, 5.0])
-def test_step_limit_is_the_schedulers_own(gen, monkeypatch, flow_shift):
+def test_step_limit_is_the_schedulers_own(gen, monkeypatch, forbid_compute, flow_shift):
     cls = type(gen.scheduler)
     config = {**gen.scheduler.config, "flow_shift": flow_shift}
     monkeypatch.setattr(gen, "scheduler", cls.from_config(config))
@@ -66,26 +51,24 @@ def test_step_limit_is_the_schedulers_own(gen, monkeypatch, flow_shift):
                              guidance_scale=1.0, num_inference_steps=limit)
     assert res.frames.shape == (1, 32, 32, 3) and res.num_transformer_forwards == limit
     # the first count it cannot complete is refused before any compute, naming the value and the limit
-    forbid_compute(gen, monkeypatch)
+    forbid_compute(gen)
     with pytest.raises(ValueError) as e:
         gen.generate_video("a cat", seed=0, save_video=False, **{**SMALL, "num_inference_steps": limit + 1})
     assert f"num_inference_steps={limit + 1}" in str(e.value) and f"at most {limit}" in str(e.value)
 
 
-def test_huge_step_count_is_refused_at_once(gen, monkeypatch):
-    forbid_compute(gen, monkeypatch)
-    t0 = time.perf_counter()
+def test_huge_step_count_is_refused_at_once(gen, forbid_compute):
+    forbid_compute(gen)
     with pytest.raises(ValueError) as e:
         gen.generate_video("a cat", seed=0, save_video=False, **{**SMALL, "num_inference_steps": 10**9})
-    assert time.perf_counter() - t0 < 5.0
     assert "num_inference_steps=1000000000" in str(e.value) and "1000" in str(e.value)
 
 
 # ---- seeds --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed,exc", [(-1, ValueError), (2**64, ValueError), (-(2**63), ValueError),
                                       (np.int64(-5), ValueError), (True, TypeError), (1.0, TypeError)])
-def test_bad_seed_is_refused_before_compute(gen, monkeypatch, seed, exc):
-    forbid_compute(gen, monkeypatch)
+def test_bad_seed_is_refused_before_compute(gen, forbid_compute, seed, exc):
+    forbid_compute(gen)
     with pytest.raises(exc) as e:
         gen.generate_video("a cat", seed=seed, save_video=False, **SMALL)
     assert f"seed={seed!r}" in str(e.value) or f"seed={seed}" in str(e.value)
