@@ -94,8 +94,6 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
         vae.clear_cache()
 
 
-
-
 def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto") -> np.ndarray:
     """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3]."""
     c = vae.config
