@@ -106,12 +106,21 @@ def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto") -> np.n
     return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
 
 
-def vae_scale_factors(vae) -> tuple[int, int]:
-    """(temporal, spatial) latent compression of ``vae`` (from its config)."""
-    c = vae.config
-    t = getattr(c, "scale_factor_temporal", None) or 2 ** sum(c.temperal_downsample)
-    s = getattr(c, "scale_factor_spatial", None) or 2 ** len(c.temperal_downsample)
+# AutoencoderKLWan's default: which of its three downsampling stages also halve time
+TEMPORAL_DOWNSAMPLE_DEFAULT = (False, True, True)
+
+
+def scale_factors(config: Mapping) -> tuple[int, int]:
+    """(temporal, spatial) latent compression of a Wan VAE, from its config (the loaded model's or config.json)."""
+    stages = config.get("temperal_downsample") or TEMPORAL_DOWNSAMPLE_DEFAULT
+    t = config.get("scale_factor_temporal") or 2 ** sum(stages)
+    s = config.get("scale_factor_spatial") or 2 ** len(stages)
     return int(t), int(s)
+
+
+def vae_scale_factors(vae) -> tuple[int, int]:
+    """(temporal, spatial) latent compression of a loaded ``vae``."""
+    return scale_factors(vae.config)
 
 
 VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
@@ -133,8 +142,7 @@ def vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
         raise InvalidArgument(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
     from fastwan.models.loading import read_json
 
-    c = read_json(vae_folder / "config.json", missing="the VAE component needs it.")
-    factor = int(c.get("scale_factor_spatial") or 2 ** len(c.get("temperal_downsample", (0, 0, 0))))
+    factor = scale_factors(read_json(vae_folder / "config.json", missing="the VAE component needs it."))[1]
     out = {}
     for key, v in value.items():
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0 or v % factor:
