@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import InvalidArgument, MissingFileError
+from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
 TINY_IDS = {
@@ -171,8 +172,6 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
 
 # Files the Hub stores with Git LFS (their cache blob is named by the content's sha256; others by the git sha1).
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".model")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REF = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")  # a branch or tag name
 
 
@@ -196,9 +195,9 @@ def write_hub_cache(src: str | Path, cache_dir: str | Path, repo_id: str, *, rev
     src = Path(src)
     if not src.is_dir():
         raise MissingFileError(f"src={str(src)!r} is not a folder; pass the checkpoint folder to lay out.")
-    if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id):
+    if not isinstance(repo_id, str) or not HUB_MODEL_ID.match(repo_id):
         raise InvalidArgument(f"repo_id={repo_id!r} must be a Hub model id 'owner/name' (e.g. 'Wan-AI/tiny').")
-    if revision is not None and not (isinstance(revision, str) and _COMMIT.match(revision)):
+    if revision is not None and not (isinstance(revision, str) and HUB_COMMIT.match(revision)):
         raise InvalidArgument(f"revision={revision!r} must be a commit hash (40 lowercase hex digits) or None.")
     if not isinstance(ref, str) or not _REF.match(ref) or ".." in ref:
         raise InvalidArgument(f"ref={ref!r} must be a branch or tag name such as 'main'.")

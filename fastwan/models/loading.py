@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path, PureWindowsPath
 
@@ -11,6 +12,8 @@ from safetensors import safe_open
 from fastwan.errors import CheckpointError, MissingFileError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")  # 'owner/name' on the Hub
+HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")  # a Hub revision as a commit hash (a cache snapshot folder's name)
 
 
 def read_json(path: str | Path, *, missing: str) -> dict:

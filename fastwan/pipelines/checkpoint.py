@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
 from fastwan.models.config import WanConfig
-from fastwan.models.loading import PICKLE_SUFFIXES, json_text, read_json, weight_files
+from fastwan.models.loading import (
+    HUB_COMMIT,
+    HUB_MODEL_ID,
+    PICKLE_SUFFIXES,
+    json_text,
+    read_json,
+    weight_files,
+)
 from fastwan.testing import TINY_IDS, tiny_checkpoint
 
 
@@ -46,8 +52,6 @@ WAN_NEGATIVE_PROMPT = (
 )
 
 REQUIRED = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B)
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
 OTHER_TASKS = (("ImageToVideo", "image-to-video"), ("I2V", "image-to-video"), ("VideoToVideo", "video-to-video"),
@@ -125,7 +129,7 @@ def _locate(name: str) -> tuple[Path, str | None, bool]:
                 f"model {name!r} is a file; pass the checkpoint folder (the one holding model_index.json)."
             )
         return root, None, False
-    if _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+    if HUB_MODEL_ID.match(name) and not name.startswith((".", "/", "~")):
         return _download(name, ["model_index.json"]), None, True
     raise MissingFileError(
         f"model {name!r} is not a folder that exists, not a Hub id (owner/name), and not one of "
@@ -254,7 +258,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
     meta = read_pipeline_index(index, index_path)
     if hub:
         root = _download(name, _component_patterns(meta.experts, allow_pickle),
-                         revision=root.name if _COMMIT.match(root.name) else None)
+                         revision=root.name if HUB_COMMIT.match(root.name) else None)
     _check_components(root, index_path, meta.experts)
     configs = _expert_configs(root, meta.experts)
     for comp in meta.experts + ("text_encoder", "vae"):
