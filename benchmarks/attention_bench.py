@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastwan.attention import create_backend  # noqa: E402
-from fastwan.attention.testing import wan_like_qkv  # noqa: E402
+from fastwan.attention.synthetic import wan_like_qkv  # noqa: E402
 from fastwan.envinfo import device_info, software_versions  # noqa: E402
 from fastwan.profiler.core import time_fn  # noqa: E402
 

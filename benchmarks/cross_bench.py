@@ -6,7 +6,7 @@ FA4 (flash_attn.cute) with several sm90 tiles, and PyTorch SDPA with cuDNN, FA2 
 per case 3 rounds of 50 back-to-back calls between two CUDA events (median), and the max difference against the
 first kernel's output. The text keys/values are padded as Wan pads them: ``--prompt-tokens`` real rows, then
 copies of one padding row; "collapsed" is fastwan's kernel for that case (``fastwan::text_cross_attention``: the
-padding as one weighted key, :mod:`fastwan.attention.text_cross`), the same function. ``--quick``: FA4 192x128
+padding as one weighted key, :mod:`fastwan.kernels.text_cross`), the same function. ``--quick``: FA4 192x128
 and 128x128, cuDNN and the collapsed kernel only. Needs a GPU with flash-attn-4 installed.
 
 ``--fold`` times instead the whole cross-attention after the q projection, as the block runs it with the residual
@@ -41,7 +41,7 @@ def span_ms(fn, calls: int = 50, rounds: int = 3) -> float:
 def main(argv=None) -> None:
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    import fastwan.attention.text_cross  # noqa: F401  (registers fastwan::text_cross_attention)
+    import fastwan.kernels.text_cross  # noqa: F401  (registers fastwan::text_cross_attention)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", default="20", help="real text tokens per case, comma-separated")
@@ -91,8 +91,8 @@ def fold_main(a) -> None:
 
 
 def fold_case(b: int, n: int, h: int, tokens: int) -> None:
-    from fastwan.attention import text_cross
-    from fastwan.models import fused  # noqa: F401  (registers fastwan::residual_linear_ / residual_bmm_)
+    from fastwan.kernels import text_cross
+    from fastwan.kernels import norms as fused  # noqa: F401  (registers fastwan::residual_linear_ / residual_bmm_)
 
     ops = torch.ops.fastwan
     c = h * 128

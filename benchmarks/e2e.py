@@ -54,7 +54,7 @@ def make_checkpoint(root: Path, size: str) -> None:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from fastwan.testing import _tokenizer
+    from fastwan.tiny import _tokenizer
 
     if (root / "model_index.json").exists():
         log(f"checkpoint exists at {root}")

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [],
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    from fastwan.attention.kernels import fa4_sm90_tile_m
+    from fastwan.attention.backends.packages import fa4_sm90_tile_m
 
     for shape in a.shapes.split(","):
         b, n, h = SHAPES[shape]

@@ -1,4 +1,4 @@
-"""The fused norm kernels (fastwan.models.fused) against Inductor at the Wan widths, per call (GPU).
+"""The fused norm kernels (fastwan.kernels.norms) against Inductor at the Wan widths, per call (GPU).
 
     python benchmarks/fused_bench.py [--iters 50]
 
@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastwan.models import fused  # noqa: E402
-from fastwan.models.wan import rope_tables  # noqa: E402
+from fastwan.kernels import norms as fused  # noqa: E402
+from fastwan.models.wan.transformer import rope_tables  # noqa: E402
 from fastwan.profiler.core import time_fn  # noqa: E402
 
 SHAPES = {"1.3B-480p-B2": (2, (21, 30, 52), 1536), "14B-720p-B1": (1, (21, 45, 80), 5120)}

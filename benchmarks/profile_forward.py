@@ -28,7 +28,7 @@ def classify(name: str) -> str:
         return "attention"
     if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "wgmma")):
         return "gemm"
-    if any(s in n for s in ("norm", "welford", "rms")):  # incl. fastwan.models.fused (norm_rows, rms_rope_rows)
+    if any(s in n for s in ("norm", "welford", "rms")):  # incl. fastwan.kernels.norms (norm_rows, rms_rope_rows)
         return "norms"
     return "elementwise/other"
 

@@ -45,10 +45,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastwan.attention.base import AttentionMetadata  # noqa: E402
-from fastwan.attention.layout import choose_tile  # noqa: E402
+from fastwan.attention.sparse.layout import choose_tile  # noqa: E402
 from fastwan.attention.registry import create_backend  # noqa: E402
 from fastwan.attention.sparse import kernels as sk  # noqa: E402
-from fastwan.attention.sparse import vsa_kernels  # noqa: E402
+from fastwan.kernels import vsa as vsa_kernels  # noqa: E402
 from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
 from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
 from fastwan.profiler.core import span_time, time_fn  # noqa: E402

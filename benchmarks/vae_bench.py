@@ -9,13 +9,13 @@ f = 8) with each variant:
 * ``bf16+cudnn-bench``       ``torch.backends.cudnn.benchmark = True`` (cuDNN picks conv algorithms by timing);
 * ``bf16+channels-last``     weights and latents in ``torch.channels_last_3d``;
 * ``...+fused-norms``         the decoder's RMSNorm + SiLU pairs as one Triton pass each
-                             (``fastwan.models.vae_norms.fuse_decoder_norms``, what fastwan's generator does);
-* ``...+fast-convs``          and the modules swapped by ``fastwan.models.vae_convs.fast_decoder_convs``
+                             (``fastwan.vae.norms.fuse_decoder_norms``, what fastwan's generator does);
+* ``...+fast-convs``          and the modules swapped by ``fastwan.vae.convs.fast_decoder_convs``
                              (causal convs padded in time only, conv bias by a Triton kernel, layout-keeping
                              temporal interleave, nearest upsample as a wide copy, 96-channel convs as a conv2d
                              over stacked time taps; ``+nostack`` keeps those as conv3d);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes);
-* any of them ``+chunkN``    decoded by ``fastwan.models.vae_decode.decode_latents`` with N latent frames per
+* any of them ``+chunkN``    decoded by ``fastwan.vae.decode.decode_latents`` with N latent frames per
                              decoder call after the first (``+chunkauto``: its size rule), instead of one.
 
 Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memory above the weights, and the
@@ -113,7 +113,7 @@ def profile_decode(run, label: str, top: int) -> dict:
 
 def decode_fn(vae, z, chunk=None):
     """One decode: diffusers' ``vae.decode`` (frame by frame), or fastwan's ``decode_latents`` with ``chunk``."""
-    from fastwan.models.vae_decode import decode_latents
+    from fastwan.vae.decode import decode_latents
 
     def run():
         if chunk is None:
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-    from fastwan.models import vae_convs
+    from fastwan.vae import convs as vae_convs
 
     stack_default = vae_convs.STACK_TAPS_MAX_CHANNELS
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -164,11 +164,11 @@ def main(argv=None) -> int:
                         mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 z = z.contiguous(memory_format=torch.channels_last_3d)
             if "+fused-norms" in variant:
-                from fastwan.models.vae_norms import fuse_decoder_norms
+                from fastwan.vae.norms import fuse_decoder_norms
 
                 fuse_decoder_norms(vae)
             if "+fast-convs" in variant:
-                from fastwan.models import vae_convs
+                from fastwan.vae import convs as vae_convs
 
                 print(f"{variant}: fast_decoder_convs swapped {vae_convs.fast_decoder_convs(vae)} modules", flush=True)
                 # +nostack: the narrow convs stay conv3d (the module's threshold, restored after the variant)

@@ -67,7 +67,7 @@ def device_info(device: torch.device | str | None = None) -> dict[str, Any]:
 
 def software_versions() -> dict[str, Any]:
     from fastwan import __version__
-    from fastwan.attention.kernels import dist_version
+    from fastwan.attention.backends.packages import dist_version
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {

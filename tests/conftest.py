@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fastwan.testing import write_tiny_checkpoint
+from fastwan.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

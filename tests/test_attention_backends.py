@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fastwan.attention import AttentionDispatch, attention, create_backend
-from fastwan.attention.sdpa import TorchSDPABackend
-from fastwan.attention.testing import reference_attention, wan_like_qkv
+from fastwan.attention.backends.sdpa import TorchSDPABackend
+from fastwan.attention.synthetic import reference_attention, wan_like_qkv
 
 CPU_SDPA_KERNELS = ("auto", "flash", "math")
 

@@ -14,14 +14,14 @@ from fastwan.attention import (
     attention,
     attention_backend,
     base,
-    kernels,
     reasons_cannot_run,
     resolve_backend,
 )
-from fastwan.attention.flash import FlashAttnBackend
+from fastwan.attention.backends import packages as kernels
+from fastwan.attention.backends.flash import FlashAttnBackend
 from fastwan.attention.registry import requested_backend
-from fastwan.attention.sage import SageAttnBackend
-from fastwan.attention.sdpa import TorchSDPABackend
+from fastwan.attention.backends.sage import SageAttnBackend
+from fastwan.attention.backends.sdpa import TorchSDPABackend
 
 BF16 = torch.bfloat16
 

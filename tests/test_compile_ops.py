@@ -1,7 +1,7 @@
 """Custom ops around external kernels: schema/fake-impl checks and torch.compile(fullgraph=True) on CPU.
 
 The external kernels (FlashAttention, SageAttention) are not on this machine, so their loaders in
-``fastwan.attention.kernels`` are replaced with a float64 reference kernel: everything else — backend
+``fastwan.attention.backends.packages`` are replaced with a float64 reference kernel: everything else — backend
 forward, custom op, fake impl, dynamo/AOT/inductor — is the production path.
 """
 from __future__ import annotations
@@ -12,11 +12,13 @@ import sys
 import pytest
 import torch
 
-from fastwan.attention import AttentionDispatch, kernels
-from fastwan.attention import ops as _ops  # noqa: F401
-from fastwan.attention.flash import FlashAttnBackend
-from fastwan.attention.sage import SageAttnBackend
-from fastwan.attention.testing import reference_attention
+from fastwan.attention import AttentionDispatch
+
+from fastwan.attention.backends import packages as kernels
+from fastwan.kernels import attention as _ops  # noqa: F401
+from fastwan.attention.backends.flash import FlashAttnBackend
+from fastwan.attention.backends.sage import SageAttnBackend
+from fastwan.attention.synthetic import reference_attention
 
 CALLS: list[dict] = []
 
@@ -217,8 +219,8 @@ def test_importing_fastwan_imports_no_external_kernel_package():
         "            seen.append(name)\n"
         "        return None\n"
         "sys.meta_path.insert(0, Spy())\n"
-        "import fastwan, fastwan.attention, fastwan.attention.flash, fastwan.attention.sage\n"
-        "import fastwan.attention.ops, fastwan.envinfo, fastwan.profiler\n"
+        "import fastwan, fastwan.attention, fastwan.attention.backends.flash, fastwan.attention.backends.sage\n"
+        "import fastwan.kernels.attention, fastwan.envinfo, fastwan.profiler\n"
         "from fastwan.attention import create_backend\n"
         "create_backend('FLASH_ATTN'); create_backend('SAGE_ATTN')\n"
         "print(seen)\n"

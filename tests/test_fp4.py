@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastwan.attention import fp4
-from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
-from fastwan.attention.testing import reference_attention, wan_like_qkv
+from fastwan.kernels import fp4
+from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.synthetic import reference_attention, wan_like_qkv
 
 GRID = torch.tensor(fp4.E2M1_GRID)
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of fastwan.models.fused and fastwan.models.vae_norms run on the CPU under Triton's interpreter
+"""The Triton kernels of fastwan.kernels.norms and fastwan.vae.norms run on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1): their indexing (strided per-batch / per-token modulation, RoPE channel pairs, rows wider
 than a power of two, channels-first and channels-last VAE activations)
 against the PyTorch references, in fp32 so no bf16 rounding hides a wrong index. Roundings are checked on the
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SCRIPT = r"""
 import torch
-from fastwan.models import fused
-from fastwan.models.wan import rope_tables
+from fastwan.kernels import norms as fused
+from fastwan.models.wan.transformer import rope_tables
 
 fused._kernel_ok = lambda x: True  # fp32 CPU tensors through the kernels (the interpreter runs them)
 ops = torch.ops.fastwan
@@ -53,7 +53,7 @@ for C, D, grid, per_token in [(24, 12, (1, 2, 3), False), (40, 8, (2, 3, 2), Tru
     for got, want in pairs:
         assert got.shape == want.shape
         worst = max(worst, float(((got - want).abs() / (want.abs() + 1)).max()))
-from fastwan.models import vae_norms
+from fastwan.vae import norms as vae_norms
 
 vae_norms.kernel_ok = lambda x: vae_norms._layout(x) is not None  # CPU tensors through the Triton kernel
 for C, shape, bias in [(5, (2, 5, 3, 7, 9), True), (96, (1, 96, 2, 4, 33), False), (3, (1, 3, 1, 1, 2), True)]:

@@ -1,4 +1,4 @@
-"""Fused norm ops (fastwan.models.fused): their math against float64 formulas, their schemas/fake impls, and the
+"""Fused norm ops (fastwan.kernels.norms): their math against float64 formulas, their schemas/fake impls, and the
 block's fused wiring against the plain path. The Triton kernels themselves need a GPU (tests/gpu); here the ops
 run their PyTorch reference, and ``fused.usable`` is forced on so the DiT takes the fused route on the CPU."""
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fastwan.attention import AttentionDispatch
-from fastwan.models import fused, load_transformer
-from fastwan.models.wan import rope_tables
+from fastwan.models import load_transformer
+from fastwan.kernels import norms as fused
+from fastwan.models.wan.transformer import rope_tables
 
 ops = torch.ops.fastwan
 

@@ -96,7 +96,7 @@ def test_random_seed_is_reported_and_reproduces(gen, tmp_path):
 # ---- decode progress ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("latent_frames,chunk", [(5, 2), (3, 1)])
 def test_decode_shows_progress(tiny_ckpts, capsys, latent_frames, chunk):
-    from fastwan.models.vae_decode import decode_latents
+    from fastwan.vae.decode import decode_latents
 
     vae = diffusers.AutoencoderKLWan.from_pretrained(Path(tiny_ckpts["wan2.1"]) / "vae").eval()
     z = torch.randn(1, vae.config.z_dim, latent_frames, 4, 4, generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.testing import write_hub_cache, write_tiny_checkpoint
+from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
 
 REPO = "tiny-owner/tiny-wan-sharded"
 GEN = dict(seed=5, height=64, width=64, num_frames=5, num_inference_steps=2, save_video=False)

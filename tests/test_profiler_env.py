@@ -9,7 +9,7 @@ import torch
 from fastwan import envinfo
 from fastwan.attention import registry
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities
-from fastwan.attention.testing import reference_attention
+from fastwan.attention.synthetic import reference_attention
 from fastwan.profiler import core
 
 # ---- fastwan env --------------------------------------------------------------------------------------------

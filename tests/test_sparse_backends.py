@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.layout import choose_tile
+from fastwan.attention.sparse.layout import choose_tile
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse.masks import na_mask_1d
 from fastwan.attention.sparse.vsa import topk_count

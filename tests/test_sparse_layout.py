@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from fastwan.attention.layout import TokenLayout, choose_tile
+from fastwan.attention.sparse.layout import TokenLayout, choose_tile
 
 
 def brute_force_order(grid, tile, block_size):

@@ -1,4 +1,4 @@
-"""Cross-attention with the text padding collapsed into one weighted key (fastwan.attention.text_cross).
+"""Cross-attention with the text padding collapsed into one weighted key (fastwan.kernels.text_cross).
 
 The collapse must equal attention over every (duplicated) padding key: checked in float64 against a dense
 softmax, for the PyTorch reference, the Triton kernel (under the interpreter, fp32) and the DiT's wiring (forward,
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastwan.attention import AttentionDispatch
-from fastwan.attention import text_cross
+from fastwan.kernels import text_cross
 from fastwan.models import load_transformer
-from fastwan.models import wan as wan_mod
+from fastwan.models.wan import transformer as wan_mod
 
 ops = torch.ops.fastwan
 
@@ -96,7 +96,7 @@ def test_opcheck():
 
 KERNEL_SCRIPT = r"""
 import torch
-from fastwan.attention import text_cross
+from fastwan.kernels import text_cross
 text_cross._kernel_device = lambda x: True
 text_cross.DTYPES = (torch.float32,)  # fp32 CPU tensors through the kernel (the interpreter runs it)
 worst = 0.0

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from fastwan.attention import text_cross  # noqa: F401 (registers the ops)
+from fastwan.kernels import text_cross  # noqa: F401 (registers the ops)
 
 ops = torch.ops.fastwan
 EPS = 1e-6
@@ -74,8 +74,8 @@ def test_opcheck():
 
 KERNEL_SCRIPT = r"""
 import torch
-from fastwan.attention import text_cross
-from fastwan.models.fused import rms_rope_reference
+from fastwan.kernels import text_cross
+from fastwan.kernels.norms import rms_rope_reference
 from tests.test_text_cross_normq import EPS, composed64, normq_inputs
 text_cross._kernel_device = lambda x: True
 text_cross.DTYPES = (torch.float32,)  # fp32 CPU tensors through the kernel (the interpreter runs it)

@@ -16,9 +16,12 @@ import sys
 import pytest
 import torch
 
-from fastwan.attention import AttentionDispatch, text_cross
-from fastwan.models import fused, load_transformer
-from fastwan.models import wan as wan_mod
+from fastwan.attention import AttentionDispatch
+
+from fastwan.kernels import text_cross
+from fastwan.models import load_transformer
+from fastwan.kernels import norms as fused
+from fastwan.models.wan import transformer as wan_mod
 from tests.test_text_cross import padded
 from tests.test_text_cross_normq import EPS, composed64, normq_inputs
 
@@ -108,7 +111,7 @@ def test_opcheck():
 
 KERNEL_SCRIPT = r"""
 import torch
-from fastwan.attention import text_cross
+from fastwan.kernels import text_cross
 from tests.test_text_cross_normq import EPS, normq_inputs
 from tests.test_text_fold import weights64
 text_cross._kernel_device = lambda x: True

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fastwan.attention import AttentionDispatch
-from fastwan.models import fused, load_transformer
-from fastwan.models import wan as wan_mod
+from fastwan.models import load_transformer
+from fastwan.kernels import norms as fused
+from fastwan.models.wan import transformer as wan_mod
 from tests.test_text_cross import padded
 
 

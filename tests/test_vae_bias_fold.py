@@ -1,4 +1,4 @@
-"""The residual blocks swapped by fastwan.models.vae_convs (``ResidualBlockMixin``) add each conv's bias in the pass
+"""The residual blocks swapped by fastwan.vae.convs (``ResidualBlockMixin``) add each conv's bias in the pass
 that reads the conv output next: conv1's in the fused RMSNorm+SiLU (``rms_silu(..., pre_bias=)``), conv2's in the
 residual add (``add_bias_residual``). Checked here: the swap and what it leaves alone; on the CPU, with the convs
 forced to defer their bias (what they do on CUDA) and PyTorch's fallbacks, that the folded route gives the same
@@ -18,10 +18,10 @@ import torch
 from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
 from torch import nn
 
-from fastwan.models import vae_convs
-from fastwan.models.vae_convs import fast_decoder_convs
-from fastwan.models.vae_decode import decode_latents
-from fastwan.models.vae_norms import RMSNormSiLU, fuse_decoder_norms
+from fastwan.vae import convs as vae_convs
+from fastwan.vae.convs import fast_decoder_convs
+from fastwan.vae.decode import decode_latents
+from fastwan.vae.norms import RMSNormSiLU, fuse_decoder_norms
 
 CL3D = torch.channels_last_3d
 
@@ -81,7 +81,7 @@ def deferring(monkeypatch):
     """The CPU convs defer their bias as on CUDA, and every Triton kernel takes its PyTorch path; counts the
     folds."""
     monkeypatch.setattr(vae_convs, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(vae_convs, "triton_ok", lambda: False)
+    monkeypatch.setattr(vae_convs, "triton_importable", lambda: False)
     counts = {"norm": 0, "residual": 0}
     norm_forward, residual = RMSNormSiLU.forward, vae_convs.add_bias_residual
 
@@ -173,8 +173,9 @@ KERNEL_SCRIPT = r"""
 import copy
 import torch
 from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
-from fastwan.models import vae_convs, vae_norms
-from fastwan.models.vae_decode import decode_latents
+from fastwan.vae import convs as vae_convs
+from fastwan.vae import norms as vae_norms
+from fastwan.vae.decode import decode_latents
 
 vae_convs._kernel_device = lambda x: True  # CPU tensors through the Triton kernels (the interpreter runs them)
 vae_norms.kernel_ok = lambda x: vae_norms._layout(x) is not None

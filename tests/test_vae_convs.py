@@ -1,4 +1,4 @@
-"""fastwan.models.vae_convs: the swapped ``AutoencoderKLWan`` modules decode and encode like diffusers' own (fp32,
+"""fastwan.vae.convs: the swapped ``AutoencoderKLWan`` modules decode and encode like diffusers' own (fp32,
 CPU, Wan2.1 and Wan2.2-style VAEs, 1/5/9 frames, channels-first and channels-last conv weights), which modules are
 swapped and which are left alone, the helpers against diffusers' formulas, and that the swapped decode moves
 fewer bytes through copy/pad/fill ops. On CUDA, also that the decoder stays channels-last throughout."""
@@ -18,9 +18,9 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastwan.models.vae_convs import fast_decoder_convs, interleave_time, time_pad
-from fastwan.models.vae_decode import AUTO_CHUNK_PIXEL_FRAMES, auto_chunk, decode_latents
-from fastwan.models.vae_norms import fuse_decoder_norms
+from fastwan.vae.convs import fast_decoder_convs, interleave_time, time_pad
+from fastwan.vae.decode import AUTO_CHUNK_PIXEL_FRAMES, auto_chunk, decode_latents
+from fastwan.vae.norms import fuse_decoder_norms
 
 CL3D = torch.channels_last_3d
 
@@ -293,7 +293,7 @@ def test_cuda_decoder_stays_channels_last():
 
 BIAS_SCRIPT = r"""
 import torch
-from fastwan.models import vae_convs
+from fastwan.vae import convs as vae_convs
 
 vae_convs.bias_kernel_ok = lambda y, b: vae_convs._dense_layout(y) is not None  # CPU tensors through Triton
 n = 0
@@ -314,8 +314,8 @@ STACK_SCRIPT = r"""
 import copy
 import torch
 from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
-from fastwan.models import vae_convs
-from fastwan.models.vae_decode import decode_latents
+from fastwan.vae import convs as vae_convs
+from fastwan.vae.decode import decode_latents
 
 vae_convs._kernel_device = lambda x: True  # CPU tensors through the Triton interpreter
 vae_convs.STACK_TAPS_DTYPES = (torch.float32,)
@@ -361,7 +361,7 @@ print("CHECKED", n)
 def test_stacked_taps_conv_equals_conv3d():
     """The stacked-taps conv2d route (PyTorch stacking on the CPU) = time_pad + conv3d, fp32: caches of 0-3
     frames, batch 2, a conv with bias and one without, and a 1x3x3 kernel with 1-frame time padding."""
-    from fastwan.models.vae_convs import stacked_taps_conv
+    from fastwan.vae.convs import stacked_taps_conv
 
     g = torch.Generator().manual_seed(4)
     for (b, c, o, k, t, cache_t, bias) in [(1, 6, 5, (3, 3, 3), 4, None, True), (2, 4, 7, (3, 3, 3), 1, 1, True),
@@ -382,7 +382,7 @@ def test_stacked_taps_conv_equals_conv3d():
 
 
 def test_stacked_taps_only_where_measured():
-    from fastwan.models.vae_convs import STACK_TAPS_MAX_CHANNELS, stacked_taps_ok
+    from fastwan.vae.convs import STACK_TAPS_MAX_CHANNELS, stacked_taps_ok
 
     conv = dwan.WanCausalConv3d(8, 8, 3, padding=1)
     x = torch.zeros(1, 8, 2, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL3D)

@@ -1,4 +1,4 @@
-"""The VAE decoder's fused RMSNorm + SiLU (fastwan.models.vae_norms): the op against a float64 formula, the
+"""The VAE decoder's fused RMSNorm + SiLU (fastwan.vae.norms): the op against a float64 formula, the
 module swap on diffusers' AutoencoderKLWan (which pairs it replaces, which it leaves alone), and a decode with the
 swapped modules against diffusers' own decode. The Triton kernel runs under the interpreter in
 test_fused_kernels_interpreted.py and on the GPU in tests/gpu."""
@@ -11,7 +11,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from torch import nn
 
-from fastwan.models.vae_norms import RMSNormSiLU, fuse_decoder_norms
+from fastwan.vae.norms import RMSNormSiLU, fuse_decoder_norms
 
 ops = torch.ops.fastwan
 

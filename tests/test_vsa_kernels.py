@@ -1,4 +1,4 @@
-"""VSA's coarse-stage kernels (fastwan.attention.sparse.vsa_kernels): the Triton kernels under Triton's interpreter
+"""VSA's coarse-stage kernels (fastwan.kernels.vsa): the Triton kernels under Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess) against the PyTorch path, and the ops' CPU behaviour, fake implementations
 and the BlockPlan built from precomputed tables.
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.sparse import vsa_kernels as vk
+from fastwan.kernels import vsa as vk
 from fastwan.attention.sparse.kernels import BlockPlan, split_selected
 from fastwan.attention.sparse.vsa import VideoSparseBackend, tile_pool, topk_count
 
@@ -72,7 +72,7 @@ import torch
 sys.path.insert(0, TESTS_DIR)
 from test_vsa_kernels import check_order, check_tables_as_sets, segment_table, torch_path_tables
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.sparse import vsa_kernels as vk
+from fastwan.kernels import vsa as vk
 from fastwan.attention.sparse.kernels import BlockPlan
 from fastwan.attention.sparse.vsa import VideoSparseBackend, tile_pool, topk_count
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from fastwan.attention.layout import TokenLayout
+    from fastwan.attention.sparse.layout import TokenLayout
 
 
 @dataclass(frozen=True)

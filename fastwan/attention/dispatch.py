@@ -2,7 +2,7 @@
 
 A DiT holds one :class:`AttentionDispatch`. Self-attention goes to ``self_backend`` (dense or sparse);
 cross-attention (video queries vs. text keys) always goes to a dense backend. A sparse backend also supplies
-the :class:`~fastwan.attention.layout.TokenLayout` that the DiT applies once per forward.
+the :class:`~fastwan.attention.sparse.layout.TokenLayout` that the DiT applies once per forward.
 """
 from __future__ import annotations
 

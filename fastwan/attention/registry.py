@@ -25,9 +25,9 @@ logger = logging.getLogger("fastwan.attention")
 
 # name -> "module:Class". One module per backend; modules are imported lazily.
 BACKENDS: dict[str, str] = {
-    "TORCH_SDPA": "fastwan.attention.sdpa:TorchSDPABackend",
-    "FLASH_ATTN": "fastwan.attention.flash:FlashAttnBackend",
-    "SAGE_ATTN": "fastwan.attention.sage:SageAttnBackend",
+    "TORCH_SDPA": "fastwan.attention.backends.sdpa:TorchSDPABackend",
+    "FLASH_ATTN": "fastwan.attention.backends.flash:FlashAttnBackend",
+    "SAGE_ATTN": "fastwan.attention.backends.sage:SageAttnBackend",
     "SLIDING_TILE_ATTN": "fastwan.attention.sparse.sta:SlidingTileBackend",
     "VIDEO_SPARSE_ATTN": "fastwan.attention.sparse.vsa:VideoSparseBackend",
     "NEIGHBORHOOD_ATTN": "fastwan.attention.sparse.neighborhood:NeighborhoodBackend",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
-from fastwan.models.config import WanConfig
+from fastwan.models.wan.config import WanConfig
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -16,7 +16,7 @@ from fastwan.models.loading import (
     read_json,
     weight_files,
 )
-from fastwan.testing import TINY_IDS, tiny_checkpoint
+from fastwan.tiny import TINY_IDS, tiny_checkpoint
 
 
 @dataclass(frozen=True)

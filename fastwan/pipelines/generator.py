@@ -27,9 +27,9 @@ from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models import load_transformer
-from fastwan.models.vae_convs import fast_decoder_convs
-from fastwan.models.vae_decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
-from fastwan.models.vae_norms import fuse_decoder_norms
+from fastwan.vae.convs import fast_decoder_convs
+from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
+from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
 from fastwan.pipelines.inputs import check_inputs, random_seed
@@ -116,14 +116,14 @@ class VideoGenerator:
         residual stream inside their GEMM, biases ride along as an fp32 offset that the norm kernels add) keep the
         math and only change bf16 rounding. ``text_collapse`` (CUDA): the prompt's padding tokens, which all give
         the same key and value, enter the cross-attention as one key weighted by their count, in fastwan's Triton
-        kernel (:mod:`fastwan.attention.text_cross`; the same attention, over ~20 instead of 512 keys for a short
+        kernel (:mod:`fastwan.kernels.text_cross`; the same attention, over ~20 instead of 512 keys for a short
         prompt); False keeps the attention backend's kernel for the cross-attention too. ``text_kv_cache``: the
         text embedding and every block's cross-attention keys and values are computed once per prompt and reused
         by the later denoising steps (the same values; their memory, 2 x layers x 512 x hidden per prompt, is
         held while the prompt's embeddings live). ``text_fold`` (with both of those): for short prompts (key count
         rounded up to 8 at most half the head dim), each block's cross-attention output projection is folded into
         its cached values per prompt, so the cross-attention costs one GEMM with K = heads x width instead of the
-        [tokens, hidden] x [hidden, hidden] projection (:func:`fastwan.attention.text_cross.fold_values`; exact in
+        [tokens, hidden] x [hidden, hidden] projection (:func:`fastwan.kernels.text_cross.fold_values`; exact in
         real arithmetic).
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
@@ -136,10 +136,10 @@ class VideoGenerator:
         ``tile_sample_min_height/_width`` and ``tile_sample_stride_height/_width`` (pixels, multiples of the
         VAE's spatial factor, stride <= tile). On CUDA the VAE's 3-D conv weights are stored channels-last
         (measured: decode -9%, decode memory -10%), and the VAE's causal convolutions, bias adds and upsampling
-        run with fewer full-tensor copies, the same math (:mod:`fastwan.models.vae_convs`; 480p decode -27%).
+        run with fewer full-tensor copies, the same math (:mod:`fastwan.vae.convs`; 480p decode -27%).
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
-        the result is the same, :mod:`fastwan.models.vae_decode`). "auto" (default) takes as many as keep a call's
+        the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
         output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
         """
         # ---- argument checks (before any work) ----
@@ -207,9 +207,9 @@ class VideoGenerator:
             for mod in vae.modules():
                 if isinstance(mod, torch.nn.Conv3d):
                     mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
-        if fused_norms:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.models.vae_norms)
+        if fused_norms:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.vae.norms)
             fuse_decoder_norms(vae)
-        fast_decoder_convs(vae)  # the same math with fewer full-tensor copies (fastwan.models.vae_convs)
+        fast_decoder_convs(vae)  # the same math with fewer full-tensor copies (fastwan.vae.convs)
         if tiling is not None:
             vae.enable_tiling(**tiling)
         scheduler = _load_scheduler(ckpt.folder("scheduler"))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.testing import wan_like_qkv
+from fastwan.attention.synthetic import wan_like_qkv
 from fastwan.attention.variants import BackendSpec, backend_specs
 from fastwan.envinfo import default_device, device_info, parse_dtype
 

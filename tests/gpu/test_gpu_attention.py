@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastwan.attention import AttentionDispatch, create_backend
-from fastwan.attention.testing import wan_like_qkv
+from fastwan.attention.synthetic import wan_like_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -120,7 +120,7 @@ def test_cross_attention_and_scale(name):
 
 def test_nvfp4_flash_attention_vs_emulation():
     """Runs only on sm100/sm103 with a flash-attn build that takes NVFP4 Q/K (skips with the reason otherwise)."""
-    from fastwan.attention.fp4 import fp4_emulated_attention
+    from fastwan.kernels.fp4 import fp4_emulated_attention
 
     q, k, v = wan_like_qkv((4, 32, 32), 12, 128, dtype=BF16, device="cuda", seed=2)
     b = backend_or_skip("FLASH_ATTN", {"nvfp4": True})
@@ -169,7 +169,7 @@ def test_compile_fullgraph(name):
 def test_fa4_split_equals_one_launch(batch, fused):
     """FA4 on sm90 with the query in two launches (kernels.fa4_sm90_plan) gives the same bits as one launch: a
     row's output depends on its own query row and all keys only, whatever tile it lands in."""
-    from fastwan.attention import kernels
+    from fastwan.attention.backends import packages as kernels
 
     b = backend_or_skip("FLASH_ATTN", {"version": 4}, seq_q=32760, seq_kv=32760)
     if torch.cuda.get_device_capability() != (9, 0):

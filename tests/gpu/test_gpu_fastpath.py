@@ -52,7 +52,7 @@ def test_gelu_epilogue_matches_fp32_reference():
     2x the error of the unfused bf16 path (linear rounded to bf16, then GELU), plus 1e-5."""
     import torch.nn.functional as F
 
-    from fastwan.models.wan import linear_gelu_tanh
+    from fastwan.models.wan.transformer import linear_gelu_tanh
 
     g = torch.Generator("cuda").manual_seed(0)
     lin = torch.nn.Linear(1536, 8960, device="cuda", dtype=torch.bfloat16)
@@ -83,8 +83,8 @@ def _within_bf16_steps(got, ref, what, scale=None):
                                                   (40, 8, False), (96, 12, False)])
 def test_fused_norm_kernels_match_the_pytorch_path(C, head_dim, per_token):
     pytest.importorskip("triton")
-    from fastwan.models import fused
-    from fastwan.models.wan import rope_tables
+    from fastwan.kernels import norms as fused
+    from fastwan.models.wan.transformer import rope_tables
 
     assert fused.usable(torch.empty(1, 1, C, device="cuda", dtype=torch.bfloat16))
     ops = torch.ops.fastwan
@@ -161,7 +161,7 @@ def test_vae_rms_silu_kernel_is_as_accurate_as_diffusers(channels_last, bias):
     pytest.importorskip("triton")
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
-    from fastwan.models import vae_norms
+    from fastwan.vae import norms as vae_norms
 
     C = 96
     g = torch.Generator("cuda").manual_seed(7)
@@ -191,7 +191,7 @@ def test_stacked_taps_conv_on_cuda(cache_t):
     conv3d route of the same bf16 inputs and an fp32 conv3d: no further from fp32 than the conv3d route."""
     from diffusers.models.autoencoders import autoencoder_kl_wan as dwan
 
-    from fastwan.models import vae_convs
+    from fastwan.vae import convs as vae_convs
 
     torch.manual_seed(0)
     conv = dwan.WanCausalConv3d(96, 96, 3, padding=1).cuda().to(torch.bfloat16)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
-from fastwan.attention.sparse import kernels, vsa_kernels
+from fastwan.attention.sparse import kernels
+from fastwan.kernels import vsa as vsa_kernels
 from fastwan.attention.sparse.vsa import tile_pool, topk_count
 
 _spec = importlib.util.spec_from_file_location("vsa_kernel_checks",

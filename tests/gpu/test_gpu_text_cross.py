@@ -1,4 +1,4 @@
-"""GPU: fastwan's collapsed text cross-attention kernel (fastwan.attention.text_cross) in bf16 against an fp32
+"""GPU: fastwan's collapsed text cross-attention kernel (fastwan.kernels.text_cross) in bf16 against an fp32
 attention over all 512 (padded) keys, at the Wan shapes; its error must be no larger than a dense bf16 kernel's
 (cuDNN through SDPA) over the same keys; the q norm fused in; the output projection folded into the values
 (text_fold). And the DiT with the collapse or the fold on vs off (same weights, bf16)."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fastwan.attention.text_cross  # noqa: F401  (registers the fastwan:: text ops)
-import fastwan.models.fused  # noqa: F401  (registers rms_rope, residual_linear_, residual_bmm_)
+import fastwan.kernels.text_cross  # noqa: F401  (registers the fastwan:: text ops)
+import fastwan.kernels.norms  # noqa: F401  (registers rms_rope, residual_linear_, residual_bmm_)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -19,7 +19,7 @@ def _fp32_attention(q, k, v):
 @pytest.mark.parametrize("b,s,h,tokens", [(1, 32760, 12, 20), (2, 4096, 12, 150), (1, 4097, 40, 511),
                                           (1, 300, 2, 0)])
 def test_kernel_matches_fp32_attention_over_all_keys(b, s, h, tokens):
-    from fastwan.attention.text_cross import text_cross_ok
+    from fastwan.kernels.text_cross import text_cross_ok
 
     g = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(b, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -72,7 +72,7 @@ def test_folded_projection_matches_fp32(b, s, h, tokens, strided):
     """The folded cross-attention (text_cross_probs_normq + residual_bmm_ with fold_values) against the
     unfolded one (text_cross_attention_normq + residual_linear_), both against fp32 arithmetic on the same bf16
     inputs: the fold's error must be no larger than the unfolded route's (bf16 P and U instead of bf16 P@V)."""
-    from fastwan.attention import text_cross
+    from fastwan.kernels import text_cross
 
     g = torch.Generator("cuda").manual_seed(2)
     c = h * 128

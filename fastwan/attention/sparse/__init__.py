@@ -13,7 +13,7 @@ Use from the DiT (once per forward)::
 
 Configs are plain dicts of constructor kwargs; :func:`load_attention_config` reads them from JSON.
 """
-from fastwan.attention.layout import TokenLayout, choose_tile
+from fastwan.attention.sparse.layout import TokenLayout, choose_tile
 from fastwan.attention.sparse.config import load_attention_config
 
 __all__ = ["TokenLayout", "choose_tile", "load_attention_config"]

@@ -7,7 +7,7 @@ import torch
 
 from fastwan.errors import InvalidArgument
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, check_qkv, package_available
-from fastwan.attention.layout import TokenLayout, choose_tile, default_block_size
+from fastwan.attention.sparse.layout import TokenLayout, choose_tile, default_block_size
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import kernels
 from fastwan.attention.sparse.kernels import BlockPlan

@@ -1,4 +1,4 @@
-"""Block-sparse attention kernels over a :class:`~fastwan.attention.layout.TokenLayout`.
+"""Block-sparse attention kernels over a :class:`~fastwan.attention.sparse.layout.TokenLayout`.
 
 One tile of the layout is one block of the kernel (``block_size`` slots). A :class:`BlockPlan` holds the
 block tables of one attention pattern and turns them, lazily and once, into what each kernel needs:
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastwan.attention.base import package_available
-from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import masks
 
 logger = logging.getLogger("fastwan.attention")

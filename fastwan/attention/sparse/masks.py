@@ -1,7 +1,7 @@
 """Attention patterns of the sparse backends, at token level and at tile (block) level.
 
 Conventions: a *block table* is a bool tensor ``[Bm, Hm, nQ, nK]`` over the tiles of a
-:class:`~fastwan.attention.layout.TokenLayout` (``Bm``/``Hm`` are 1 when the pattern is shared across batch /
+:class:`~fastwan.attention.sparse.layout.TokenLayout` (``Bm``/``Hm`` are 1 when the pattern is shared across batch /
 heads); ``any`` marks tile pairs with at least one attended (query, key) pair, ``full`` the subset in which
 every real query attends every key slot (so the kernel needs no token-level mask there: such key tiles have
 no dummy slot).
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse.layout import TokenLayout
 
 
 def na_neighbor_1d(

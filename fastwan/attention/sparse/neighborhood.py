@@ -33,7 +33,7 @@ import math
 from typing import Any
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import masks
 from fastwan.attention.sparse.common import SparseVideoBackend
@@ -83,7 +83,7 @@ class NeighborhoodBackend(SparseVideoBackend):
         """``tile="auto"`` with a stride whose token count fills 3/4 to all of a block: the tile is the stride
         (clamped to the grid), so GNA windows (kernel sizes that are odd multiples of the stride) fall on tile
         boundaries -- block-sparse with full blocks only where the tile divides the grid. Otherwise the
-        fewest-slots tile of :func:`~fastwan.attention.layout.choose_tile`."""
+        fewest-slots tile of :func:`~fastwan.attention.sparse.layout.choose_tile`."""
         if self.tile == "auto" and any(s > 1 for s in self.stride):
             tile = tuple(min(s, g) for s, g in zip(self.stride, grid))
             if 4 * math.prod(tile) >= 3 * (self.block_size or 128) and math.prod(tile) <= (self.block_size or 128):

@@ -1,6 +1,6 @@
 """SLIDING_TILE_ATTN: sliding tile attention (STA) at any resolution.
 
-The token grid is cut into tiles (see :mod:`fastwan.attention.layout`). A query tile attends to every real
+The token grid is cut into tiles (see :mod:`fastwan.attention.sparse.layout`). A query tile attends to every real
 token of the key tiles inside its window: per dimension, the ``window`` (odd, in tiles) is centered on the
 query tile and shifted to stay inside the tile grid at the borders (so it always covers ``window`` tiles; a
 window larger than the tile grid covers the whole dimension). Windows may differ per denoising step, DiT
@@ -33,7 +33,7 @@ from typing import Any
 
 from fastwan.errors import InvalidArgument
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import masks
 from fastwan.attention.sparse.common import SparseVideoBackend

@@ -18,7 +18,7 @@ directly, at tile level (a sort over k entries per query tile), not from a token
 next to the attention itself, but it is per layer, unlike STA/NA whose masks are cached.
 :meth:`VideoSparseBackend.select` runs stages 1-2: on CUDA (Triton available) as one pooling kernel, the cuBLAS
 score matmul and one top-k kernel that writes the FA4 block tables directly
-(:mod:`fastwan.attention.sparse.vsa_kernels`); elsewhere in PyTorch (:meth:`VideoSparseBackend.coarse`,
+(:mod:`fastwan.kernels.vsa`); elsewhere in PyTorch (:meth:`VideoSparseBackend.coarse`,
 ``torch.topk``, then the tables from the top-k indices).
 
 ``dense_steps``: during the first steps ``sparsity`` is 0 (every key tile is kept; the coarse branch still
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.layout import TokenLayout
+from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
-from fastwan.attention.sparse import vsa_kernels
+from fastwan.kernels import vsa as vsa_kernels
 from fastwan.attention.sparse.common import SparseVideoBackend
 from fastwan.attention.sparse.kernels import BlockPlan
 

@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`fastwan.attention.text_cross` (imported only where Triton is; the ops launch them).
+"""Triton kernels of :mod:`fastwan.kernels.text_cross` (imported only where Triton is; the ops launch them).
 
 Every kernel attends from a block of BM query rows of one sample to the first ``n`` keys of that sample, key
 ``n - 1`` counting ``L - n + 1`` times (the collapsed text padding): scores are in log2 units, so that key gets

@@ -16,11 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
-from fastwan.attention import text_cross
-from fastwan.attention.text_cross import text_cross_ok, text_keys
+from fastwan.kernels import text_cross
+from fastwan.kernels.text_cross import text_cross_ok, text_keys
 from fastwan.errors import InvalidArgument
-from fastwan.models import fused
-from fastwan.models.config import WanConfig
+from fastwan.kernels import norms as fused
+from fastwan.models.wan.config import WanConfig
 
 # Parameter-name components kept in fp32 whatever the model dtype (as Diffusers does for Wan).
 KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -103,10 +103,10 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 class CrossKV(NamedTuple):
     """One block's cross-attention keys and values, computed from the text once per prompt
     (:meth:`WanTransformer._contexts`): k (after ``norm_k``) and v [B, L, H, D]; ``keys`` int32 [B] where the
-    text padding is collapsed into one weighted key (:mod:`fastwan.attention.text_cross`), else None.
+    text padding is collapsed into one weighted key (:mod:`fastwan.kernels.text_cross`), else None.
 
     With the output projection folded into the values (``text_fold``), ``u`` [B, H * width, C] holds
-    :func:`fastwan.attention.text_cross.fold_values` of v and ``to_out``'s weight, and v is None: the block adds
+    :func:`fastwan.kernels.text_cross.fold_values` of v and ``to_out``'s weight, and v is None: the block adds
     P @ u (P the attention weights [B, S, H * width]) plus ``to_out``'s bias instead of projecting P @ V."""
     k: torch.Tensor
     v: torch.Tensor | None
@@ -151,7 +151,7 @@ class WanAttention(nn.Module):
 
     def _norm(self, t: torch.Tensor, norm: RMSNorm, rope: torch.Tensor | None, fused_ok: bool) -> torch.Tensor:
         """[B, S, inner] -> RMSNorm (+ RoPE) -> [B, S, heads, head_dim]: one pass in the fused kernel where it runs
-        (:mod:`fastwan.models.fused`, the same roundings as the PyTorch path)."""
+        (:mod:`fastwan.kernels.norms`, the same roundings as the PyTorch path)."""
         if self.fused_norms and fused_ok and norm.weight.dtype == t.dtype:
             return torch.ops.fastwan.rms_rope(t, norm.weight, rope, norm.eps, self.head_dim).unflatten(
                 -1, (self.heads, self.head_dim))
@@ -184,7 +184,7 @@ class WanAttention(nn.Module):
         kernels run for these activations (decided once per forward, outside compiled code). ``project=False``
         returns the attention output before ``to_out`` ([B, S, heads * head_dim]; the block then projects it
         into the residual stream itself). A context given as ``(context, keys)`` (``keys``: int32 [B] from
-        :func:`fastwan.attention.text_cross.text_keys`) attends with the text padding collapsed into one
+        :func:`fastwan.kernels.text_cross.text_keys`) attends with the text padding collapsed into one
         weighted key (``fastwan::text_cross_attention``, exact); a :class:`CrossKV` brings the keys and values
         already projected (:meth:`text_kv`), or folded into the output projection (then ``project`` must be
         True)."""
@@ -296,7 +296,7 @@ class WanBlock(nn.Module):
 
         The residual stream is x plus ``pending`` (:func:`settle` adds it), a part that the fused paths leave
         for the next norm kernel to add while it reads x anyway (``fused_ok``: the fused norm kernels run for x,
-        :func:`fastwan.models.fused.usable`, decided by the caller outside compiled code):
+        :func:`fastwan.kernels.norms.usable`, decided by the caller outside compiled code):
 
         * ``(y, gate)``: the block's last residual ``x + ffn * gate``, added by the next block's first norm
           kernel (``residual_norm_mod``: one pass over the activations fewer);
@@ -483,17 +483,17 @@ class WanTransformer(nn.Module):
         fuse_qkv: one QKV GEMM per self-attention (irreversible: the separate projections are dropped).
         gelu_epilogue: FFN bias + GELU(tanh) in the first FFN GEMM's epilogue on CUDA.
         fused_norms: residual + LayerNorm + modulation and q/k RMSNorm + RoPE as single-pass Triton kernels on
-        CUDA (:mod:`fastwan.models.fused`); the PyTorch path elsewhere.
+        CUDA (:mod:`fastwan.kernels.norms`); the PyTorch path elsewhere.
         gemm_residual: with fused_norms, the residual adds of the output projections inside their GEMMs and the
         biases as a pending fp32 offset (:meth:`WanBlock.forward`), where the modulation is one vector per batch.
         text_collapse: where fastwan's Triton cross-attention kernel runs (CUDA, fp16/bf16), text padding (the
         trailing run of equal rows of the text embeddings) enters the cross-attention as one key weighted by its
-        count (:mod:`fastwan.attention.text_cross`; exact), instead of the dispatch's backend over all tokens.
+        count (:mod:`fastwan.kernels.text_cross`; exact), instead of the dispatch's backend over all tokens.
         text_kv_cache: the text embedding and every block's cross-attention keys and values computed once per
         prompt tensor and reused by later forwards (a denoising loop passes the same embeddings every step; the
         same values, computed outside the compiled blocks). Costs their memory (2 x layers x L x C per prompt).
         text_fold: with text_kv_cache and the collapsed text attention, each block's cross-attention output
-        projection folded into its cached values (:func:`fastwan.attention.text_cross.fold_values`): the
+        projection folded into its cached values (:func:`fastwan.kernels.text_cross.fold_values`): the
         attention writes its weights P [S, H x width] and one GEMM adds P @ U to the residual stream, instead of
         P @ V and the [S, C] x [C, C] projection. Where the prompts' key count rounded up (``fold_width``) is at
         most half the head dim (short prompts); U replaces V in the cache (H x width x C per block and prompt).
@@ -561,7 +561,7 @@ class WanTransformer(nn.Module):
 
     def _fold_width(self, texts: tuple[torch.Tensor, ...]) -> int | None:
         """The width of the folded cross-attention for these texts (their keys known to :meth:`_text_keys`), or
-        None where the fold is off or does not pay (:func:`fastwan.attention.text_cross.fold_width`)."""
+        None where the fold is off or does not pay (:func:`fastwan.kernels.text_cross.fold_width`)."""
         if not self.text_fold:
             return None
         hits = [self._keys_cache.get(id(t)) for t in texts]

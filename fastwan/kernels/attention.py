@@ -4,13 +4,13 @@ each one as a single opaque node (no graph break) and can still infer shapes thr
 All ops take ``q [B, Sq, H, D]``, ``k, v [B, Skv, H, D]`` and return a new contiguous ``[B, Sq, H, D]`` tensor
 with q's dtype (for NVFP4, q is the bf16 input; quantization happens inside the op). Importing this module
 registers the ops but imports no external package: the kernels are loaded lazily via
-:mod:`fastwan.attention.kernels` on the first real call.
+:mod:`fastwan.attention.backends.packages` on the first real call.
 """
 from __future__ import annotations
 
 import torch
 
-from fastwan.attention import kernels
+from fastwan.attention.backends import packages as kernels
 
 
 def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +33,12 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Ten
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int,
                tile_m: int = 0, split: int = 0, tail_tile_m: int = 0) -> torch.Tensor:
     """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute). ``tile_m``: FA4's
-    sm90 query tile (:data:`fastwan.attention.kernels.FA4_SM90_TILES`); 0 = the kernel's own choice.
+    sm90 query tile (:data:`fastwan.attention.backends.packages.FA4_SM90_TILES`); 0 = the kernel's own choice.
 
     ``split`` > 0 (FA4 with explicit tiles only): two launches writing into one output, query rows ``[0, split)``
     with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m``, one after the other (the tail on a second stream
     measured no faster on an H100). ``split`` = -1: FA4 on sm90, head dim 128; the launches are planned here,
-    from the shapes and the device's SM count (:func:`fastwan.attention.kernels.fa4_sm90_plan`), ``tile_m``
+    from the shapes and the device's SM count (:func:`fastwan.attention.backends.packages.fa4_sm90_plan`), ``tile_m``
     being the one-launch tile."""
     fn = kernels.flash_kernel(version)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -94,8 +94,8 @@ def sage_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 def fp4_emulated_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, use_global_scale: bool
 ) -> torch.Tensor:
-    """Pure-PyTorch NVFP4 Q/K emulation (:func:`fastwan.attention.fp4.fp4_emulated_attention`), any device."""
-    from fastwan.attention.fp4 import fp4_emulated_attention
+    """Pure-PyTorch NVFP4 Q/K emulation (:func:`fastwan.kernels.fp4.fp4_emulated_attention`), any device."""
+    from fastwan.kernels.fp4 import fp4_emulated_attention
 
     out = fp4_emulated_attention(q, k, v, scale, use_global_scale=use_global_scale)
     return _finish(out.to(q.dtype), q)

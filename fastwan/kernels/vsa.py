@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from fastwan.attention.kernels import triton_ok
+from fastwan.kernels import triton_importable
 from fastwan.attention.sparse.kernels import split_selected
 
 # Longest row (key tiles) the top-k kernel takes; longer rows use torch.topk + split_selected. The kernel is
@@ -49,7 +49,7 @@ POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _kernel_ok(x: torch.Tensor) -> bool:
     """Whether the Triton kernels can take tensors on x's device (CUDA with Triton importable)."""
-    return x.is_cuda and triton_ok()
+    return x.is_cuda and triton_importable()
 
 
 def pool_usable(*tensors: torch.Tensor) -> bool:

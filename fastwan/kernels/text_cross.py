@@ -15,7 +15,7 @@ A prompt of 20 tokens thus attends to 21 keys instead of 512.
   RMSNorm (over all heads, with ``weight``; the rounding of ``rms_rope``) fused in: it takes the raw projection
   q [B, S, C], so the normalized q is never written (the kernel normalizes each query block on the fly).
 
-:class:`fastwan.models.wan.WanTransformer` uses it for its cross-attention when ``text_collapse`` is on (default)
+:class:`fastwan.models.wan.transformer.WanTransformer` uses it for its cross-attention when ``text_collapse`` is on (default)
 and :func:`text_cross_ok` holds; otherwise the attention dispatch's cross-attention backend runs over all keys.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastwan.attention.kernels import triton_ok
+from fastwan.kernels import triton_importable
 
 MAX_KEYS = 128  # the model collapses up to this many keys; at ~150 the kernel only ties FA4 over 512 (RESULTS 12)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the kernel's head sizes (tl.arange needs a power of two)
@@ -54,7 +54,7 @@ def text_keys(text: torch.Tensor) -> torch.Tensor:
 def text_cross_ok(x: torch.Tensor, head_dim: int) -> bool:
     """Whether the Triton kernel runs for attention heads of ``head_dim`` on tensors like x: CUDA, fp16/bf16,
     head_dim a power of two in 16..256, Triton importable."""
-    return _kernel_device(x) and x.dtype in DTYPES and head_dim in HEAD_DIMS and triton_ok()
+    return _kernel_device(x) and x.dtype in DTYPES and head_dim in HEAD_DIMS and triton_importable()
 
 
 def text_cross_reference(q, k, v, keys) -> torch.Tensor:
@@ -85,7 +85,7 @@ def check_inputs(q, k, v, keys) -> None:
 
 @functools.cache
 def _kernels():
-    from fastwan.attention import text_cross_kernels  # imports Triton
+    from fastwan.kernels import text_cross_triton as text_cross_kernels  # imports Triton
 
     return text_cross_kernels
 

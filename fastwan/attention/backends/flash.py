@@ -17,8 +17,8 @@ import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan import envs
-from fastwan.attention import kernels
-from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.backends import packages as kernels
+from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
 CC = tuple[int, int]
@@ -247,10 +247,10 @@ class FlashAttnBackend(AttentionBackend):
 
     def plan_for(self, q: torch.Tensor, k: torch.Tensor, version: int) -> tuple[int, int, int]:
         """How FA4's sm90 forward covers q [B, Sq, H, D]: ``(tile_m, split, tail_tile_m)`` for
-        :func:`fastwan.attention.ops.flash_attn` (tile_m 0 = the kernel's default; split 0 = one launch, -1 = the
-        op plans at run time with :func:`fastwan.attention.kernels.fa4_sm90_plan`, which may split the query into
+        :func:`fastwan.kernels.attention.flash_attn` (tile_m 0 = the kernel's default; split 0 = one launch, -1 = the
+        op plans at run time with :func:`fastwan.attention.backends.packages.fa4_sm90_plan`, which may split the query into
         two launches; ``tile_m`` is then the one-launch tile). The explicit ``fa4_tile_m`` in one launch, or with
-        'auto' :func:`fastwan.attention.kernels.fa4_sm90_tile_m` for head dim 128 on a known sm90 device, planned
+        'auto' :func:`fastwan.attention.backends.packages.fa4_sm90_tile_m` for head dim 128 on a known sm90 device, planned
         by the op unless ``fa4_split=False``. The plan is made inside the op (plain ints, any torch.compile
         shape mode), not traced."""
         if version != 4:

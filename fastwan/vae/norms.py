@@ -13,7 +13,7 @@ so bf16 results differ by a few units in the last place; in fp32 they agree to r
 a tensor that is neither channels-first nor channels-last dense, the same formula runs in PyTorch.
 
 The op also takes the bias of the convolution before the norm (``pre_bias``; the residual blocks swapped by
-:mod:`fastwan.models.vae_convs` pass their ``conv1``'s): x is then first replaced by ``x + pre_bias`` rounded to
+:mod:`fastwan.vae.convs` pass their ``conv1``'s): x is then first replaced by ``x + pre_bias`` rounded to
 x's dtype, exactly what the separate bias add (``add_channel_bias_``) would have written and the norm read back --
 the same bits, one pass over the activation fewer.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastwan.models.fused import triton_ok
+from fastwan.kernels import triton_importable
 
 EPS = 1e-12  # F.normalize's default, as WanRMS_norm uses it
 MAX_C = 4096
@@ -64,7 +64,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def kernel_ok(x: torch.Tensor) -> bool:
     return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.shape[1] <= MAX_C
-            and _layout(x) is not None and x.numel() > 0 and triton_ok())
+            and _layout(x) is not None and x.numel() > 0 and triton_importable())
 
 
 @functools.cache

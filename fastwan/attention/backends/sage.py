@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastwan.attention import kernels
-from fastwan.attention import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.backends import packages as kernels
+from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
 INSTALL = (

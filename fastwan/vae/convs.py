@@ -66,7 +66,7 @@ Not changed (the next steps): the copy of x into the time-padded buffer (about h
 device-to-device copies at 480p: the producer, the RMSNorm+SiLU kernel, would have to write into the buffer's tail), the
 two-frame feature-cache clones, the bias of the 1x1x1 shortcut convs (it could join the residual kernel).
 (``AutoencoderKLWan._decode``'s per-frame ``torch.cat`` of the output is gone with
-:func:`fastwan.models.vae_decode.decode_latents`, which concatenates once.)
+:func:`fastwan.vae.decode.decode_latents`, which concatenates once.)
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastwan.models.fused import triton_ok
+from fastwan.kernels import triton_importable
 
 CACHE_T = 2  # frames each causal conv keeps from the previous chunk (diffusers' CACHE_T)
 CL3D = torch.channels_last_3d
@@ -171,7 +171,7 @@ def _bias_kernel_usable(y: torch.Tensor, bias: torch.Tensor) -> bool:
     return (_kernel_device(y) and y.dtype in (torch.float16, torch.bfloat16, torch.float32) and bias.dtype == y.dtype
             and not (torch.is_grad_enabled() and (y.requires_grad or bias.requires_grad))
             and bias.device == y.device and bias.numel() == y.shape[1] and y.numel() > 0
-            and _dense_layout(y) is not None and triton_ok())
+            and _dense_layout(y) is not None and triton_importable())
 
 
 def bias_kernel_ok(y: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -289,7 +289,7 @@ def stacked_taps_ok(conv: nn.Conv3d, x: torch.Tensor, pad_t: int) -> bool:
             and x.shape[1] <= STACK_TAPS_MAX_CHANNELS and conv.groups == 1 and conv.stride[0] == 1
             and conv.dilation[0] == 1 and w.shape[2] == pad_t + 1 and x.shape[2] > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and _dense_layout(x) == "cl" and triton_ok())
+            and _dense_layout(x) == "cl" and triton_importable())
 
 
 @functools.cache
@@ -336,7 +336,7 @@ def stack_time_taps(x: torch.Tensor, cache: torch.Tensor | None, pad_t: int, kt:
         raise ValueError(f"feature cache {tuple(cache.shape)} does not fit input {tuple(x.shape)} "
                          "(sizes must match except along time)")
     out = torch.empty((b, t, h, w, kt * c), dtype=x.dtype, device=x.device)
-    if _kernel_device(x) and triton_ok():
+    if _kernel_device(x) and triton_importable():
         import triton
 
         xs = x.contiguous(memory_format=CL3D)
@@ -556,11 +556,11 @@ class ResidualBlockMixin:
     """Mixin for ``WanResidualBlock``: diffusers' forward (same order, same feature-cache slots), with each
     conv's bias added where the activation is read next instead of in a pass of its own (on CUDA, where the
     convs defer it): conv1's by the fused RMSNorm+SiLU (``pre_bias`` of
-    :class:`~fastwan.models.vae_norms.RMSNormSiLU`), conv2's by the residual add (:func:`add_bias_residual`).
+    :class:`~fastwan.vae.norms.RMSNormSiLU`), conv2's by the residual add (:func:`add_bias_residual`).
     Without a fused norm2, or with hooks on the convs, the bias is added by :func:`add_channel_bias_` as before."""
 
     def forward(self, x, feat_cache=None, feat_idx=[0]):  # noqa: B006 -- diffusers' signature; never mutated here
-        from fastwan.models.vae_norms import RMSNormSiLU
+        from fastwan.vae.norms import RMSNormSiLU
 
         h = self.conv_shortcut(x)
         x = self.nonlinearity(self.norm1(x))
@@ -674,7 +674,7 @@ def fast_decoder_convs(vae: nn.Module) -> int:
     nearest ``WanUpsample``\\ s, ``DupUp3D``\\ s, ``WanResidualUpBlock``\\ s and ``WanResidualBlock``\\ s.
     Parameters, buffers, state-dict names and ``isinstance`` checks are unchanged. A module whose attributes are
     not the expected ones (another diffusers release, or one already swapped) is left alone. Independent of
-    :func:`fastwan.models.vae_norms.fuse_decoder_norms` (either order). Returns the number of modules swapped."""
+    :func:`fastwan.vae.norms.fuse_decoder_norms` (either order). Returns the number of modules swapped."""
     swapped = 0
     in_resample = _resample_parts(vae)
     for mod in vae.modules():

@@ -3,7 +3,7 @@
 Nothing here imports an external package at ``import fastwan`` time: presence is checked with
 ``importlib`` specs / distribution metadata, and the packages are imported on the first kernel call.
 Every loader returns ``fn(q, k, v, scale) -> out or (out, ...)`` on ``[B, S, H, D]`` tensors.
-The custom ops in :mod:`fastwan.attention.ops` call these loaders; tests may monkeypatch them.
+The custom ops in :mod:`fastwan.kernels.attention` call these loaders; tests may monkeypatch them.
 """
 from __future__ import annotations
 
@@ -25,17 +25,6 @@ def _spec(name: str):
         return importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-
-
-@functools.cache
-def triton_ok() -> bool:
-    """Whether Triton imports (the fused norm, VAE and VSA kernels need it; each has a PyTorch path otherwise)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def dist_version(*names: str) -> str | None:
@@ -234,7 +223,7 @@ def fa4_accepts_nvfp4() -> tuple[bool, str]:
 def _nvfp4_for_fa4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S, H, D] bf16 -> (float4_e2m1fn_x2 [B, S, H, D/2], MMA-layout scale factors). Unverified on
     hardware (no sm100 GPU was available to this project): layout follows NVIDIA's 128x4 scale atom."""
-    from fastwan.attention import fp4
+    from fastwan.kernels import fp4
 
     b, s, h, d = x.shape
     sp = -(-s // 128) * 128

@@ -3,7 +3,7 @@
 Inductor compiles the block's LayerNorm + modulation and q/k RMSNorm + RoPE into looped reductions when the
 hidden size is above 1,024 (Wan: 1,536 / 3,072 / 5,120), which read every row twice; on an H100 they move
 0.8 GB in 0.55 ms (1.45 TB/s, RESULTS.md 8.2). These kernels hold a whole row in registers and read each input
-once. Each op has the same math as the plain PyTorch path in :mod:`fastwan.models.wan` (fp32 statistics, the
+once. Each op has the same math as the plain PyTorch path in :mod:`fastwan.models.wan.transformer` (fp32 statistics, the
 same bf16 roundings), which is also the op's implementation off CUDA or without Triton.
 
 Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 1, C] or [B, S, C] views):
@@ -18,7 +18,7 @@ Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 
   (no kernel of ours: cuBLAS through ``addmm_``; an op so that torch.compile keeps it in place);
 * ``residual_bmm_(x, a, u)``: ``x += a @ u`` in place with per-sample u [B or 1, K, N] (cuBLAS, as above);
 * ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
-  interleaved-pair RoPE of :func:`fastwan.models.wan.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
+  interleaved-pair RoPE of :func:`fastwan.models.wan.transformer.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastwan.attention.kernels import triton_ok  # re-exported for fastwan.models.vae_*
+from fastwan.kernels import triton_importable
 
 MAX_C = 16384  # one row in registers
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] <= MAX_C and triton_ok()
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] <= MAX_C and triton_importable()
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -63,7 +63,7 @@ def residual_reference(x, y, gate) -> torch.Tensor:
 
 
 def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
-    from fastwan.models.wan import apply_rope  # wan imports this module
+    from fastwan.models.wan.transformer import apply_rope  # wan imports this module
 
     y = F.rms_norm(x, (x.shape[-1],), eps=eps).to(weight.dtype) * weight
     if table is None:
@@ -217,7 +217,7 @@ def residual_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> 
 @torch.library.custom_op("fastwan::residual_bmm_", mutates_args=("x",))
 def residual_bmm_(x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> None:
     """x += a @ u, in place, one (batched) GEMM reading x as its C operand: x [B, S, N] contiguous, a [B, S, K],
-    u [B or 1, K, N] (per-sample right operands: the folded text values, :func:`fastwan.attention.text_cross.
+    u [B or 1, K, N] (per-sample right operands: the folded text values, :func:`fastwan.kernels.text_cross.
     fold_values`)."""
     if not x.is_contiguous():
         raise ValueError(f"residual_bmm_: x with shape {tuple(x.shape)} and strides {x.stride()} must be "

@@ -1,0 +1,55 @@
+"""fastwan's own kernels, each a ``torch.library`` custom op with a fake (so ``torch.compile(fullgraph=True)``
+traces through it) and a PyTorch reference with the same math.
+
+An op runs its Triton kernel where :func:`triton_runs` says the kernel can run for its inputs, and its reference
+everywhere else. :func:`reference_kernels` forces the references inside a ``with`` block (tests compare the two
+that way); nothing else switches them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+_FORCE_REFERENCE = contextvars.ContextVar("fastwan_force_reference_kernels", default=False)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether Triton imports (every kernel here needs it; each op has its PyTorch reference otherwise)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_runs(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = HALF,
+                max_last_dim: int | None = None) -> bool:
+    """The one check of whether a Triton kernel runs here: every given tensor on CUDA with a dtype in ``dtypes``
+    (and a last dim of at most ``max_last_dim``), Triton importable, and not inside :func:`reference_kernels`."""
+    if _FORCE_REFERENCE.get() or not triton_importable():
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if not t.is_cuda or t.dtype not in dtypes:
+            return False
+        if max_last_dim is not None and t.dim() and t.shape[-1] > max_last_dim:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Inside the block every op of this package runs its PyTorch reference."""
+    token = _FORCE_REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _FORCE_REFERENCE.reset(token)
