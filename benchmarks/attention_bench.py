@@ -1,7 +1,7 @@
 """Attention kernel benchmark at Wan shapes (bf16, CUDA): TFLOP/s of every kernel through fastwan's
 backends, plus flash_attn.cute and sageattn called directly (to see the dispatch overhead).
 
-    python benchmarks/attention_bench.py --out attention_bench.json [--iters 10] [--warmup 3]
+    python -m benchmarks.attention_bench --out attention_bench.json [--iters 10] [--warmup 3]
 
 Shapes: Wan2.1 1.3B 480p (B=1, S=32760, H=12, D=128) and 14B 720p (B=1, S=75600, H=40, D=128).
 Timing: CUDA events around each call, median of ``--iters`` calls after ``--warmup`` calls (the first FA4
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastwan.attention import create_backend  # noqa: E402
-from fastwan.attention.synthetic import wan_like_qkv  # noqa: E402
-from fastwan.envinfo import device_info, software_versions  # noqa: E402
-from fastwan.profiler.core import time_fn  # noqa: E402
+from fastwan.attention import create_backend
+from fastwan.attention.synthetic import wan_like_qkv
+from fastwan.envinfo import device_info, software_versions
+from fastwan.profiler import time_fn
 
 SHAPES = {
     "wan2.1-1.3b-480p": {"grid": (21, 30, 52), "heads": 12},  # S = 32760
@@ -98,7 +96,7 @@ def bench_case(label, spec, q, k, v, *, warmup, iters):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

@@ -3,7 +3,7 @@
 conv2d over the three time taps stacked along channels (one accumulation; timed with the stacking copy done by
 three strided ``copy_`` calls, and without it).
 
-    python benchmarks/conv_bench.py
+    python -m benchmarks.conv_bench
 
 Shapes: [1, C, T, H, W] inputs with T = 4 or 8 output frames + 2 cached (one or two latent frames per decoder
 call), C = 96 / 192 / 384 at the decoder's three resolutions; per case the median of 3 spans of 10 back-to-back
@@ -11,20 +11,15 @@ calls (CUDA events). Prints each result's max error against an fp32 conv3d of th
 """
 from __future__ import annotations
 
-import statistics
+import argparse
 
 import torch
 import torch.nn.functional as F
 
-from fastwan.profiler.core import span_time
+from benchmarks.harness import span_ms
 
 CASES = [(96, 6, 480, 832), (96, 10, 480, 832), (192, 6, 240, 416), (192, 10, 240, 416), (384, 3, 120, 208),
          (384, 4, 120, 208)]
-
-
-def span_ms(fn, calls: int = 10, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
-    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
 
 
 @torch.no_grad()
@@ -81,7 +76,9 @@ def run_case(C: int, T: int, H: int, W: int) -> None:
               flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.conv_bench", description=__doc__.split("\n\n")[0])
+    p.parse_args(argv)
     for case in CASES:
         run_case(*case)
 

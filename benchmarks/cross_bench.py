@@ -1,29 +1,31 @@
 """Cross-attention kernels at the Wan shapes: q [B, S, H, 128] against the 512 text keys/values [B, 512, H, 128].
 
-    python benchmarks/cross_bench.py [--prompt-tokens 20,8,150] [--quick]
+    python -m benchmarks.cross_bench [--prompt-tokens 20,8,150] [--quick]
 
 FA4 (flash_attn.cute) with several sm90 tiles, and PyTorch SDPA with cuDNN, FA2 and the memory-efficient kernel;
 per case 3 rounds of 50 back-to-back calls between two CUDA events (median), and the max difference against the
 first kernel's output. The text keys/values are padded as Wan pads them: ``--prompt-tokens`` real rows, then
-copies of one padding row; "collapsed" is fastwan's kernel for that case (``fastwan::text_cross_attention``: the
-padding as one weighted key, :mod:`fastwan.kernels.text_cross`), the same function. ``--quick``: FA4 192x128
-and 128x128, cuDNN and the collapsed kernel only. Needs a GPU with flash-attn-4 installed.
+copies of one padding row. q is RMS-normalised over all heads (as the block's ``norm_q``) before the other
+kernels; "collapsed" is fastwan's kernel for that case (``fastwan::text_cross_attention_normq``: the padding as
+one weighted key, :mod:`fastwan.kernels.text_cross`), which takes the raw q and normalises it inside, so its time
+includes that norm. ``--quick``: FA4 192x128 and 128x128, cuDNN and the collapsed kernel only. Needs a GPU with
+flash-attn-4 installed.
 
 ``--fold`` times instead the whole cross-attention after the q projection, as the block runs it with the residual
 adds in the GEMMs: unfolded (``text_cross_attention_normq`` + the output projection added into x,
 ``residual_linear_``) against folded (``text_cross_probs_normq`` + ``residual_bmm_`` with the per-prompt
-``fold_values``), at the width ``fold_width`` would give without its limit (to find where the fold pays).
+``fold_values``), at the width ``fold_width`` would give without its limit (to find where the fold pays), up to
+the probs kernel's ``MAX_WIDTH``.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastwan.profiler.core import span_time
+from benchmarks import harness
 
 SHAPES = [(1, 32760, 12), (2, 32760, 12), (1, 75600, 40)]  # 1.3B 480p (B=1, B=2), 14B 720p
 FA4_TILES = [(128, 128, True), (192, 128, False), (128, 176, True), (64, 128, True), (128, 64, True),
@@ -32,29 +34,31 @@ SDPA = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTIO
         ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
 
 
-def span_ms(fn, calls: int = 50, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
-    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
+def span_ms(fn) -> float:
+    """Median over 3 rounds of the ms per call of 50 back-to-back calls (one span, CUDA events)."""
+    return harness.span_ms(fn, calls=50, rounds=3)
 
 
 @torch.no_grad()
 def main(argv=None) -> None:
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    import fastwan.kernels.text_cross  # noqa: F401  (registers fastwan::text_cross_attention)
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cross_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", default="20", help="real text tokens per case, comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--fold", action="store_true", help="time the folded output projection against the unfolded")
     a = p.parse_args(argv)
     if a.fold:
         return fold_main(a)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    import fastwan.kernels.text_cross  # noqa: F401  (registers fastwan::text_cross_attention_normq)
+
     tiles = [t for t in FA4_TILES if t[:2] in ((192, 128), (128, 128))] if a.quick else FA4_TILES
     sdpa_list = SDPA[:1] if a.quick else SDPA
     for (b, n, h), tokens in ((s, int(t)) for s in SHAPES for t in a.prompt_tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        raw = torch.randn(b, n, h * 128, device="cuda", dtype=torch.bfloat16, generator=g)  # q before its norm
+        ones = torch.ones(h * 128, device="cuda", dtype=torch.bfloat16)
+        q = F.rms_norm(raw, (h * 128,), eps=1e-6).view(b, n, h, 128)  # what the collapsed kernel attends with
         k, v = (torch.randn(b, 512, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         k[:, tokens:], v[:, tokens:] = k[:, tokens:tokens + 1].clone(), v[:, tokens:tokens + 1].clone()
         keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
@@ -68,7 +72,8 @@ def main(argv=None) -> None:
                 with sdpa_kernel([be]):
                     return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv)).transpose(1, 2)
             fns[name] = sdpa
-        fns["collapsed"] = lambda qkv=(q, k, v), keys=keys: torch.ops.fastwan.text_cross_attention(*qkv, keys)
+        fns["collapsed"] = lambda args=(raw, ones, 1e-6, k, v, keys): torch.ops.fastwan.text_cross_attention_normq(
+            *args)
         ref = None
         for name, fn in fns.items():
             try:
@@ -91,8 +96,9 @@ def fold_main(a) -> None:
 
 
 def fold_case(b: int, n: int, h: int, tokens: int) -> None:
-    from fastwan.kernels import text_cross
     from fastwan.kernels import norms as fused  # noqa: F401  (registers fastwan::residual_linear_ / residual_bmm_)
+    from fastwan.kernels import text_cross
+    from fastwan.models.wan.cross import FOLD_ALIGN, fold_values
 
     ops = torch.ops.fastwan
     c = h * 128
@@ -104,10 +110,10 @@ def fold_case(b: int, n: int, h: int, tokens: int) -> None:
     keys = torch.full((b,), min(tokens + 1, 512), device="cuda", dtype=torch.int32)
     wo = torch.randn(c, c, device="cuda", dtype=torch.bfloat16, generator=g) * c ** -0.5
     x0 = torch.randn(b, n, c, device="cuda", dtype=torch.bfloat16, generator=g)
-    width = -(-min(tokens + 1, 512) // text_cross.FOLD_ALIGN) * text_cross.FOLD_ALIGN
-    if width > text_cross.MAX_KEYS:
+    width = -(-min(tokens + 1, 512) // FOLD_ALIGN) * FOLD_ALIGN
+    if width > text_cross.MAX_WIDTH:
         return
-    u = text_cross.fold_values(v, keys, width, wo)
+    u = fold_values(v, keys, width, wo)
     xa, xb = x0.clone(), x0.clone()
 
     def unfolded():
@@ -122,6 +128,7 @@ def fold_case(b: int, n: int, h: int, tokens: int) -> None:
     ta, tb = span_ms(unfolded), span_ms(folded)
     print(f"{b}x{n}x{h:<4} {tokens:>4} {width:>5} {ta * 1e3:>12.1f} {tb * 1e3:>10.1f} {tb / ta:>6.3f} {rel:>9.2e}",
           flush=True)
+
 
 if __name__ == "__main__":
     main()

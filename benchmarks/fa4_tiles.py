@@ -1,9 +1,9 @@
 """FA4 (flash_attn.cute) dense forward at the Wan shapes under different sm90 tile configurations.
 
-    python benchmarks/fa4_tiles.py [--rounds 3] [--calls 30] [--out fa4_tiles.json]
+    python -m benchmarks.fa4_tiles [--rounds 3] [--calls 30] [--out fa4_tiles.json]
 
-The H100 runs Wan's attention at its power cap (RESULTS.md 7.1), so a configuration that moves fewer bytes
-through shared memory per FLOP can run faster even when the stand-alone peak is the same. Each configuration
+An H100 can run Wan's attention at its power cap, where a configuration that moves fewer bytes through shared
+memory per FLOP can run faster even when the stand-alone peak is the same. Each configuration
 (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap) is timed in interleaved rounds of ``--calls`` back-to-back
 calls (CUDA events, median per round; the figure is the median over rounds), with the SM clock and power
 that ``nvidia-smi`` reports during the round. Output of every configuration is compared with the default's.
@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.harness import smi_round
 
 SHAPES = {  # name: (batch, tokens, heads)
     "1.3B-480p-B1": (1, 32760, 12),
@@ -46,33 +47,8 @@ CONFIGS = [  # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); the first is FA
 ]
 
 
-def smi() -> tuple[float, float]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5).stdout.split("\n")[0]
-        mhz, w = (float(x) for x in out.split(","))
-        return mhz, w
-    except Exception:
-        return float("nan"), float("nan")
-
-
-def timed_round(fn, calls: int) -> tuple[float, float, float]:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
-    samples = []
-    for i in range(calls):
-        starts[i].record()
-        fn()
-        ends[i].record()
-        if i == calls // 2:
-            samples.append(smi())  # mid-round clock/power (the queue holds the rest of the round)
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return ms, samples[0][0], samples[0][1]
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fa4_tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--shapes", default="1.3B-480p-B2,14B-720p-B1")
@@ -85,7 +61,7 @@ def main(argv=None) -> int:
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [],
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    from fastwan.attention.backends.packages import fa4_sm90_tile_m
+    from fastwan.attention.backends.fa4_plan import fa4_sm90_tile_m
 
     for shape in a.shapes.split(","):
         b, n, h = SHAPES[shape]
@@ -125,7 +101,7 @@ def main(argv=None) -> int:
         for _ in range(a.rounds):
             for cfg, (fn, _) in fns.items():
                 fn()
-                per[cfg].append(timed_round(fn, a.calls))
+                per[cfg].append(smi_round(fn, a.calls))
         for cfg, rounds in per.items():
             ms = statistics.median(r[0] for r in rounds)
             row = {"shape": shape, "config": list(cfg), "ms": round(ms, 3),

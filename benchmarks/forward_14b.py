@@ -1,9 +1,12 @@
 """Wan 14B DiT forward at 720p x 81 frames (75,600 tokens), batch 1: diffusers vs fastwan on the same weights.
 
-Random weights at the real 14B shapes are created once on the GPU (diffusers module); fastwan's DiT is built
-on the meta device and assigned the very same tensors (no copy), so both run identical weights.
+Random weights at the real 14B shapes are created once on the GPU (diffusers module); every fastwan variant is
+built on the meta device and assigned the very same tensors (no copy), so all run identical weights. A variant
+is data: '/'-joined parts, each an attention part (FLASH_ATTN's FA4 query tile: auto, t128, t192; nosplit: the
+query in one launch) or a DiT variant of :func:`benchmarks.harness.option_variants` (reference, fast),
+e.g. ``t128/reference``. The variants are timed in interleaved rounds.
 
-  python benchmarks/forward_14b.py --backend FLASH_ATTN --compile [--variants t128+nofn,auto] [--profile]
+  python -m benchmarks.forward_14b --backend FLASH_ATTN --compile [--variants auto,t128,reference] [--profile]
 """
 from __future__ import annotations
 
@@ -16,24 +19,54 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from e2e import cuda_time, forward_inputs, tune_diffusers, versions  # noqa: E402
+from benchmarks.harness import (
+    build_dit,
+    cuda_time,
+    dit_kwargs,
+    forward_inputs,
+    kernel_groups,
+    log,
+    option_overrides,
+    raise_recompile_limit,
+    tune_diffusers,
+    versions,
+    wan_config,
+)
+
+TILES = {"auto": "auto", "t128": 128, "t192": 192}  # variant part -> FLASH_ATTN fa4_tile_m
 
 
-@torch.no_grad()
-def main() -> int:
-    p = argparse.ArgumentParser()
+def parse_variant(label: str, backend: str) -> tuple[dict | None, dict]:
+    """'t128/reference' -> (attention config, DiTOptions overrides); ValueError for an unknown part."""
+    tile, split, overrides = "auto", True, {}
+    for part in label.split("/"):
+        if part in TILES:
+            tile = TILES[part]
+        elif part == "nosplit":
+            split = False
+        else:
+            try:
+                overrides.update(option_overrides(part))
+            except ValueError as exc:
+                raise ValueError(f"variant {label!r}: part {part!r} is not {', '.join(TILES)} or nosplit, "
+                                 f"and {exc}") from None
+    if backend != "FLASH_ATTN":
+        if tile != "auto" or not split:
+            raise ValueError(f"variant {label!r}: tile and split parts need --backend FLASH_ATTN")
+        return None, overrides
+    return {"fa4_tile_m": tile, "fa4_split": split}, overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.forward_14b", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="forward_14b.json")
     p.add_argument("--variants", default="auto",
-                   help="fastwan setups timed in interleaved rounds: auto|t128|t192 (FLASH_ATTN's fa4_tile_m), "
-                        "+nofn for the Inductor norms instead of the fused Triton ones, +nogr without the residual "
-                        "adds in the output GEMMs, +nocollapse with the cross-attention over all 512 text tokens, "
-                        "+nosplit with FA4's query in one launch, +nofold without the cross-attention's output "
-                        "projection folded into the text values")
+                   help="fastwan setups timed in interleaved rounds, comma-separated; each '/'-joined parts: "
+                        "auto|t128|t192 (FLASH_ATTN's fa4_tile_m), nosplit (FA4's query in one launch), or a DiT "
+                        "variant (defaults, reference, fast)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-tuned-peer", dest="tuned_peer", action="store_false",
                    help="skip the second peer (diffusers with compile_repeated_blocks and _native_cudnn)")
@@ -41,32 +74,16 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
                         "padding)")
-    a = p.parse_args()
-    from diffusers import WanTransformer3DModel
+    return p
 
-    from fastwan.attention import AttentionDispatch
-    from fastwan.models import WanConfig, WanTransformer, keep_in_fp32
 
-    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        ref = WanTransformer3DModel(**cfg).to(torch.bfloat16).eval()
-    for name, prm in ref.named_parameters():  # the modules diffusers keeps in fp32
-        if keep_in_fp32(name):
-            prm.data = prm.data.float()
-    res = {"versions": versions(), "command": " ".join(["python"] + sys.argv), "tokens": 21 * 45 * 80}
-    args = forward_inputs(1, h=720, w=1280)
-    if not 0 <= a.prompt_tokens <= 512:
-        raise SystemExit(f"--prompt-tokens {a.prompt_tokens}: must be 0..512")
-    args[2][:, a.prompt_tokens:] = 0  # the padding of a short prompt (diffusers' and fastwan's pipelines)
-    res["prompt_tokens"] = a.prompt_tokens
+def diffusers_peers(ref, args, a, res: dict) -> torch.Tensor:
+    """Time diffusers' model (eager, then tuned unless --no-tuned-peer) into ``res``; the eager output."""
     torch.cuda.reset_peak_memory_stats()
     res["diffusers_ms"] = cuda_time(lambda: ref(*args, return_dict=False), warmup=1, iters=a.iters)
     res["diffusers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     want = ref(*args, return_dict=False)[0].float()
-    print(f"diffusers 14B forward: {res['diffusers_ms']:.0f} ms, peak {res['diffusers_peak_gib']:.1f} GiB", flush=True)
+    log(f"diffusers 14B forward: {res['diffusers_ms']:.0f} ms, peak {res['diffusers_peak_gib']:.1f} GiB")
     if a.tuned_peer:  # the second peer, on the same module and weights: diffusers tuned
         tune_diffusers(ref)
         t0 = time.perf_counter()
@@ -78,44 +95,56 @@ def main() -> int:
         res["diffusers_tuned_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         got = ref(*args, return_dict=False)[0].float()
         res["diffusers_tuned_rel_err_vs_eager"] = ((got - want).norm() / want.norm()).item()
-        del got
-        print(f"diffusers tuned 14B forward: {res['diffusers_tuned_ms']:.0f} ms, "
-              f"peak {res['diffusers_tuned_peak_gib']:.1f} GiB", flush=True)
+        log(f"diffusers tuned 14B forward: {res['diffusers_tuned_ms']:.0f} ms, "
+            f"peak {res['diffusers_tuned_peak_gib']:.1f} GiB")
+    return want
 
-    import torch._dynamo.config as dcfg
 
-    for name in ("recompile_limit", "cache_size_limit"):  # every variant compiles the same block code object
-        if hasattr(dcfg, name):
-            setattr(dcfg, name, max(getattr(dcfg, name), 64))
+@torch.no_grad()
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        if not 0 <= a.prompt_tokens <= 512:
+            raise ValueError(f"--prompt-tokens {a.prompt_tokens}: must be 0..512")
+        variants = {label: parse_variant(label, a.backend) for label in a.variants.split(",")}
+    except ValueError as exc:
+        p.error(str(exc))
+    from diffusers import WanTransformer3DModel
+
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import keep_in_fp32
+
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        ref = WanTransformer3DModel(**dit_kwargs("14b")).to(torch.bfloat16).eval()
+    for name, prm in ref.named_parameters():  # the modules diffusers keeps in fp32
+        if keep_in_fp32(name):
+            prm.data = prm.data.float()
+    res = {"versions": versions(), "command": " ".join(["python -m benchmarks.forward_14b"] + sys.argv[1:]),
+           "tokens": 21 * 45 * 80, "prompt_tokens": a.prompt_tokens}
+    args = forward_inputs(1, h=720, w=1280, prompt_tokens=a.prompt_tokens)
+    want = diffusers_peers(ref, args, a, res)
+
+    raise_recompile_limit()
     state = ref.state_dict()
     ref = None
     torch.cuda.empty_cache()
+    cfg = wan_config("14b")
     models = {}
-    for label in a.variants.split(","):
-        tile, _, norms = label.partition("+")
-        if tile not in ("auto", "t128", "t192") or norms not in ("", "nofn", "nogr", "nocollapse", "nosplit",
-                                                                    "nofold"):
-            raise SystemExit(f"variant {label!r}: use auto, t128 or t192, optionally +nofn, +nogr, +nocollapse "
-                             "or +nosplit or +nofold")
-        conf = {"fa4_tile_m": "auto" if tile == "auto" else int(tile.lstrip("t")),
-                "fa4_split": norms != "nosplit"} if a.backend == "FLASH_ATTN" else None
+    for label, (conf, overrides) in variants.items():
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
-        with torch.device("meta"):
-            model = WanTransformer(WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **cfg}), att)
-        model.load_state_dict(state, assign=True, strict=True)  # the same tensors as diffusers' model: no copy
-        model.eval()
-        model.set_fast_paths(fused_norms=norms != "nofn", gemm_residual=norms != "nogr",
-                             text_collapse=norms != "nocollapse", text_fold=norms != "nofold")
+        model = build_dit(cfg, att, state, overrides)  # the same tensors as diffusers' model: no copy
         if a.compile:
-            for blk in model.blocks:
-                blk.compile(fullgraph=True)
+            model.compile_blocks(fullgraph=True)
         t0 = time.perf_counter()
         got = model(*args).float()
         torch.cuda.synchronize()
         key = f"{label}: {att.describe('cuda')}{', compiled' if a.compile else ''}"
-        e = res.setdefault("fastwan", {})[label] = {"setup": key, "first_call_s": time.perf_counter() - t0,
+        e = res.setdefault("fastwan", {})[label] = {"setup": key, "overrides": overrides,
+                                                     "first_call_s": time.perf_counter() - t0,
                                                      "rel_err_vs_diffusers": ((got - want).norm() / want.norm()).item()}
-        print(f"{key}: first call {e['first_call_s']:.1f} s, rel err {e['rel_err_vs_diffusers']:.2e}", flush=True)
+        log(f"{key}: first call {e['first_call_s']:.1f} s, rel err {e['rel_err_vs_diffusers']:.2e}")
         del got
         models[label] = model
     del want
@@ -124,20 +153,17 @@ def main() -> int:
     for r in range(a.rounds):  # interleaved, so clock/thermal drift hits every variant alike
         for label, model in models.items():
             times[label].append(cuda_time(lambda m=model: m(*args), warmup=0, iters=a.iters))
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in times.items()), flush=True)
+        log(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in times.items()))
     res["fastwan_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for label, model in models.items():
         e = res["fastwan"][label]
         e["ms"] = statistics.median(times[label])
         e["rounds_ms"] = times[label]
         e["speedup"] = res["diffusers_ms"] / e["ms"]
-        if a.profile:
-            from profile_forward import kernel_groups
-
-            e["kernel_ms"] = kernel_groups(lambda m=model: m(*args))
-    if a.tuned_peer:
-        for e in res["fastwan"].values():
+        if a.tuned_peer:
             e["speedup_vs_tuned"] = res["diffusers_tuned_ms"] / e["ms"]
+        if a.profile:
+            e["kernel_ms"] = kernel_groups(lambda m=model: m(*args))
     print(f"\ndiffusers: {res['diffusers_ms']:.0f} ms (peak {res['diffusers_peak_gib']:.1f} GiB)")
     if a.tuned_peer:
         print(f"diffusers tuned: {res['diffusers_tuned_ms']:.0f} ms (peak {res['diffusers_tuned_peak_gib']:.1f} GiB)")

@@ -1,6 +1,6 @@
 """The fused norm kernels (fastwan.kernels.norms) against Inductor at the Wan widths, per call (GPU).
 
-    python benchmarks/fused_bench.py [--iters 50]
+    python -m benchmarks.fused_bench [--iters 50]
 
 For each shape (1.3B B=2 at 480p, 14B B=1 at 720p) times, with CUDA events (median of ``--iters`` calls):
 q/k RMSNorm + RoPE and LayerNorm + modulation through the ops (the warps fastwan picks), through each Triton
@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastwan.kernels import norms as fused  # noqa: E402
-from fastwan.models.wan.transformer import rope_tables  # noqa: E402
-from fastwan.profiler.core import time_fn  # noqa: E402
+from benchmarks.harness import cuda_time
+from fastwan.kernels import norms as fused
+from fastwan.models.wan.layers import rope_tables
 
 SHAPES = {"1.3B-480p-B2": (2, (21, 30, 52), 1536), "14B-720p-B1": (1, (21, 45, 80), 5120)}
-
-
-def ms(fn, iters):
-    return statistics.median(time_fn(fn, warmup=3, iters=iters, device=torch.device("cuda")))
 
 
 def shape_cases(B, grid, C):
@@ -57,8 +50,10 @@ def shape_cases(B, grid, C):
 
         def norm(warps=warps):
             h = torch.empty_like(x)
-            norm_rows[(B * S,)](x, x, x, 0, 0, x, x, scale, scale.stride(0), 0, shift, shift.stride(0), 0, x, h, S, C,
-                                1e-6, HAS_Y=False, HAS_G=False, AFFINE=False, MOD=True, BLOCK=block, num_warps=warps)
+            # the launch of fused._norm_launch for LayerNorm + modulation (no residual, gate, offset or affine)
+            norm_rows[(B * S,)](x, x, x, 0, 0, x, 0, 0, x, x, scale, scale.stride(0), 0, shift, shift.stride(0), 0,
+                                x, h, S, C, 1e-6, HAS_Y=False, HAS_G=False, HAS_P=False, AFFINE=False, MOD=True,
+                                BLOCK=block, num_warps=warps)
             return h
         cases[f"rms_rope, {warps} warps"] = rope
         cases[f"norm_mod, {warps} warps"] = norm
@@ -67,7 +62,7 @@ def shape_cases(B, grid, C):
 
 @torch.no_grad()
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="fused_bench.json")
     a = p.parse_args(argv)
@@ -77,7 +72,7 @@ def main(argv=None) -> int:
         for label, fn in cases.items():
             out = fn()
             err = float((out.float() - want.float()).abs().max()) if label.startswith("rms_rope") else None
-            t = ms(fn, a.iters)
+            t = cuda_time(fn, warmup=3, iters=a.iters)
             row = {"shape": name, "case": label, "ms": round(t, 4), "gb_s": round(gb / t * 1e3, 1), "max_diff": err}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -1,37 +1,25 @@
 """The GEMMs of a Wan 14B block at 720p (M = 75,600 tokens) as the model calls them, with 8192^3 for scale.
 
-    python benchmarks/gemm_shapes.py [M]
+    python -m benchmarks.gemm_shapes [M]
 
 Each case: 3 interleaved rounds of 10 calls (CUDA events, median), the SM clock and power from nvidia-smi mid-round,
 then the cuBLAS kernel names of one call each (torch.profiler). Random bf16 operands; needs a GPU.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
-from fa4_tiles import smi  # benchmarks/ is on sys.path when a script here runs
+
+from benchmarks.harness import smi_round
 
 C, FF = 5120, 13824
 
 
-def one_round(fn, n: int = 10) -> tuple[float, tuple[float, float]]:
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    sample = (float("nan"), float("nan"))
-    for i, (start, end) in enumerate(ev):
-        start.record()
-        fn()
-        end.record()
-        if i == n // 2:
-            sample = smi()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev), sample
-
-
 @torch.no_grad()
-def main(m: int) -> None:
+def run(m: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape):
@@ -58,12 +46,12 @@ def main(m: int) -> None:
     per = {k: [] for k in cases}
     for _ in range(3):
         for k, (fn, _) in cases.items():
-            per[k].append(one_round(fn))
+            per[k].append(smi_round(fn, 10))
     print(f"{'case':<28} {'ms':>8} {'TFLOP/s':>8} {'MHz':>6} {'W':>5}")
     for k, rounds in per.items():
         ms = statistics.median(r[0] for r in rounds)
-        print(f"{k:<28} {ms:>8.3f} {cases[k][1] / ms / 1e9:>8.1f} {statistics.median(r[1][0] for r in rounds):>6.0f} "
-              f"{statistics.median(r[1][1] for r in rounds):>5.0f}")
+        print(f"{k:<28} {ms:>8.3f} {cases[k][1] / ms / 1e9:>8.1f} {statistics.median(r[1] for r in rounds):>6.0f} "
+              f"{statistics.median(r[2] for r in rounds):>5.0f}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for fn, _ in cases.values():
             fn()
@@ -75,5 +63,11 @@ def main(m: int) -> None:
             print("kernel:", e.name[:150])
 
 
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gemm_shapes", description=__doc__.split("\n\n")[0])
+    p.add_argument("m", nargs="?", type=int, default=75600, help="GEMM rows, the video tokens (default 75600)")
+    run(p.parse_args(argv).m)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 75600)
+    main()

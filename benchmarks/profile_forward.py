@@ -1,9 +1,10 @@
 """Per-kernel breakdown of one DiT forward (fastwan vs diffusers) with torch.profiler, on the GPU.
 
-Groups CUDA kernel time into attention / GEMM / other, prints the top kernels, and compares with the FLOP
-floor at the bf16 GEMM rate measured in the same run.
+Groups CUDA kernel time into attention / GEMM / norms / other (:func:`benchmarks.harness.classify`), prints the
+top kernels, and measures the bf16 GEMM rate in the same run (the FLOP floor's rate). ``--dit-variant`` builds
+fastwan's DiT with DiTOptions overrides (:func:`benchmarks.harness.option_variants`).
 
-  python benchmarks/profile_forward.py --ckpt /tmp/wan13b-random --backend FLASH_ATTN [--compile]
+  python -m benchmarks.profile_forward --ckpt /tmp/wan13b-random --backend FLASH_ATTN [--compile]
 """
 from __future__ import annotations
 
@@ -14,39 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e import cuda_time, forward_inputs  # noqa: E402
-
-
-def classify(name: str) -> str:
-    n = name.lower()
-    if n.startswith("triton_"):  # inductor's fused kernels are named after the ops they fuse
-        return "norms" if "norm" in n else "elementwise/other"
-    if any(s in n for s in ("flash", "fmha", "attention", "sage", "attn", "cudnn_generated")):
-        return "attention"
-    if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "wgmma")):
-        return "gemm"
-    if any(s in n for s in ("norm", "welford", "rms")):  # incl. fastwan.kernels.norms (norm_rows, rms_rope_rows)
-        return "norms"
-    return "elementwise/other"
-
-
-def kernel_groups(fn, calls: int = 1) -> dict[str, float]:
-    """CUDA kernel time per call of ``fn`` (ms) by :func:`classify` group, from torch.profiler over ``calls``
-    calls after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    groups: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            groups[classify(e.name)] += e.device_time / 1e3 / calls
-    return dict(groups)
+from benchmarks.harness import classify, cuda_time, dit_options, forward_inputs, kernel_times, option_overrides
 
 
 def gemm_rate() -> float:
@@ -57,24 +27,15 @@ def gemm_rate() -> float:
 
 
 def breakdown(fn, label: str, out: dict, top_n: int = 15) -> None:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    """Kernel time of one call of ``fn`` by group and its ``top_n`` kernels, printed and stored in ``out``."""
+    per_kernel = kernel_times(fn)
     groups: dict[str, float] = defaultdict(float)
-    per_kernel: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            t = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-            groups[classify(evt.name)] += t / 1e3
-            per_kernel[evt.name[:120]] += t / 1e3
-            counts[evt.name[:120]] += 1
+    for name, (ms, _) in per_kernel.items():
+        groups[classify(name)] += ms
     total = sum(groups.values())
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top_n]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
     out[label] = {"groups_ms": dict(groups), "kernel_total_ms": total,
-                  "top": [(k, v, counts[k]) for k, v in top]}
+                  "top": [(k[:120], ms, int(n)) for k, (ms, n) in top]}
     print(f"--- {label}: kernel time {total:.1f} ms")
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"   {g:20s} {v:8.1f} ms")
@@ -82,17 +43,27 @@ def breakdown(fn, label: str, out: dict, top_n: int = 15) -> None:
         print(f"      {v:8.2f} ms  x{c:<4d} {classify(k):18s} {k}")
 
 
-@torch.no_grad()
-def main() -> int:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_forward", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan13b-random")
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--diffusers", action="store_true")
+    p.add_argument("--diffusers", action="store_true", help="also profile diffusers' model")
+    p.add_argument("--dit-variant", default="defaults", help="defaults, reference, fast")
     p.add_argument("--out", default="profile.json")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=15, help="how many kernels to list, by total time")
-    a = p.parse_args()
+    return p
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        overrides = option_overrides(a.dit_variant)
+    except ValueError as exc:
+        p.error(str(exc))
     from fastwan.attention import AttentionDispatch
     from fastwan.models import load_transformer
 
@@ -106,12 +77,13 @@ def main() -> int:
         del ref
         torch.cuda.empty_cache()
     att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128)
-    model = load_transformer(Path(a.ckpt) / "transformer", dtype=torch.bfloat16, device="cuda", attention=att)
+    model = load_transformer(Path(a.ckpt) / "transformer", dtype=torch.bfloat16, device="cuda", attention=att,
+                             options=dit_options(overrides))
     if a.compile:
-        for blk in model.blocks:
-            blk.compile(fullgraph=True)
+        model.compile_blocks(fullgraph=True)
         model(*args)
-    breakdown(lambda: model(*args), f"fastwan[{a.backend}{',compiled' if a.compile else ''}]", res, a.top)
+    label = f"fastwan[{a.backend}{',' + a.dit_variant if overrides else ''}{',compiled' if a.compile else ''}]"
+    breakdown(lambda: model(*args), label, res, a.top)
     ms = cuda_time(lambda: model(*args), iters=5)
     res["forward_ms"] = ms
     print(f"fastwan forward B={a.batch}: {ms:.1f} ms")

@@ -1,12 +1,12 @@
 """Sparse video attention vs dense FA4 at Wan shapes (bf16, CUDA, B=1, D=128).
 
-    python benchmarks/sparse_bench.py --out sparse_bench.json [--iters 20] [--budget-s 225] [--variants sta,vsa]
+    python -m benchmarks.sparse_bench --out sparse_bench.json [--iters 20] [--budget-s 225] [--variants sta,vsa]
 
 Grids: 21x30x52 with 12 heads (Wan2.1 1.3B 480p, 32,760 tokens) and 21x45x80 with 40 heads (14B 720p,
 75,600 tokens). For each grid the dense reference is ``flash_attn.cute.flash_attn_func`` (FA4; SDPA cudnn,
 then SDPA flash, when it is missing) on the raster-order tokens, timed in the same process. Each sparse variant
-is configured for ~85% sparsity and timed through its backend exactly as the DiT calls it (q/k/v already
-permuted into the layout, block masks built beforehand and cached):
+(:mod:`benchmarks.sparse_configs`, ~85% sparsity) is timed through its backend exactly as the DiT calls it (q/k/v
+already permuted into the layout, block masks built beforehand and cached):
 
 * ``mask_ms``     building the layout-dependent block mask once (fresh backend, empty caches);
 * ``compile_s``   the first call (torch.compile / FA4 JIT);
@@ -30,127 +30,48 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastwan.attention.base import AttentionMetadata  # noqa: E402
-from fastwan.attention.sparse.layout import choose_tile  # noqa: E402
-from fastwan.attention.registry import create_backend  # noqa: E402
-from fastwan.attention.sparse import kernels as sk  # noqa: E402
-from fastwan.kernels import vsa as vsa_kernels  # noqa: E402
-from fastwan.attention.sparse.kernels import BlockPlan  # noqa: E402
-from fastwan.attention.sparse.vsa import topk_count  # noqa: E402
-from fastwan.profiler.core import span_time, time_fn  # noqa: E402
-
-GRIDS = [((21, 30, 52), 12), ((21, 45, 80), 40)]
-KERNEL_TIME = False  # --kernel-time
-GRAPH = False  # --graph
-ROUNDS = 1  # --rounds
-HOST_TIME = ""  # --host-time: directory for cProfile dumps ("" = off)
-DENSE: list = []  # the dense reference fn, set in main
-TARGET = 0.15  # attended fraction (85% sparsity)
-
-
-# ---------------------------------------------------------------------------------------------- configs
-def _pick(candidates, target):
-    """(density, fractions, value): within 25% of ``target`` the most balanced shape wins, else the closest."""
-    def balance(c):
-        return max(c[1]) - min(c[1])
-
-    near = [c for c in candidates if abs(math.log(c[0] / target)) <= math.log(1.25)]
-    if near:
-        return min(near, key=lambda c: (balance(c), abs(math.log(c[0] / target))))[2]
-    return min(candidates, key=lambda c: abs(math.log(c[0] / target)))[2]
-
-
-def sta_window(tile_grid, target=TARGET, closest=False):
-    """Odd window (tiles), w <= tiles per dim, with tile density prod(w) / prod(n) near ``target``.
-
-    ``closest``: the density nearest to ``target`` (else a balanced shape within 25% of it wins)."""
-    cands = []
-    for w in itertools.product(*[range(1, n + 1, 2) for n in tile_grid]):
-        fr = [a / n for a, n in zip(w, tile_grid)]
-        cands.append((math.prod(fr), fr, list(w)))
-    if closest:
-        return min(cands, key=lambda c: (abs(math.log(c[0] / target)), max(c[1]) - min(c[1])))[2]
-    return _pick(cands, target)
-
-
-def na_kernel(grid, stride=(1, 1, 1), target=TARGET, closest=False):
-    """kernel_size with prod(k / L) near ``target``; with stride > 1 only odd multiples of the stride.
-
-    ``closest``: the density nearest to ``target`` (else a balanced shape within 25% of it wins)."""
-    opts = []
-    for L, s in zip(grid, stride):
-        ks = [k for k in range(1, L + 1) if s == 1 or (k % s == 0 and (k // s) % 2 == 1)]
-        opts.append(ks or [L])
-    cands = []
-    for k in itertools.product(*opts):
-        fr = [a / L for a, L in zip(k, grid)]
-        cands.append((math.prod(fr), fr, list(k)))
-    if closest:
-        return min(cands, key=lambda c: (abs(math.log(c[0] / target)), max(c[1]) - min(c[1])))[2]
-    return _pick(cands, target)
-
-
-def variants(grid):
-    """(label, backend name, config, core?) in priority order; core variants run first on every grid."""
-    def sta(tile, kernel, core, options=None, closest=False):
-        probe = create_backend("SLIDING_TILE_ATTN", {"tile": tile}).layout(grid, "cpu")
-        tag = ("x".join(map(str, tile)) if tile != "auto" else "auto") + ("85" if closest else "")
-        conf = {"tile": tile, "window": sta_window(probe.tile_grid, closest=closest), "kernel": kernel}
-        if options:
-            conf["kernel_options"] = options
-        return (f"sta-{tag}-{kernel}" + ("-bn128" if options else ""), "SLIDING_TILE_ATTN", conf, core)
-
-    vsa = {"sparsity": 1 - TARGET}
-    auto = list(choose_tile(grid))  # the tile "auto" picks (fewest slots)
-    return [
-        sta("auto", "fa4", True),
-        sta("auto", "fa4", True, closest=True),  # the window whose density is nearest to 15%
-        sta([2, 8, 8], "fa4", True),
-        ("vsa-auto-fa4", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "fa4"}, True),
-        ("gna-auto-fa4", "NEIGHBORHOOD_ATTN",  # stride = the auto tile: GNA windows on tile boundaries
-         {"kernel_size": na_kernel(grid, auto), "stride": auto, "tile": "auto", "kernel": "fa4"}, True),
-        ("gna-auto85-fa4", "NEIGHBORHOOD_ATTN",  # the same, kernel_size with the density closest to 15%
-         {"kernel_size": na_kernel(grid, auto, closest=True), "stride": auto, "tile": "auto", "kernel": "fa4"}, True),
-        ("gna-2x8x8-fa4", "NEIGHBORHOOD_ATTN",
-         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "fa4"}, True),
-        ("na-auto-fa4", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "fa4"},
-         True),
-        sta([2, 8, 8], "flex", False),
-        sta("auto", "flex", False),
-        ("vsa-4x4x4-flex", "VIDEO_SPARSE_ATTN", {"tile": [4, 4, 4], **vsa, "kernel": "flex"}, False),
-        ("vsa-auto-flex", "VIDEO_SPARSE_ATTN", {"tile": "auto", **vsa, "kernel": "flex"}, False),
-        ("na-auto-flex", "NEIGHBORHOOD_ATTN", {"kernel_size": na_kernel(grid), "tile": "auto", "kernel": "flex"},
-         False),
-        ("gna-2x8x8-flex", "NEIGHBORHOOD_ATTN",
-         {"kernel_size": na_kernel(grid, (2, 8, 8)), "stride": [2, 8, 8], "tile": [2, 8, 8], "kernel": "flex"},
-         False),
-        ("vsa-2x8x8-fa4", "VIDEO_SPARSE_ATTN", {"tile": [2, 8, 8], **vsa, "kernel": "fa4"}, False),
-    ]
+from benchmarks.harness import cuda_time, kernel_groups
+from benchmarks.sparse_configs import GRIDS, variants
+from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.registry import create_backend
+from fastwan.attention.sparse.fa4 import fa4_reasons
+from fastwan.attention.sparse.plan import BlockPlan
+from fastwan.attention.sparse.vsa import topk_count
+from fastwan.kernels import vsa as vsa_kernels
+from fastwan.profiler import span_time
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def cuda_time(fn, iters, warmup=2):
-    """Median ms of ``iters`` calls (CUDA events), after ``warmup`` calls."""
-    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+def call_ms(fn, iters: int) -> float:
+    """Median ms of ``iters`` synchronised calls (CUDA events), after two warm-up calls."""
+    return cuda_time(fn, warmup=2, iters=iters)
 
 
 def stream_ms(fn, calls: int) -> float:
     """ms per call of ``calls`` back-to-back calls timed as one span (CUDA events, one sync at the end)."""
     return span_time(fn, calls=calls, device=torch.device("cuda"))
+
+
+def wall(fn):
+    """(fn(), seconds), the device synchronised before and after."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
 
 
 def graph_ms(fn, calls=10, replays=5) -> float:
@@ -178,11 +99,9 @@ def graph_ms(fn, calls=10, replays=5) -> float:
 
 
 def kernel_ms(fn, calls=5) -> float:
-    """GPU kernel time of one call (ms), summed over all kernels (torch.profiler, ``calls`` calls) -- what the
+    """GPU kernel time of one call (ms), summed over all kernels (torch.profiler, ``calls`` calls): what the
     call costs on a GPU whose host runs ahead (as inside the DiT), without the gaps a back-to-back loop of
     small calls can leave when the host is slower than the device."""
-    from profile_forward import kernel_groups
-
     return sum(kernel_groups(fn, calls).values())
 
 
@@ -226,12 +145,25 @@ def host_profile(fn, path: Path, calls=20, top=25) -> str:
     return buf.getvalue()
 
 
-def wall(fn):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t
+@dataclass(frozen=True)
+class Timers:
+    """How :func:`run_variant` times a call: ``call_ms(fn, iters)`` (median ms of synchronised calls),
+    ``stream_ms(fn, calls)`` (ms per call of back-to-back calls), ``wall(fn) -> (out, seconds)``. The defaults
+    time on the GPU."""
+    call_ms: Callable = call_ms
+    stream_ms: Callable = stream_ms
+    wall: Callable = wall
+
+
+@dataclass(frozen=True)
+class Extras:
+    """The optional figures: ``rounds`` > 1 alternates sparse and dense timings (both need the dense kernel);
+    ``graph``: CUDA-graph replay times; ``kernel_time``: torch.profiler kernel time; ``host_dir``: host time per
+    call and cProfile dumps written there."""
+    rounds: int = 1
+    graph: bool = False
+    kernel_time: bool = False
+    host_dir: Path | None = None
 
 
 def dense_kernel():
@@ -277,17 +209,22 @@ def reference_rows(q, k, v, plan: BlockPlan, rows, scale):
 
 
 # ---------------------------------------------------------------------------------------------- run
-def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
+def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms, *, dense=None,
+                timers: Timers = Timers(), extras: Extras = Extras()):
+    """One row: the variant's layout, masks, error and times; ``dense(q, k, v)`` (raster order) is the reference
+    kernel for ``extras``' alternating rounds and paired figures, ``dense_ms`` its time when not re-timed."""
     row = {"grid": list(grid), "heads": heads, "variant": label, "backend": name, "config": conf}
+    if dense is None and (extras.rounds > 1 or extras.graph or extras.kernel_time or extras.host_dir):
+        raise ValueError("run_variant: rounds > 1, graph, kernel_time and host_dir time the dense kernel too; "
+                         "pass dense=")
     dev = qkv_raster[0].device
-    meta_grid = tuple(grid)
     backend = create_backend(name, conf)
-    layout, t_layout = wall(lambda: backend.layout(grid, dev))
+    layout, t_layout = timers.wall(lambda: backend.layout(grid, dev))
     row.update(layout=layout.describe(), tile=list(layout.tile), block=layout.block_size,
                layout_ms=round(t_layout * 1e3, 2))
     q, k, v = (layout.permute(t, dim=1) for t in qkv_raster)
     scale = q.shape[-1] ** -0.5
-    meta = AttentionMetadata(grid=meta_grid, step_index=None, num_steps=None, layer_index=0, layout=layout)
+    meta = AttentionMetadata(grid=tuple(grid), step_index=None, num_steps=None, layer_index=0, layout=layout)
     kind = backend.resolve_kernel(dev, q.dtype)
     if name == "VIDEO_SPARSE_ATTN":
         def select():  # exactly what the backend's call does before its fine kernel (no gate: no coarse output)
@@ -299,10 +236,10 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
             return plan
 
         select()  # warm the pooling/top-k kernels
-        plan, t_mask = wall(select)
+        plan, t_mask = timers.wall(select)
     else:
-        plan, t_mask = wall(lambda: backend.plan(layout, meta, heads))
-        _, t_bm = wall(lambda: plan.fa4_tensors() if kind == "fa4" else plan.flex_block_mask(exact=False))
+        plan, t_mask = timers.wall(lambda: backend.plan(layout, meta, heads))
+        _, t_bm = timers.wall(lambda: plan.fa4_tensors() if kind == "fa4" else plan.flex_block_mask(exact=False))
         t_mask += t_bm
     row.update(kernel=backend.kernel_name(dev), mask_ms=round(t_mask * 1e3, 2),
                block_density=round(plan.density(), 4),
@@ -313,7 +250,10 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
     def call():
         return backend(q, k, v, meta=meta)
 
-    out, t_first = wall(call)
+    def call_dense():
+        return dense(*qkv_raster)
+
+    out, t_first = timers.wall(call)
     row["compile_s"] = round(t_first, 2)
     g = torch.Generator(device="cpu").manual_seed(0)
     real = torch.nonzero(layout.key_valid.cpu()).flatten()
@@ -324,14 +264,13 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
         check_plan = plan
     ref = reference_rows(q, k, v, check_plan, rows, scale)
     row["max_err"] = float((out[:, rows].float() - ref).abs().max())
-    dense = DENSE[0] if DENSE else None
-    if ROUNDS > 1:  # interleaved with the dense call, so both see the same clocks
+    if extras.rounds > 1:  # interleaved with the dense call, so both see the same clocks
         sparse_t, dense_t, sparse_s, dense_s = [], [], [], []
-        for _ in range(ROUNDS):
-            sparse_t.append(cuda_time(call, iters))
-            dense_t.append(cuda_time(lambda: dense(*qkv_raster), iters))
-            sparse_s.append(stream_ms(call, iters))
-            dense_s.append(stream_ms(lambda: dense(*qkv_raster), iters))
+        for _ in range(extras.rounds):
+            sparse_t.append(timers.call_ms(call, iters))
+            dense_t.append(timers.call_ms(call_dense, iters))
+            sparse_s.append(timers.stream_ms(call, iters))
+            dense_s.append(timers.stream_ms(call_dense, iters))
         row["stream_ms"] = round(statistics.median(sparse_s), 3)
         row["dense_stream_ms"] = round(statistics.median(dense_s), 3)
         row["stream_speedup"] = round(row["dense_stream_ms"] / row["stream_ms"], 2)
@@ -342,10 +281,10 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
         row["dense_ms_rounds"] = [round(t, 3) for t in dense_t]
         dense_ms = statistics.median(dense_t)
     else:
-        row["ms"] = round(cuda_time(call, iters), 3)
+        row["ms"] = round(timers.call_ms(call, iters), 3)
     if name == "VIDEO_SPARSE_ATTN":
-        row["fine_ms"] = round(cuda_time(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
-        row["select_ms"] = round(cuda_time(select, iters), 3)  # pooling + coarse scores + top-k + tables
+        row["fine_ms"] = round(timers.call_ms(lambda: backend.run_plan(plan, q, k, v, scale), iters), 3)
+        row["select_ms"] = round(timers.call_ms(select, iters), 3)  # pooling + coarse scores + top-k + tables
         pooled = [t.transpose(1, 2) for t in vsa_kernels.pool_tiles(q, k, None, layout)]
         scores = torch.matmul(pooled[0], pooled[1].transpose(-1, -2))
         kk = topk_count(backend.sparsity, layout.num_tiles)
@@ -354,34 +293,72 @@ def run_variant(label, name, conf, grid, heads, qkv_raster, iters, dense_ms):
             p2 = backend.plan_from_scores(scores, layout, kk)
             return p2.fa4_tensors() if kind == "fa4" else p2.flex_block_mask(exact=False)
 
-        row["tables_ms"] = round(cuda_time(tables, iters), 4)
+        row["tables_ms"] = round(timers.call_ms(tables, iters), 4)
     row["dense_ms"] = round(dense_ms, 3)
     row["speedup"] = round(dense_ms / row["ms"], 2)
-    if GRAPH:
+    if extras.graph:
         try:
             row["graph_ms"] = round(graph_ms(call), 3)
-            row["dense_graph_ms"] = round(graph_ms(lambda: dense(*qkv_raster)), 3)
+            row["dense_graph_ms"] = round(graph_ms(call_dense), 3)
             row["graph_speedup"] = round(row["dense_graph_ms"] / row["graph_ms"], 2)
         except Exception as exc:  # a kernel that cannot be captured: say so, keep the other figures
             row["graph_error"] = f"{type(exc).__name__}: {exc}"
-    if KERNEL_TIME:
+    if extras.kernel_time:
         row["kernel_ms"] = round(kernel_ms(call), 3)
-        row["dense_kernel_ms"] = round(kernel_ms(lambda: dense(*qkv_raster)), 3)
+        row["dense_kernel_ms"] = round(kernel_ms(call_dense), 3)
         row["kernel_speedup"] = round(row["dense_kernel_ms"] / row["kernel_ms"], 2)
-    if HOST_TIME:
+    if extras.host_dir:
         row["host_us"] = round(host_us(call), 1)
-        row["dense_host_us"] = round(host_us(lambda: dense(*qkv_raster)), 1)
+        row["dense_host_us"] = round(host_us(call_dense), 1)
         tag = f"{'x'.join(map(str, grid))}-{label}"
-        text = host_profile(call, Path(HOST_TIME) / f"host-{tag}.prof")
-        (Path(HOST_TIME) / f"host-{tag}.txt").write_text(text)
+        text = host_profile(call, Path(extras.host_dir) / f"host-{tag}.prof")
+        (Path(extras.host_dir) / f"host-{tag}.txt").write_text(text)
         if name == "VIDEO_SPARSE_ATTN":
             row["select_host_us"] = round(host_us(select), 1)
             row["fine_host_us"] = round(host_us(lambda: backend.run_plan(plan, q, k, v, scale)), 1)
     return row
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def row_line(row: dict) -> str:
+    """One variant's figures as a progress line."""
+    extra = ""
+    if "tables_ms" in row:
+        extra = f", select {row['select_ms']:.3f} ms, tables {row['tables_ms']:.4f} ms"
+    if "stream_ms" in row:
+        extra += (f"; back-to-back {row['stream_ms']:.3f} vs dense {row['dense_stream_ms']:.3f} ms "
+                  f"-> {row['stream_speedup']:.2f}x")
+    if "kernel_ms" in row:
+        extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
+                  f"-> {row['kernel_speedup']:.2f}x")
+    if "graph_ms" in row:
+        extra += f"; CUDA graph {row['graph_ms']:.3f} vs dense {row['dense_graph_ms']:.3f} ms " \
+                 f"-> {row['graph_speedup']:.2f}x"
+    if "host_us" in row:
+        extra += f"; host {row['host_us']:.0f} us/call (dense {row['dense_host_us']:.0f} us)"
+        if "select_host_us" in row:
+            extra += f" = select {row['select_host_us']:.0f} + fine {row['fine_host_us']:.0f} us"
+    return (f"  {row['variant']}: {row['ms']:.2f} ms vs dense {row['dense_ms']:.2f} -> {row['speedup']:.2f}x{extra} "
+            f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
+            f"err {row['max_err']:.2e})")
+
+
+def print_table(results: list[dict]) -> None:
+    hdr = f"{'grid':<10} {'variant':<16} {'tile':<10} {'att%':>5} {'work%':>6} {'mask ms':>8} {'ms':>8} " \
+          f"{'dense':>7} {'speedup':>7} {'err':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        g = "x".join(map(str, r["grid"]))
+        if "error" in r:
+            print(f"{g:<10} {r['variant']:<16} ERROR {r['error'][:70]}")
+            continue
+        tile = "x".join(map(str, r["tile"]))
+        print(f"{g:<10} {r['variant']:<16} {tile:<10} {100 * r['attended']:>5.1f} {100 * r['work']:>6.1f} "
+              f"{r['mask_ms']:>8.1f} {r['ms']:>8.2f} {r['dense_ms']:>7.2f} {r['speedup']:>6.2f}x {r['max_err']:>8.1e}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sparse_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="sparse_bench.json")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=225.0, help="skip variants once this much time is spent")
@@ -396,14 +373,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="time each variant and FA4 dense alternately this many times (medians); 1: dense once "
                         "per grid")
-    args = p.parse_args(argv)
-    global KERNEL_TIME, HOST_TIME, GRAPH, ROUNDS
-    KERNEL_TIME = args.kernel_time
-    GRAPH = args.graph
-    ROUNDS = max(1, args.rounds)
-    HOST_TIME = args.host_time
-    if HOST_TIME:
-        Path(HOST_TIME).mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    extras = Extras(rounds=max(1, args.rounds), graph=args.graph, kernel_time=args.kernel_time,
+                    host_dir=Path(args.host_time) if args.host_time else None)
+    if extras.host_dir:
+        extras.host_dir.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("sparse_bench needs a CUDA device.")
     t0 = time.perf_counter()
@@ -421,10 +399,9 @@ def main(argv=None):
         env["flash_attn"] = getattr(flash_attn, "__version__", "?")
     except Exception as exc:
         env["flash_attn"] = f"unavailable: {exc}"
-    env["fa4_block_sparse"] = sk.fa4_reasons(dev, torch.bfloat16) or "ok"
+    env["fa4_block_sparse"] = fa4_reasons(dev, torch.bfloat16) or "ok"
     print(json.dumps(env), flush=True)
     dense_name, dense_fn = dense_kernel()
-    DENSE[:] = [dense_fn]
 
     # queue: core variants of every grid first, then the extras
     per_grid = {}
@@ -444,18 +421,19 @@ def main(argv=None):
             gen = torch.Generator(device=dev).manual_seed(0)
             qkv = [torch.randn(1, n, heads, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
             try:
-                dense_ms = round(cuda_time(lambda q=qkv: dense_fn(*q), args.iters), 3)
+                dense_ms = round(call_ms(lambda q=qkv: dense_fn(*q), args.iters), 3)
             except Exception as exc:
                 print(f"dense {dense_name} failed: {exc}; using SDPA", flush=True)
-                dense_ms = round(cuda_time(lambda q=qkv: F.scaled_dot_product_attention(
+                dense_ms = round(call_ms(lambda q=qkv: F.scaled_dot_product_attention(
                     *(t.transpose(1, 2) for t in q)), args.iters), 3)
             per_grid[grid] = (qkv, dense_ms)
             print(f"grid {grid} heads {heads}: dense {dense_name} {dense_ms:.2f} ms "
-                  f"({sk.tflops(1, heads, n, 128, dense_ms):.0f} TFLOP/s)", flush=True)
+                  f"({4 * heads * n * n * 128 / dense_ms / 1e9:.0f} TFLOP/s)", flush=True)
         qkv, dense_ms = per_grid[grid]
         t_v = time.perf_counter()
         try:
-            row = run_variant(label, name, conf, grid, heads, qkv, args.iters, dense_ms)
+            row = run_variant(label, name, conf, grid, heads, qkv, args.iters, dense_ms, dense=dense_fn,
+                              extras=extras)
         except Exception as exc:
             print(f"  {label}: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=3)
@@ -465,42 +443,13 @@ def main(argv=None):
         row["dense_kernel"] = dense_name
         results.append(row)
         if "error" not in row:
-            extra = ""
-            if "tables_ms" in row:
-                extra = f", select {row['select_ms']:.3f} ms, tables {row['tables_ms']:.4f} ms"
-            if "stream_ms" in row:
-                extra += (f"; back-to-back {row['stream_ms']:.3f} vs dense {row['dense_stream_ms']:.3f} ms "
-                          f"-> {row['stream_speedup']:.2f}x")
-            if "kernel_ms" in row:
-                extra += (f"; GPU kernel time {row['kernel_ms']:.3f} vs dense {row['dense_kernel_ms']:.3f} ms "
-                          f"-> {row['kernel_speedup']:.2f}x")
-            if "graph_ms" in row:
-                extra += f"; CUDA graph {row['graph_ms']:.3f} vs dense {row['dense_graph_ms']:.3f} ms " \
-                         f"-> {row['graph_speedup']:.2f}x"
-            if "host_us" in row:
-                extra += f"; host {row['host_us']:.0f} us/call (dense {row['dense_host_us']:.0f} us)"
-                if "select_host_us" in row:
-                    extra += f" = select {row['select_host_us']:.0f} + fine {row['fine_host_us']:.0f} us"
-            print(f"  {label}: {row['ms']:.2f} ms vs dense {row['dense_ms']:.2f} -> {row['speedup']:.2f}x{extra} "
-                  f"(attended {row['attended']:.3f}, work {row['work']:.3f}, mask {row['mask_ms']:.1f} ms, "
-                  f"err {row['max_err']:.2e})", flush=True)
+            print(row_line(row), flush=True)
         torch.cuda.empty_cache()
 
     Path(args.out).write_text(json.dumps({"env": env, "dense_kernel": dense_name, "results": results,
                                           "skipped_for_budget": skipped}, indent=1))
     print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s); skipped for budget: {skipped or 'none'}")
-    hdr = f"{'grid':<10} {'variant':<16} {'tile':<10} {'att%':>5} {'work%':>6} {'mask ms':>8} {'ms':>8} " \
-          f"{'dense':>7} {'speedup':>7} {'err':>8}"
-    print(hdr)
-    print("-" * len(hdr))
-    for r in results:
-        g = "x".join(map(str, r["grid"]))
-        if "error" in r:
-            print(f"{g:<10} {r['variant']:<16} ERROR {r['error'][:70]}")
-            continue
-        tile = "x".join(map(str, r["tile"]))
-        print(f"{g:<10} {r['variant']:<16} {tile:<10} {100 * r['attended']:>5.1f} {100 * r['work']:>6.1f} "
-              f"{r['mask_ms']:>8.1f} {r['ms']:>8.2f} {r['dense_ms']:>7.2f} {r['speedup']:>6.2f}x {r['max_err']:>8.1e}")
+    print_table(results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Wan VAE decode (diffusers ``AutoencoderKLWan``): time and peak memory per setting, on the GPU.
 
-    python benchmarks/vae_bench.py --ckpt /tmp/wan13b-random [--sizes 480x832,720x1280] [--frames 81] [--profile]
+    python -m benchmarks.vae_bench --ckpt /tmp/wan13b-random [--sizes 480x832,720x1280] [--frames 81] [--profile]
 
 For each size, decodes one random latent video ([1, z_dim, (frames-1)/4+1, H/f, W/f]; Wan2.1: 16 channels,
 f = 8) with each variant:
@@ -13,7 +13,7 @@ f = 8) with each variant:
 * ``...+fast-convs``          and the modules swapped by ``fastwan.vae.convs.fast_decoder_convs``
                              (causal convs padded in time only, conv bias by a Triton kernel, layout-keeping
                              temporal interleave, nearest upsample as a wide copy, 96-channel convs as a conv2d
-                             over stacked time taps; ``+nostack`` keeps those as conv3d);
+                             over stacked time taps);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes);
 * any of them ``+chunkN``    decoded by ``fastwan.vae.decode.decode_latents`` with N latent frames per
                              decoder call after the first (``+chunkauto``: its size rule), instead of one.
@@ -32,13 +32,17 @@ import re
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import kernel_times
+
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
             "bf16+channels-last+fused-norms+fast-convs", "bf16+channels-last+fused-norms+fast-convs+cudnn-bench",
             "bf16+tiling")
+PARTS = ("cudnn-bench", "channels-last", "fused-norms", "fast-convs", "tiling")
 # the Wan2.2-TI2V-5B VAE's config (its published vae/config.json), for --ckpt random-wan2.2
 WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
@@ -84,31 +88,20 @@ def kernel_group(name: str) -> str:
 
 
 def profile_decode(run, label: str, top: int) -> dict:
-    """CUDA kernel time of one ``run()`` by kernel_group, and its ``top`` kernels by total time."""
-    from collections import defaultdict
-
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    per, calls, groups = defaultdict(float), defaultdict(int), defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            ms = e.device_time / 1e3
-            per[e.name[:110]] += ms
-            calls[e.name[:110]] += 1
-            groups[kernel_group(e.name)] += ms
-    total = sum(per.values())
+    """CUDA kernel time of one ``run()`` (already warm) by kernel_group, and its ``top`` kernels by total time."""
+    per = kernel_times(run, warmup=False)
+    groups: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in per.items():
+        groups[kernel_group(name)] += ms
+    total = sum(groups.values())
     print(f"--- {label}: CUDA kernel time {total:.1f} ms", flush=True)
     for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"   {g:22s} {ms:9.1f} ms")
-    rows = sorted(per.items(), key=lambda kv: -kv[1])[:top]
-    for k, ms in rows:
-        print(f"      {ms:9.2f} ms  x{calls[k]:<5d} {k}")
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    for k, (ms, n) in rows:
+        print(f"      {ms:9.2f} ms  x{int(n):<5d} {k[:110]}")
     return {"kernel_total_ms": round(total, 1), "groups_ms": {g: round(v, 1) for g, v in groups.items()},
-            "top": [(k, round(ms, 2), calls[k]) for k, ms in rows]}
+            "top": [(k[:110], round(ms, 2), int(n)) for k, (ms, n) in rows]}
 
 
 def decode_fn(vae, z, chunk=None):
@@ -128,9 +121,18 @@ def chunk_of(variant: str):
     return None if m is None else (m.group(1) if m.group(1) == "auto" else int(m.group(1)))
 
 
+def check_variant(variant: str) -> None:
+    """ValueError unless ``variant`` is fp32 or bf16 followed by known ``+`` parts."""
+    dtype, *parts = variant.split("+")
+    unknown = [x for x in parts if x not in PARTS and not re.fullmatch(r"chunk(\d+|auto)", x)]
+    if dtype not in ("fp32", "bf16") or unknown:
+        raise ValueError(f"VAE variant {variant!r}: fp32 or bf16, then +parts from {', '.join(PARTS)}, +chunkN, "
+                         "+chunkauto")
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vae_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan13b-random")
     p.add_argument("--sizes", default="480x832,720x1280")
     p.add_argument("--frames", type=int, default=81)
@@ -140,11 +142,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one decode per variant")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-    from fastwan.vae import convs as vae_convs
-
-    stack_default = vae_convs.STACK_TAPS_MAX_CHANNELS
+    try:
+        for variant in a.variants.split(","):
+            check_variant(variant)
+    except ValueError as exc:
+        p.error(str(exc))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     lat_t = (a.frames - 1) // 4 + 1
     z_dim, factor = latent_params(a.ckpt)
@@ -155,25 +157,24 @@ def main(argv=None) -> int:
         ref = first = None
         for variant in a.variants.split(","):
             dtype = torch.float32 if variant.startswith("fp32") else torch.bfloat16
-            torch.backends.cudnn.benchmark = "cudnn-bench" in variant
+            parts = set(variant.split("+")[1:])
+            torch.backends.cudnn.benchmark = "cudnn-bench" in parts
             vae = load_vae(a.ckpt, dtype)
             z = z32.to(dtype)
-            if variant.startswith("bf16+channels-last"):
+            if "channels-last" in parts:
                 for mod in vae.modules():  # the 5-D conv weights (to() would also touch 1-D/2-D tensors)
                     if isinstance(mod, torch.nn.Conv3d):
                         mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 z = z.contiguous(memory_format=torch.channels_last_3d)
-            if "+fused-norms" in variant:
+            if "fused-norms" in parts:
                 from fastwan.vae.norms import fuse_decoder_norms
 
                 fuse_decoder_norms(vae)
-            if "+fast-convs" in variant:
+            if "fast-convs" in parts:
                 from fastwan.vae import convs as vae_convs
 
                 print(f"{variant}: fast_decoder_convs swapped {vae_convs.fast_decoder_convs(vae)} modules", flush=True)
-                # +nostack: the narrow convs stay conv3d (the module's threshold, restored after the variant)
-                vae_convs.STACK_TAPS_MAX_CHANNELS = 0 if "+nostack" in variant else stack_default
-            if variant.startswith("bf16+tiling"):
+            if "tiling" in parts:
                 vae.enable_tiling()
             run = decode_fn(vae, z, chunk_of(variant))
             torch.cuda.synchronize()

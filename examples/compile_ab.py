@@ -11,13 +11,13 @@ import torch
 from fastwan import VideoGenerator
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompt", default="a sailing boat on a stormy sea")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--runs", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     kw = dict(num_inference_steps=args.steps, seed=0, save_video=False)

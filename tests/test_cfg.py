@@ -79,7 +79,7 @@ def record_block_batches(gen):
     calls = []
     for e, model in enumerate(gen.transformers):
         for b, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda mod, args, _e=e, _b=b: calls.append((_e, _b, args[0].shape[0])))
+            block.register_forward_pre_hook(lambda mod, args, _e=e, _b=b: calls.append((_e, _b, args[0].x.shape[0])))
     return calls
 
 

@@ -61,11 +61,13 @@ def reasons_cannot_run(
     *,
     device: torch.device | str,
     dtype: torch.dtype,
-    head_dim: int,
+    head_dim: int | None,
     seq_q: int | None = None,
     seq_kv: int | None = None,
 ) -> list[str]:
-    """Turn a backend's declared capabilities into the list of reasons it cannot run this problem."""
+    """Turn a backend's declared capabilities into the list of reasons it cannot run this problem.
+
+    ``head_dim`` / ``seq_q`` / ``seq_kv`` None: that fact is unknown and its checks are skipped."""
     device = torch.device(device)
     reasons: list[str] = []
     for module, hint in caps.packages:
@@ -91,12 +93,13 @@ def reasons_cannot_run(
     if dtype not in caps.dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
         reasons.append(f"dtype {str(dtype).replace('torch.', '')} is not supported (needs one of {names})")
-    if caps.head_dims is not None and head_dim not in caps.head_dims:
-        reasons.append(f"head dim {head_dim} is not supported (needs one of {list(caps.head_dims)})")
-    if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
-        reasons.append(f"head dim {head_dim} exceeds the maximum {caps.max_head_dim}")
-    if caps.head_dim_multiple is not None and head_dim % caps.head_dim_multiple:
-        reasons.append(f"head dim {head_dim} is not a multiple of {caps.head_dim_multiple}")
+    if head_dim is not None:
+        if caps.head_dims is not None and head_dim not in caps.head_dims:
+            reasons.append(f"head dim {head_dim} is not supported (needs one of {list(caps.head_dims)})")
+        if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
+            reasons.append(f"head dim {head_dim} exceeds the maximum {caps.max_head_dim}")
+        if caps.head_dim_multiple is not None and head_dim % caps.head_dim_multiple:
+            reasons.append(f"head dim {head_dim} is not a multiple of {caps.head_dim_multiple}")
     if (
         not caps.supports_cross_attention
         and seq_q is not None

@@ -23,6 +23,12 @@ class AttentionDispatch:
             raise ValueError(f"cross-attention needs a dense backend, got sparse {cross_backend.name}")
         self.self_backend = self_backend
         self.cross_backend = cross_backend
+        # A sparse backend's call runs outside torch.compile graphs (one graph break per block): its block tables
+        # are cached per (grid, config, step, layer) in Python objects and VSA builds its table from a top-k on
+        # every call; none of that traces as a static graph. The work around the call (norms, RoPE, projections,
+        # FFN) is still compiled, and the kernels are the ones eager mode runs. torch.compiler.disable imports
+        # dynamo, so it is applied here, when a sparse dispatch is built, never at ``import fastwan``.
+        self._sparse_call = torch.compiler.disable(_call_with_meta) if self_backend.sparse else None
 
     @classmethod
     def resolve(
@@ -61,8 +67,8 @@ class AttentionDispatch:
 
     def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """q, k, v: [B, S, H, D] -> [B, S, H, D]."""
-        if self.sparse:
-            return _sparse_self_attention(self.self_backend, q, k, v, meta)
+        if self._sparse_call is not None:
+            return self._sparse_call(self.self_backend, q, k, v, meta)
         return self.self_backend(q, k, v, meta=None)
 
     def cross_attention(self, q, k, v) -> torch.Tensor:
@@ -70,25 +76,8 @@ class AttentionDispatch:
         return self.cross_backend(q, k, v)
 
 
-def _sparse_call(backend, q, k, v, meta):
+def _call_with_meta(backend, q, k, v, meta):
     return backend(q, k, v, meta=meta)
-
-
-_SPARSE_CALL = None
-
-
-def _sparse_self_attention(backend, q, k, v, meta):
-    """A sparse backend's call runs outside torch.compile graphs (one graph break per block).
-
-    Its block tables are cached per (grid, config, step, layer) in Python objects, and VSA builds its table
-    from a top-k on every call; none of that is traceable as a static graph. The work around the call (norms,
-    RoPE, projections, FFN) is still compiled; the kernels themselves are the same ones eager mode runs.
-    ``torch.compiler.disable`` is applied on first use (it imports dynamo, which importing fastwan must not).
-    """
-    global _SPARSE_CALL
-    if _SPARSE_CALL is None:
-        _SPARSE_CALL = torch.compiler.disable(_sparse_call)
-    return _SPARSE_CALL(backend, q, k, v, meta)
 
 
 def attention(

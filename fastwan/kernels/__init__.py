@@ -2,8 +2,9 @@
 traces through it) and a PyTorch reference with the same math.
 
 An op runs its Triton kernel where :func:`triton_runs` says the kernel can run for its inputs, and its reference
-everywhere else. :func:`reference_kernels` forces the references inside a ``with`` block (tests compare the two
-that way); nothing else switches them.
+everywhere else. Two context managers switch that, for tests: :func:`reference_kernels` forces the references, and
+:func:`interpreted_kernels` runs the kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
+set before Triton is imported).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from collections.abc import Iterator
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _FORCE_REFERENCE = contextvars.ContextVar("fastwan_force_reference_kernels", default=False)
+_INTERPRETED = contextvars.ContextVar("fastwan_interpreted_kernels", default=False)
 
 
 @functools.cache
@@ -32,13 +35,17 @@ def triton_importable() -> bool:
 def triton_runs(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = HALF,
                 max_last_dim: int | None = None) -> bool:
     """The one check of whether a Triton kernel runs here: every given tensor on CUDA with a dtype in ``dtypes``
-    (and a last dim of at most ``max_last_dim``), Triton importable, and not inside :func:`reference_kernels`."""
+    (and a last dim of at most ``max_last_dim``), Triton importable, and not inside :func:`reference_kernels`.
+    Inside :func:`interpreted_kernels` any device and any of fp16/bf16/fp32 qualifies."""
     if _FORCE_REFERENCE.get() or not triton_importable():
         return False
+    interpreted = _INTERPRETED.get()
     for t in tensors:
         if t is None:
             continue
-        if not t.is_cuda or t.dtype not in dtypes:
+        if not interpreted and (not t.is_cuda or t.dtype not in dtypes):
+            return False
+        if interpreted and t.dtype not in FLOATS:
             return False
         if max_last_dim is not None and t.dim() and t.shape[-1] > max_last_dim:
             return False
@@ -53,3 +60,14 @@ def reference_kernels() -> Iterator[None]:
         yield
     finally:
         _FORCE_REFERENCE.reset(token)
+
+
+@contextlib.contextmanager
+def interpreted_kernels() -> Iterator[None]:
+    """Inside the block the Triton kernels also take CPU tensors and fp32 (Triton's interpreter runs them; the
+    process must have ``TRITON_INTERPRET=1`` set before Triton is imported)."""
+    token = _INTERPRETED.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRETED.reset(token)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fastwan.attention.backends import fa4_plan
 from fastwan.attention.backends import packages as kernels
 
 
@@ -33,28 +34,28 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args) -> torch.Ten
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, version: int,
                tile_m: int = 0, split: int = 0, tail_tile_m: int = 0) -> torch.Tensor:
     """FlashAttention ``version`` (2: flash_attn, 3: flash_attn_interface, 4: flash_attn.cute). ``tile_m``: FA4's
-    sm90 query tile (:data:`fastwan.attention.backends.packages.FA4_SM90_TILES`); 0 = the kernel's own choice.
+    sm90 query tile (:data:`fastwan.attention.backends.fa4_plan.FA4_SM90_TILES`); 0 = the kernel's own choice.
 
     ``split`` > 0 (FA4 with explicit tiles only): two launches writing into one output, query rows ``[0, split)``
     with ``tile_m`` and ``[split, Sq)`` with ``tail_tile_m``, one after the other (the tail on a second stream
     measured no faster on an H100). ``split`` = -1: FA4 on sm90, head dim 128; the launches are planned here,
-    from the shapes and the device's SM count (:func:`fastwan.attention.backends.packages.fa4_sm90_plan`), ``tile_m``
+    from the shapes and the device's SM count (:func:`fastwan.attention.backends.fa4_plan.fa4_sm90_plan`), ``tile_m``
     being the one-launch tile."""
     fn = kernels.flash_kernel(version)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     if split == -1:
-        tm, split, tail_tile_m = kernels.fa4_sm90_plan(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                                                       _sm_count(q.device))
+        tm, split, tail_tile_m = fa4_plan.fa4_sm90_plan(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                        _sm_count(q.device))
         if not split:
             tile_m = 0 if tm == 128 else tm  # 128 is FA4's own default: its public entry point
         else:
             tile_m = tm
     if not split:
         return _finish(fn(q, k, v, scale, tile_m) if tile_m else fn(q, k, v, scale), q)
-    if version != 4 or not (0 < split < q.shape[1]) or tile_m not in kernels.FA4_SM90_TILES \
-            or tail_tile_m not in kernels.FA4_SM90_TILES:
+    if version != 4 or not (0 < split < q.shape[1]) or tile_m not in fa4_plan.FA4_SM90_TILES \
+            or tail_tile_m not in fa4_plan.FA4_SM90_TILES:
         raise ValueError(f"flash_attn split={split} needs FA4 (version={version}), 0 < split < Sq={q.shape[1]} and "
-                         f"tiles from {sorted(kernels.FA4_SM90_TILES)} (tile_m={tile_m}, tail_tile_m={tail_tile_m}).")
+                         f"tiles from {sorted(fa4_plan.FA4_SM90_TILES)} (tile_m={tile_m}, tail_tile_m={tail_tile_m}).")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     def run(rows: slice, tm: int) -> None:
@@ -90,16 +91,5 @@ def sage_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return _finish(fn(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), scale), q)
 
 
-@torch.library.custom_op("fastwan::fp4_emulated_attn", mutates_args=())
-def fp4_emulated_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, use_global_scale: bool
-) -> torch.Tensor:
-    """Pure-PyTorch NVFP4 Q/K emulation (:func:`fastwan.kernels.fp4.fp4_emulated_attention`), any device."""
-    from fastwan.kernels.fp4 import fp4_emulated_attention
-
-    out = fp4_emulated_attention(q, k, v, scale, use_global_scale=use_global_scale)
-    return _finish(out.to(q.dtype), q)
-
-
-for _op in (flash_attn, nvfp4_flash_attn, sage_attn, fp4_emulated_attn):
+for _op in (flash_attn, nvfp4_flash_attn, sage_attn):
     _op.register_fake(_fake)

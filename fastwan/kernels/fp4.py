@@ -1,4 +1,4 @@
-"""NVFP4 reference: quantize / dequantize in pure PyTorch, and FP4-emulated attention. Runs on any device.
+"""NVFP4 reference: quantize / dequantize / pack in pure PyTorch, on any device.
 
 NVFP4 (NVIDIA's 4-bit float format for Blackwell tensor cores):
 
@@ -14,11 +14,7 @@ scale (as the hardware converter does) with round-to-nearest-even on the E2M1 gr
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -145,26 +141,3 @@ def nvfp4_scales_to_mma_layout(scales: torch.Tensor) -> torch.Tensor:
     t = scales.reshape(b, s // 128, 4, 32, h, nk // 4, 4)  # b, rm, m1, m0, h, rk, kk
     t = t.permute(0, 4, 1, 5, 3, 2, 6).contiguous()  # b, h, rm, rk, m0, m1, kk
     return t.permute(4, 5, 2, 6, 3, 1, 0)  # m0, m1, rm, kk, rk, h, b
-
-
-def fp4_emulated_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None = None,
-    *,
-    use_global_scale: bool = False,
-) -> torch.Tensor:
-    """Attention with NVFP4-quantized Q and K and full-precision V, computed exactly in fp32.
-
-    q: [B, Sq, H, D], k/v: [B, Skv, H, D] -> [B, Sq, H, D] in v's dtype. This is the numerics an NVFP4 Q/K
-    kernel aims for (FP4 QK^T with fp32 accumulation, bf16 P·V), without its rounding of P.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    qd = nvfp4_fake_quantize(q.float(), use_global_scale, check_finite=False)
-    kd = nvfp4_fake_quantize(k.float(), use_global_scale, check_finite=False)
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(
-            qd.transpose(1, 2), kd.transpose(1, 2), v.float().transpose(1, 2), scale=scale
-        )
-    return out.transpose(1, 2).to(v.dtype).contiguous()

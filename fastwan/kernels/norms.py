@@ -1,10 +1,11 @@
 """Single-pass row kernels for the Wan block's norms (Triton on CUDA), as ``torch.library`` custom ops.
 
 Inductor compiles the block's LayerNorm + modulation and q/k RMSNorm + RoPE into looped reductions when the
-hidden size is above 1,024 (Wan: 1,536 / 3,072 / 5,120), which read every row twice; on an H100 they move
-0.8 GB in 0.55 ms (1.45 TB/s, RESULTS.md 8.2). These kernels hold a whole row in registers and read each input
-once. Each op has the same math as the plain PyTorch path in :mod:`fastwan.models.wan.transformer` (fp32 statistics, the
-same bf16 roundings), which is also the op's implementation off CUDA or without Triton.
+hidden size is above 1,024 (Wan: 1,536 / 3,072 / 5,120), which read every row twice (H100: 0.8 GB in 0.55 ms,
+1.45 TB/s). These kernels hold a whole row in registers and read each input once. Each op has the same math as
+the plain PyTorch path of the DiT (fp32 statistics, the same bf16 roundings): its ``*_reference``, which it runs
+wherever :func:`fastwan.kernels.triton_runs` does not hold for x (fp16/bf16, at most ``MAX_C`` channels).
+``*_triton`` is the kernel route itself (the tests run it on the CPU under ``TRITON_INTERPRET=1``).
 
 Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 1, C] or [B, S, C] views):
 
@@ -18,7 +19,7 @@ Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 
   (no kernel of ours: cuBLAS through ``addmm_``; an op so that torch.compile keeps it in place);
 * ``residual_bmm_(x, a, u)``: ``x += a @ u`` in place with per-sample u [B or 1, K, N] (cuBLAS, as above);
 * ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
-  interleaved-pair RoPE of :func:`fastwan.models.wan.transformer.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
+  interleaved-pair RoPE of :func:`fastwan.models.wan.layers.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
 """
 from __future__ import annotations
 
@@ -27,20 +28,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastwan.kernels import triton_importable
+from fastwan.kernels import triton_runs
 
 MAX_C = 16384  # one row in registers
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] <= MAX_C and triton_importable()
-
-
 def usable(x: torch.Tensor) -> bool:
-    """Whether the model routes its norms through these ops for activations ``x``: where the Triton kernels run
-    (CUDA, fp16/bf16, C <= MAX_C, Triton importable). The ops themselves also accept anything else (they run
-    their PyTorch reference then), which is how the CPU tests exercise the fused wiring."""
-    return _kernel_ok(x)
+    """Whether the model routes its norms through these ops for activations ``x`` [..., C]: where the kernels run
+    (:func:`fastwan.kernels.triton_runs` with C <= ``MAX_C``). The ops also take anything else (they run their
+    PyTorch reference then)."""
+    return triton_runs(x, max_last_dim=MAX_C)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -63,7 +60,7 @@ def residual_reference(x, y, gate) -> torch.Tensor:
 
 
 def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
-    from fastwan.models.wan.transformer import apply_rope  # wan imports this module
+    from fastwan.models.wan.layers import apply_rope  # (the DiT imports this module)
 
     y = F.rms_norm(x, (x.shape[-1],), eps=eps).to(weight.dtype) * weight
     if table is None:
@@ -134,7 +131,7 @@ def _kernels():
     return norm_rows, rms_rope_rows
 
 
-# Warps per row program, measured on an H100 (benchmarks/fused_bench.py, RESULTS.md 9.3): fewer warps with more
+# Warps per row program, measured on an H100 (benchmarks/fused_bench.py): fewer warps with more
 # elements per thread beat wide programs at every Wan width -- the LayerNorm kernel is fastest at 4 warps up to
 # 8,192-wide blocks, the RMSNorm + RoPE kernel (four fp32 operands per element) at 32 elements per thread.
 def _launch_cfg(C: int, per_thread: int) -> tuple[int, int]:
@@ -182,14 +179,43 @@ def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r, offset=None):
     return h
 
 
+def norm_mod_triton(x, weight, bias, scale, shift, eps: float) -> torch.Tensor:
+    """``fastwan::norm_mod``'s kernel route."""
+    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None)
+
+
+def offset_norm_mod_triton(x, offset, weight, bias, scale, shift, eps: float) -> torch.Tensor:
+    """``fastwan::offset_norm_mod``'s kernel route."""
+    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None, offset)
+
+
+def residual_norm_mod_triton(x, y, gate, weight, bias, scale, shift, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fastwan::residual_norm_mod``'s kernel route."""
+    r = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return r, _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r)
+
+
+def rms_rope_triton(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
+    """``fastwan::rms_rope``'s kernel route (``weight`` in x's dtype)."""
+    rms_rope_rows = _kernels()[1]
+    x = x.contiguous()
+    B, S, C = x.shape
+    out = torch.empty_like(x)
+    t = table.contiguous() if table is not None else x
+    block, warps = _launch_cfg(C, per_thread=32)
+    rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
+                            HALF=block // 2, num_warps=warps)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- ops
 @torch.library.custom_op("fastwan::norm_mod", mutates_args=())
 def norm_mod(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
              shift: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over C (fp32 statistics) with optional affine and modulation; x [B, S, C] -> h like x."""
-    if not _kernel_ok(x):
-        return norm_mod_reference(x, weight, bias, scale, shift, eps)
-    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None)
+    if triton_runs(x, max_last_dim=MAX_C):
+        return norm_mod_triton(x, weight, bias, scale, shift, eps)
+    return norm_mod_reference(x, weight, bias, scale, shift, eps)
 
 
 @torch.library.custom_op("fastwan::offset_norm_mod", mutates_args=())
@@ -198,9 +224,9 @@ def offset_norm_mod(x: torch.Tensor, offset: torch.Tensor | None, weight: torch.
                     eps: float) -> torch.Tensor:
     """norm_mod of x + offset, offset an fp32 per-channel vector [B or 1, 1, C] added in fp32 and not stored
     (the residual stream's pending biases, see :func:`residual_linear_`); x [B, S, C] -> h like x."""
-    if not _kernel_ok(x):
-        return offset_norm_mod_reference(x, offset, weight, bias, scale, shift, eps)
-    return _norm_launch(x, None, None, weight, bias, scale, shift, eps, None, offset)
+    if triton_runs(x, max_last_dim=MAX_C):
+        return offset_norm_mod_triton(x, offset, weight, bias, scale, shift, eps)
+    return offset_norm_mod_reference(x, offset, weight, bias, scale, shift, eps)
 
 
 @torch.library.custom_op("fastwan::residual_linear_", mutates_args=("x",))
@@ -237,11 +263,10 @@ def residual_norm_mod(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | Non
                       bias: torch.Tensor | None, scale: torch.Tensor | None, shift: torch.Tensor | None,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """r = x + y [* gate] (rounded to x's dtype), h = norm_mod(r, ...): x, y [B, S, C] -> (r, h)."""
-    if not _kernel_ok(x):
-        r = residual_reference(x, y, gate)
-        return r, norm_mod_reference(r, weight, bias, scale, shift, eps)
-    r = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return r, _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r)
+    if triton_runs(x, max_last_dim=MAX_C):
+        return residual_norm_mod_triton(x, y, gate, weight, bias, scale, shift, eps)
+    r = residual_reference(x, y, gate)
+    return r, norm_mod_reference(r, weight, bias, scale, shift, eps)
 
 
 @torch.library.custom_op("fastwan::rms_rope", mutates_args=())
@@ -252,17 +277,9 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
     if table is not None and (table.shape[1] != x.shape[1] or table.shape[-1] != 2 * head_dim):
         raise ValueError(f"rms_rope: table {tuple(table.shape)} does not fit x {tuple(x.shape)} with head_dim "
                          f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
-    if not _kernel_ok(x) or weight.dtype != x.dtype:
-        return rms_rope_reference(x, weight, table, eps, head_dim)
-    _, rms_rope_rows = _kernels()
-    x = x.contiguous()
-    B, S, C = x.shape
-    out = torch.empty_like(x)
-    t = table.contiguous() if table is not None else x
-    block, warps = _launch_cfg(C, per_thread=32)
-    rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
-                            HALF=block // 2, num_warps=warps)
-    return out
+    if triton_runs(x, max_last_dim=MAX_C) and weight.dtype == x.dtype:
+        return rms_rope_triton(x, weight, table, eps, head_dim)
+    return rms_rope_reference(x, weight, table, eps, head_dim)
 
 
 @norm_mod.register_fake

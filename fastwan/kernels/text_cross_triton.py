@@ -5,7 +5,6 @@ Every kernel attends from a block of BM query rows of one sample to the first ``
 ``log2(L - n + 1)`` added. The shared pieces are module-level ``@triton.jit`` functions (Triton's interpreter,
 which the CPU tests use, resolves globals but not closures):
 
-* ``text_attn``: q already normalized, [B, S, H, D] -> out [B, S, H, D];
 * ``text_attn_normq``: q the raw projection [B, S, C], its RMSNorm over all H heads computed per query block
   (``rms_rope``'s roundings) -> out [B, S, H, D];
 * ``text_probs_normq``: as ``text_attn_normq`` but it writes the attention weights P [B, S, H, width] (zero for
@@ -79,21 +78,6 @@ def _normed_head(qp, W, h, rstd, rmask, d, D: tl.constexpr):
     w = tl.load(W + h * D + d).to(tl.float32)
     dt = W.dtype.element_ty
     return ((x * rstd[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt)
-
-
-@triton.jit
-def text_attn(Q, K, V, OUT, NK, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, S, L, H, scale_log2,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    # program (query block, b * H + h)
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    n, log2m, rows, d, rmask = _query_block(NK, b, pid_m, S, L, BM, D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :], mask=rmask[:, None], other=0.0)
-    out = _attend(q, K, V, b * skb + h * skh, b * svb + h * svh, sks, svs, d, n, scale_log2, log2m, BM, D, BN)
-    tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=rmask[:, None])
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 :class:`~fastwan.attention.sparse.vsa.VideoSparseBackend` picks, per call, the key tiles every query tile
 attends to. In PyTorch that is about a dozen small kernels (a pooling sum and a division for q and for k,
-transposes, the tile scores, a scale, ``torch.topk``, then :func:`~fastwan.attention.sparse.kernels.split_selected`
+transposes, the tile scores, a scale, ``torch.topk``, then :func:`~fastwan.attention.sparse.plan.split_selected`
 for the FA4 block tables); on CUDA it becomes three launches:
 
 1. ``fastwan::vsa_pool``: one kernel mean-pools q, k (and v when the coarse output is needed) over each tile's
@@ -15,8 +15,11 @@ Measured on an H200 (Triton 3.6, CUDA-graph replay, select() + FA4 tables, bf16 
 0.154 ms for the 1.3B 480p call (12 heads, 273 tiles, k = 41), 0.91 instead of 1.42 ms for 14B 720p (40 heads,
 630 tiles, k = 95); host time per eager call 171 instead of 273 us.
 
-Both ops run their PyTorch reference off CUDA or without Triton (:func:`pool_reference`,
-:func:`topk_tables_reference`); the top-k op also does for rows of more than :data:`N_MAX` tiles.
+Each op runs its kernel where :func:`fastwan.kernels.triton_runs` holds for its inputs (:func:`pool_usable`,
+:func:`tables_usable`: dtypes, at most :data:`N_MAX` tiles per row of scores, no autograd) and its PyTorch
+reference elsewhere (:func:`pool_reference`, :func:`topk_tables_reference`); :func:`pool_triton` and
+:func:`topk_tables_triton` are the kernel routes themselves (the tests run them on the CPU under
+``TRITON_INTERPRET=1``).
 
 Top-k design: a row of ``n`` fp32 scores is loaded padded to ``NP2 = next_pow2(n)``; each score is mapped to an
 int32 whose signed order is the float order (negative floats get their magnitude bits flipped; -0.0 is made
@@ -34,8 +37,8 @@ import functools
 
 import torch
 
-from fastwan.kernels import triton_importable
-from fastwan.attention.sparse.kernels import split_selected
+from fastwan.attention.sparse.plan import split_selected
+from fastwan.kernels import triton_runs
 
 # Longest row (key tiles) the top-k kernel takes; longer rows use torch.topk + split_selected. The kernel is
 # correct up to 4,096 (checked on an H200) but slower than torch.topk past ~1,024: 0.28 ms for 2,000 rows of
@@ -43,26 +46,21 @@ from fastwan.attention.sparse.kernels import split_selected
 # 4x4x4 tiles at 720p give 1,440 (PyTorch path).
 N_MAX = 1024
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCORE_DTYPES = (torch.float32,)
 
 
-
-
-def _kernel_ok(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels can take tensors on x's device (CUDA with Triton importable)."""
-    return x.is_cuda and triton_importable()
-
-
-def pool_usable(*tensors: torch.Tensor) -> bool:
-    """Whether :func:`pool_tiles` runs its kernel for these [B, P, H, D] inputs: CUDA, fp16/bf16/fp32, Triton,
-    and no autograd (the ops have no backward; a call that needs gradients keeps the PyTorch path)."""
-    x = tensors[0]
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return _kernel_ok(x) and x.dtype in POOL_DTYPES and not grad
+def pool_usable(*tensors: torch.Tensor | None) -> bool:
+    """Whether :func:`pool_tiles` runs its kernel for these [B, P, H, D] inputs (q, k and v or None):
+    :func:`~fastwan.kernels.triton_runs` in ``POOL_DTYPES``, one dtype, and no autograd (the ops have no backward;
+    a call that needs gradients keeps the PyTorch path)."""
+    given = [t for t in tensors if t is not None]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in given)
+    return triton_runs(*given, dtypes=POOL_DTYPES) and len({t.dtype for t in given}) == 1 and not grad
 
 
 def tables_usable(scores: torch.Tensor) -> bool:
-    """Whether :func:`topk_tables` runs its kernel for ``scores`` [B, H, n, n]: CUDA fp32, n <= N_MAX, Triton."""
-    return _kernel_ok(scores) and scores.dtype == torch.float32 and scores.shape[-1] <= N_MAX
+    """Whether :func:`topk_tables` runs its kernel for ``scores`` [B, H, n, n]: fp32 rows of at most ``N_MAX``."""
+    return triton_runs(scores, dtypes=SCORE_DTYPES, max_last_dim=N_MAX)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -87,7 +85,7 @@ def pool_reference(x: torch.Tensor, key_valid: torch.Tensor, counts: torch.Tenso
 
 def topk_tables_reference(scores: torch.Tensor, tile_full: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """The kernel's contract in PyTorch: a stable descending sort (ties to the lower index), the first ``k``,
-    then :func:`~fastwan.attention.sparse.kernels.split_selected`."""
+    then :func:`~fastwan.attention.sparse.plan.split_selected`."""
     selected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return split_selected(selected, tile_full)
 
@@ -178,7 +176,8 @@ def _kernels():
 # is fastest with one warp per row up to 1,024 tiles (16-32 packed keys per thread; more warps exchange through
 # shared memory): 22 us for 3,276 rows of 273 tiles (torch.topk alone: 52 us), 402 us for 25,200 rows of 630
 # (torch.topk 628 us + split_selected 189 us); 2-4 warps per row were 2-3x slower.
-def _pool_launch(q, k, v, key_valid, counts, block_size, tile_tokens, prefix) -> torch.Tensor:
+def pool_triton(q, k, v, key_valid, counts, block_size, tile_tokens, prefix) -> torch.Tensor:
+    """``fastwan::vsa_pool``'s kernel route."""
     import triton
 
     kernel = _kernels()[0]
@@ -198,7 +197,8 @@ def _pool_launch(q, k, v, key_valid, counts, block_size, tile_tokens, prefix) ->
     return out
 
 
-def _topk_launch(scores, tile_full, k) -> tuple[torch.Tensor, ...]:
+def topk_tables_triton(scores, tile_full, k) -> tuple[torch.Tensor, ...]:
+    """``fastwan::vsa_topk_tables``'s kernel route."""
     import triton
 
     kernel = _kernels()[1]
@@ -235,11 +235,11 @@ def _vsa_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_vali
     if P != n * block_size or key_valid.numel() != P or k.shape != q.shape or (v is not None and v.shape != q.shape):
         raise ValueError(f"vsa_pool: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{None if v is None else tuple(v.shape)} do not fit {n} tiles of {block_size} slots")
+    if triton_runs(q, k, v, dtypes=POOL_DTYPES) and k.dtype == q.dtype and (v is None or v.dtype == q.dtype):
+        return pool_triton(q, k, v, key_valid, counts, block_size, tile_tokens, prefix)
     ins = [q, k] + ([v] if v is not None else [])
-    if not (_kernel_ok(q) and q.dtype in POOL_DTYPES and all(t.dtype == q.dtype for t in ins)):
-        return torch.stack([pool_reference(t, key_valid, counts, block_size, tile_tokens, prefix).transpose(1, 2)
-                            for t in ins])
-    return _pool_launch(q, k, v, key_valid, counts, block_size, tile_tokens, prefix)
+    return torch.stack([pool_reference(t, key_valid, counts, block_size, tile_tokens, prefix).transpose(1, 2)
+                        for t in ins])
 
 
 vsa_pool = torch.library.custom_op("fastwan::vsa_pool", _vsa_pool, mutates_args=())
@@ -263,9 +263,9 @@ def _vsa_topk_tables(scores: torch.Tensor, tile_full: torch.Tensor, k: int
     n = scores.shape[-1]
     if scores.dim() != 4 or tile_full.numel() != n or not 1 <= k <= n:
         raise ValueError(f"vsa_topk_tables: scores {tuple(scores.shape)}, {tile_full.numel()} tiles, k={k}")
-    if not tables_usable(scores):
-        return tuple(t.contiguous() for t in topk_tables_reference(scores, tile_full, k))
-    return _topk_launch(scores, tile_full, k)
+    if tables_usable(scores):
+        return topk_tables_triton(scores, tile_full, k)
+    return tuple(t.contiguous() for t in topk_tables_reference(scores, tile_full, k))
 
 
 vsa_topk_tables = torch.library.custom_op("fastwan::vsa_topk_tables", _vsa_topk_tables, mutates_args=())
@@ -297,11 +297,11 @@ def pool_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layout)
 
 def topk_tables(scores: torch.Tensor, k: int, layout) -> tuple[torch.Tensor, ...]:
     """scores fp32 [B, H, n, n] -> (full_num, full_idx, partial_num, partial_idx) for the layout's tiles (see
-    ``fastwan::vsa_topk_tables``); the tables :class:`~fastwan.attention.sparse.kernels.BlockPlan` takes as
+    ``fastwan::vsa_topk_tables``); the tables :class:`~fastwan.attention.sparse.plan.BlockPlan` takes as
     ``tables=``."""
     op = torch.ops.fastwan.vsa_topk_tables if torch.compiler.is_compiling() else _vsa_topk_tables
     return op(scores, layout.tile_full, k)
 
 
-__all__ = ["N_MAX", "pool_reference", "pool_tiles", "pool_usable", "tables_usable", "topk_tables",
-           "topk_tables_reference"]
+__all__ = ["N_MAX", "pool_reference", "pool_tiles", "pool_triton", "pool_usable", "tables_usable", "topk_tables",
+           "topk_tables_reference", "topk_tables_triton"]

@@ -27,6 +27,7 @@ from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models import load_transformer
+from fastwan.options import DiTOptions
 from fastwan.vae.convs import fast_decoder_convs
 from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
 from fastwan.vae.norms import fuse_decoder_norms
@@ -91,13 +92,7 @@ class VideoGenerator:
         cfg_gate_step: float | None = None,
         cfg_mode: str = "auto",
         vae_dtype: torch.dtype | None = None,
-        fuse_qkv: bool = False,
-        gelu_epilogue: bool = True,
-        fused_norms: bool = True,
-        gemm_residual: bool = True,
-        text_collapse: bool = True,
-        text_kv_cache: bool = True,
-        text_fold: bool = True,
+        dit_options: DiTOptions | None = None,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         allow_pickle: bool = False,
@@ -108,23 +103,12 @@ class VideoGenerator:
         ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
 
         ``enable_torch_compile`` compiles each DiT block (``fullgraph=True`` by default; with a sparse backend
-        the attention call is a graph break, so the default becomes ``fullgraph=False``). ``fuse_qkv`` (one
-        QKV GEMM per self-attention; off by default: no gain measured on an H100) and ``gelu_epilogue`` (FFN
-        bias + GELU inside the GEMM on CUDA; -1.8% forward time) and ``fused_norms`` (residual + LayerNorm +
-        modulation and q/k RMSNorm + RoPE in the DiT, RMSNorm + SiLU in the VAE decoder, as single-pass Triton
-        kernels on CUDA) and ``gemm_residual`` (with fused_norms, at batch 1: the output projections add into the
-        residual stream inside their GEMM, biases ride along as an fp32 offset that the norm kernels add) keep the
-        math and only change bf16 rounding. ``text_collapse`` (CUDA): the prompt's padding tokens, which all give
-        the same key and value, enter the cross-attention as one key weighted by their count, in fastwan's Triton
-        kernel (:mod:`fastwan.kernels.text_cross`; the same attention, over ~20 instead of 512 keys for a short
-        prompt); False keeps the attention backend's kernel for the cross-attention too. ``text_kv_cache``: the
-        text embedding and every block's cross-attention keys and values are computed once per prompt and reused
-        by the later denoising steps (the same values; their memory, 2 x layers x 512 x hidden per prompt, is
-        held while the prompt's embeddings live). ``text_fold`` (with both of those): for short prompts (key count
-        rounded up to 8 at most half the head dim), each block's cross-attention output projection is folded into
-        its cached values per prompt, so the cross-attention costs one GEMM with K = heads x width instead of the
-        [tokens, hidden] x [hidden, hidden] projection (:func:`fastwan.kernels.text_cross.fold_values`; exact in
-        real arithmetic).
+        the attention call is a graph break, so the default becomes ``fullgraph=False``).
+
+        ``dit_options`` (:class:`fastwan.options.DiTOptions`, default ``DiTOptions()``): how the DiT is built,
+        resolved once here for the device and dtype. Its default block is the fast one where fastwan's kernels
+        run (CUDA, fp16/bf16, Triton) and the reference one (diffusers' rounding points) elsewhere; the fast build
+        also fuses the VAE decoder's RMSNorm + SiLU pairs.
 
         ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
         one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
@@ -158,12 +142,12 @@ class VideoGenerator:
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise InvalidArgumentType(
                 f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
-        for name, flag in (("fuse_qkv", fuse_qkv), ("gelu_epilogue", gelu_epilogue), ("fused_norms", fused_norms),
-                           ("gemm_residual", gemm_residual), ("text_collapse", text_collapse),
-                           ("text_kv_cache", text_kv_cache), ("text_fold", text_fold),
-                           ("enable_torch_compile", enable_torch_compile)):
-            if not isinstance(flag, bool):
-                raise InvalidArgumentType(f"{name}={flag!r} must be True or False.")
+        if not isinstance(enable_torch_compile, bool):
+            raise InvalidArgumentType(f"enable_torch_compile={enable_torch_compile!r} must be True or False.")
+        if dit_options is None:
+            dit_options = DiTOptions()
+        elif not isinstance(dit_options, DiTOptions):
+            raise InvalidArgumentType(f"dit_options={dit_options!r} must be a fastwan.options.DiTOptions.")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -177,6 +161,7 @@ class VideoGenerator:
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         check_chunk(vae_chunk_frames)
         head_dim = ckpt.transformer_config.attention_head_dim
+        dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config)
         compile_kwargs = _compile_kwargs(torch_compile_kwargs, attention) if enable_torch_compile else None
@@ -186,13 +171,10 @@ class VideoGenerator:
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         transformers_ = [
-            load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, allow_pickle=allow_pickle)
+            load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, options=dit_options,
+                             allow_pickle=allow_pickle)
             for e in ckpt.experts
         ]
-        for t in transformers_:
-            t.set_fast_paths(fuse_qkv=fuse_qkv, gelu_epilogue=gelu_epilogue, fused_norms=fused_norms,
-                             gemm_residual=gemm_residual, text_collapse=text_collapse, text_kv_cache=text_kv_cache,
-                             text_fold=text_fold)
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)
@@ -207,7 +189,7 @@ class VideoGenerator:
             for mod in vae.modules():
                 if isinstance(mod, torch.nn.Conv3d):
                     mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
-        if fused_norms:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.vae.norms)
+        if dit_options.fast:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.vae.norms)
             fuse_decoder_norms(vae)
         fast_decoder_convs(vae)  # the same math with fewer full-tensor copies (fastwan.vae.convs)
         if tiling is not None:

@@ -1,3 +1,3 @@
-from fastwan.profiler.core import main
+from fastwan.profiler.cli import main
 
 raise SystemExit(main())

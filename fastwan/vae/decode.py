@@ -12,7 +12,7 @@ operation in the decoder is either per frame (norms, spatial convolutions, the m
 upsampling) or a causal convolution over time whose input is the cached last two frames followed by the chunk, so
 the output is the same function of the latents for any chunk size: the same values, up to the summation order the
 convolution kernels pick for the larger batch. The temporal upsampler's special second call (zeros instead of a
-cached frame) also covers a chunk of several frames: each frame sees the same zero-padded window as before.
+cached frame) also covers a chunk of several frames: each frame sees the zero-padded window of a frame-by-frame decode.
 
 It also collects the chunks' outputs and concatenates them once (diffusers concatenates the growing output with
 each new chunk: quadratic in the frame count), and shows a progress bar over the decoder calls ("decoding").

@@ -120,7 +120,7 @@ def test_cross_attention_and_scale(name):
 
 def test_nvfp4_flash_attention_vs_emulation():
     """Runs only on sm100/sm103 with a flash-attn build that takes NVFP4 Q/K (skips with the reason otherwise)."""
-    from fastwan.kernels.fp4 import fp4_emulated_attention
+    from tests.kernels.test_fp4 import fp4_emulated_attention
 
     q, k, v = wan_like_qkv((4, 32, 32), 12, 128, dtype=BF16, device="cuda", seed=2)
     b = backend_or_skip("FLASH_ATTN", {"nvfp4": True})
@@ -167,16 +167,16 @@ def test_compile_fullgraph(name):
 
 @pytest.mark.parametrize("batch,fused", [(1, False), (2, False), (1, True)], ids=["b1", "b2", "b1-strided"])
 def test_fa4_split_equals_one_launch(batch, fused):
-    """FA4 on sm90 with the query in two launches (kernels.fa4_sm90_plan) gives the same bits as one launch: a
+    """FA4 on sm90 with the query in two launches (fa4_plan.fa4_sm90_plan) gives the same bits as one launch: a
     row's output depends on its own query row and all keys only, whatever tile it lands in."""
-    from fastwan.attention.backends import packages as kernels
+    from fastwan.attention.backends import fa4_plan
 
     b = backend_or_skip("FLASH_ATTN", {"version": 4}, seq_q=32760, seq_kv=32760)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FA4's sm90 tiles only")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s, h = 32760, 12
-    tm, split, tail = kernels.fa4_sm90_plan(batch, s, s, h, sms)
+    tm, split, tail = fa4_plan.fa4_sm90_plan(batch, s, s, h, sms)
     assert split > 0, "the 1.3B 480p shape is split on an H100/H200 (132 SMs)"
     g = torch.Generator(device="cuda").manual_seed(0)
     if fused:  # q/k/v as strided views into one [B, S, 3, H, D] buffer (the fused QKV projection's layout)
@@ -189,6 +189,6 @@ def test_fa4_split_equals_one_launch(batch, fused):
     one = torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm)
     assert torch.equal(two, one)
     # the backend leaves the split to the op (-1), with the one-launch tile as its fallback
-    assert b.plan_for(q, k, 4) == (kernels.fa4_sm90_tile_m(batch, s, h, sms), -1, 0)
+    assert b.plan_for(q, k, 4) == (fa4_plan.fa4_sm90_tile_m(batch, s, h, sms), -1, 0)
     assert torch.equal(torch.ops.fastwan.flash_attn(q, k, v, scale, 4, tm, -1, 0), one)
     assert torch.equal(b(q, k, v), one)

@@ -12,23 +12,17 @@ with exact counts), ``select()`` end to end, and the coarse output.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
-from fastwan.attention.sparse import kernels
-from fastwan.kernels import vsa as vsa_kernels
+from fastwan.attention.sparse import fa4
 from fastwan.attention.sparse.vsa import tile_pool, topk_count
-
-_spec = importlib.util.spec_from_file_location("vsa_kernel_checks",
-                                               Path(__file__).resolve().parents[1] / "test_vsa_kernels.py")
-checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checks)  # check_tables_as_sets, check_order, torch_path_tables
+from fastwan.kernels import reference_kernels
+from fastwan.kernels import vsa as vsa_kernels
+from tests.kernels import test_vsa_kernels as checks  # check_tables_as_sets, check_order, torch_path_tables
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +46,7 @@ CASES = [  # (id, backend, config, grid, expected partial-block rule)
 
 
 def fa4_or_skip():
-    reasons = kernels.fa4_reasons("cuda", torch.bfloat16)
+    reasons = fa4.fa4_reasons("cuda", torch.bfloat16)
     if reasons:
         pytest.skip("; ".join(reasons))
 
@@ -123,15 +117,8 @@ VSA_SHAPES = [  # (id, grid, heads, tile): the 1.3B 480p call, then odd grids (d
 ]
 
 
-def torch_path(monkeypatch, fn):
-    """fn() with the Triton kernels switched off (the PyTorch path the backend takes elsewhere)."""
-    with monkeypatch.context() as m:
-        m.setattr(vsa_kernels, "_kernel_ok", lambda x: False)
-        return fn()
-
-
 @pytest.mark.parametrize("shape", VSA_SHAPES, ids=[s[0] for s in VSA_SHAPES])
-def test_vsa_kernels_match_torch_path(shape, monkeypatch):
+def test_vsa_kernels_match_torch_path(shape):
     _, grid, heads, tile = shape
     sparsity = 0.85
     b = create_backend("VIDEO_SPARSE_ATTN", {"tile": tile, "sparsity": sparsity})
@@ -165,7 +152,8 @@ def test_vsa_kernels_match_torch_path(shape, monkeypatch):
     # select() end to end: the same tiles as the PyTorch path, except at near ties of the k-th score
     scale = 128 ** -0.5
     plan, coarse = b.select(q, k, v, layout, scale, sparsity, with_output=True)
-    plan_t, coarse_t = torch_path(monkeypatch, lambda: b.select(q, k, v, layout, scale, sparsity, with_output=True))
+    with reference_kernels():  # the PyTorch path the backend takes where the kernels do not run
+        plan_t, coarse_t = b.select(q, k, v, layout, scale, sparsity, with_output=True)
     assert "compact" in plan._cache and "compact" not in plan_t._cache  # kernel path vs PyTorch path
     scores_t, _ = b.coarse(q, k, v, layout, scale, with_output=False)
     kth = scores_t.topk(kk, dim=-1).values[..., -1:]

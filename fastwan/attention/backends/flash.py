@@ -2,8 +2,9 @@
 
 What each generation supports is data (:data:`VARIANTS`, :data:`PREFERENCE`); :meth:`FlashAttnBackend.reasons`
 turns it into reasons. Choice: ``version=`` argument > ``FASTWAN_FLASH_ATTN_VERSION`` > the best installed
-for the device, measured kernels first (sm90: FA4 > FA3 > FA2; sm100/sm103/sm110: FA4 > FA2; others: FA2). A pinned
-version that is not installed or does not support the GPU is a reason, never a silent switch to another generation.
+for the device, measured kernels first (sm90: FA4 > FA3 > FA2; sm100/sm103/sm110: FA4 > FA2; others: FA2). A
+pinned version that is not installed or does not support the GPU is a reason, never a silent switch to another
+generation. An installed generation that fails to import is skipped with a warning (once per backend instance).
 A generation counts as verified only on the GPUs listed in its ``verified_on`` (where fastwan's GPU tests and
 benchmarks ran it); elsewhere :meth:`FlashAttnBackend.unverified` says so and automatic selection skips it.
 """
@@ -17,13 +18,12 @@ import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan import envs
-from fastwan.attention.backends import packages as kernels
+from fastwan.attention.backends import fa4_plan, packages
 from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
 CC = tuple[int, int]
 logger = logging.getLogger("fastwan.attention")
-_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def variant_reasons(variant: FlashVariant, cc: CC | None, head_dim: int | None) 
     """Why FA``variant.version`` cannot run on compute capability ``cc`` (None = unknown/no GPU)."""
     fa = f"FA{variant.version}"
     reasons = []
-    if not kernels.flash_installed(variant.version):
+    if not packages.flash_installed(variant.version):
         reasons.append(f"{fa} ({variant.label.split()[0]}) is not installed ({variant.install})")
     if cc is not None:
         if variant.compute_capabilities is not None and cc not in variant.compute_capabilities:
@@ -132,9 +132,9 @@ class FlashAttnBackend(AttentionBackend):
         self._picked: dict[tuple[int, int], int] = {}  # (CUDA device index, head dim) -> FA version
         if isinstance(fa4_tile_m, str) and fa4_tile_m.strip().isdigit():
             fa4_tile_m = int(fa4_tile_m)
-        if fa4_tile_m != "auto" and (isinstance(fa4_tile_m, bool) or fa4_tile_m not in kernels.FA4_SM90_TILES):
+        if fa4_tile_m != "auto" and (isinstance(fa4_tile_m, bool) or fa4_tile_m not in fa4_plan.FA4_SM90_TILES):
             raise InvalidArgument(
-                f"FLASH_ATTN fa4_tile_m={fa4_tile_m!r} must be 'auto' or one of {sorted(kernels.FA4_SM90_TILES)} "
+                f"FLASH_ATTN fa4_tile_m={fa4_tile_m!r} must be 'auto' or one of {sorted(fa4_plan.FA4_SM90_TILES)} "
                 "(FA4's query tile on sm90 for head dim 128); leave it 'auto' to pick by shape."
             )
         self.fa4_tile_m: int | str = fa4_tile_m
@@ -144,6 +144,7 @@ class FlashAttnBackend(AttentionBackend):
                 "whether FA4's sm90 forward may cover the query in two launches of whole waves).")
         self.fa4_split: bool = fa4_split
         self._sms: dict[int, int] = {}  # CUDA device index -> SM count, for sm90 devices (read when selecting)
+        self._warned: set[str] = set()  # broken-package warnings this instance has logged
 
     # ---- selection ---------------------------------------------------------------------------------
     @staticmethod
@@ -172,11 +173,11 @@ class FlashAttnBackend(AttentionBackend):
         for ver in self._candidates(cc):
             why = variant_reasons(VARIANTS[ver], cc, head_dim)
             if not why and cc is not None:  # it could run here: make sure the installed package loads
-                err = kernels.flash_import_error(ver)
+                err = packages.flash_import_error(ver)
                 if err:
                     why = [f"FA{ver} is installed but does not import ({err})"]
-                    if why[0] not in _WARNED:
-                        _WARNED.add(why[0])
+                    if why[0] not in self._warned:
+                        self._warned.add(why[0])
                         logger.warning("FLASH_ATTN: %s; trying the next FlashAttention generation", why[0])
             if not why:
                 if cc is not None and head_dim is not None:
@@ -236,7 +237,7 @@ class FlashAttnBackend(AttentionBackend):
             if picked not in (None, 4):
                 reasons.append(f"{rule}, but FA{picked} was picked here (pin version=4)")
         if cc == (9, 0) and not reasons:
-            ok, detail = kernels.fa4_accepts_tiles()
+            ok, detail = fa4_plan.fa4_accepts_tiles()
             if not ok:
                 reasons.append(f"{rule}, but {detail} ({fix})")
         return reasons
@@ -247,12 +248,12 @@ class FlashAttnBackend(AttentionBackend):
 
     def plan_for(self, q: torch.Tensor, k: torch.Tensor, version: int) -> tuple[int, int, int]:
         """How FA4's sm90 forward covers q [B, Sq, H, D]: ``(tile_m, split, tail_tile_m)`` for
-        :func:`fastwan.kernels.attention.flash_attn` (tile_m 0 = the kernel's default; split 0 = one launch, -1 = the
-        op plans at run time with :func:`fastwan.attention.backends.packages.fa4_sm90_plan`, which may split the query into
-        two launches; ``tile_m`` is then the one-launch tile). The explicit ``fa4_tile_m`` in one launch, or with
-        'auto' :func:`fastwan.attention.backends.packages.fa4_sm90_tile_m` for head dim 128 on a known sm90 device, planned
-        by the op unless ``fa4_split=False``. The plan is made inside the op (plain ints, any torch.compile
-        shape mode), not traced."""
+        :func:`fastwan.kernels.attention.flash_attn`. ``tile_m`` 0 is the kernel's default tile; ``split`` 0 is one
+        launch and -1 lets the op plan at run time with :func:`~fastwan.attention.backends.fa4_plan.fa4_sm90_plan`
+        (possibly two launches; ``tile_m`` is then the one-launch tile). An explicit ``fa4_tile_m`` runs in one
+        launch; 'auto' uses :func:`~fastwan.attention.backends.fa4_plan.fa4_sm90_tile_m` for head dim 128 on a
+        known sm90 device, planned by the op unless ``fa4_split=False``. The plan is made inside the op (plain
+        ints, any torch.compile shape mode), not traced."""
         if version != 4:
             return 0, 0, 0
         if self.fa4_tile_m != "auto":
@@ -260,7 +261,7 @@ class FlashAttnBackend(AttentionBackend):
         sms = self._sm_count(q.device)
         if sms is None or q.shape[-1] != 128:
             return 0, 0, 0
-        tm = kernels.fa4_sm90_tile_m(q.shape[0], q.shape[1], q.shape[2], sms)
+        tm = fa4_plan.fa4_sm90_tile_m(q.shape[0], q.shape[1], q.shape[2], sms)
         if self.fa4_split:
             return tm, -1, 0
         return (0 if tm == 128 else tm), 0, 0  # 128 is FA4's own default: keep its public entry point
@@ -275,7 +276,7 @@ class FlashAttnBackend(AttentionBackend):
         if cc not in NVFP4_COMPUTE_CAPABILITIES:
             return [base + " (unset FASTVIDEO_NVFP4_FA4 / pass nvfp4=False for bf16 attention)"]
         reasons = []
-        ok, detail = kernels.fa4_accepts_nvfp4()  # imports flash_attn.cute: only on a Blackwell GPU
+        ok, detail = packages.fa4_accepts_nvfp4()  # imports flash_attn.cute: only on a Blackwell GPU
         if not ok:
             reasons.append(f"{base} ({detail})")
         if head_dim not in NVFP4_HEAD_DIMS:
@@ -320,9 +321,9 @@ class FlashAttnBackend(AttentionBackend):
         if ver is None and device is not None and self._cc(device) is not None:
             ver, _ = self.select(device)
         if ver is None:
-            found = [v for v in (4, 3, 2) if kernels.flash_installed(v)]
-            return ", ".join(f"FA{v} {kernels.flash_package_version(v) or '?'}" for v in found) or None
-        return f"FA{ver} {kernels.flash_package_version(ver) or '?'}" if kernels.flash_installed(ver) else None
+            found = [v for v in (4, 3, 2) if packages.flash_installed(v)]
+            return ", ".join(f"FA{v} {packages.flash_package_version(v) or '?'}" for v in found) or None
+        return f"FA{ver} {packages.flash_package_version(ver) or '?'}" if packages.flash_installed(ver) else None
 
     # ---- compute -----------------------------------------------------------------------------------
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):

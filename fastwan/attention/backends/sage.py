@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastwan.attention.backends import packages as kernels
+from fastwan.attention.backends import packages
 from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
 
@@ -62,25 +62,25 @@ class SageAttnBackend(AttentionBackend):
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None) -> list[str]:
         reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
-        major = kernels.sage_major()
+        major = packages.sage_major()
         if major is None:
             return reasons
         variant = SAGE_VARIANTS.get(major)
         if variant is None:
-            return reasons + [f"sageattention {kernels.sage_package_version()} is not a supported release (1.x, 2.x)"]
+            return reasons + [f"sageattention {packages.sage_package_version()} is not a supported release (1.x, 2.x)"]
         for r in reasons_cannot_run(variant.capabilities, device=device, dtype=dtype, head_dim=head_dim):
             r = f"sageattention {major}.x: {r}"
             if r not in reasons:
                 reasons.append(r)
         if not reasons:  # it could run here: make sure the installed package loads
-            err = kernels.sage_import_error()
+            err = packages.sage_import_error()
             if err:
                 reasons.append(f"sageattention is installed but does not import ({err})")
         return reasons
 
     def unverified(self, device, head_dim=None) -> str | None:
         device = torch.device(device)
-        major = kernels.sage_major()
+        major = packages.sage_major()
         if device.type != "cuda" or not torch.cuda.is_available() or major not in SAGE_VARIANTS:
             return None
         cc = tuple(torch.cuda.get_device_capability(device))
@@ -89,14 +89,14 @@ class SageAttnBackend(AttentionBackend):
         return f"sageattention {major}.x has not been run by fastwan on sm{cc[0]}{cc[1]} (only against CPU fakes)"
 
     def kernel_name(self, device=None) -> str:
-        major = kernels.sage_major()
+        major = packages.sage_major()
         if major is None:
             return f"{self.name} (sageattention not installed)"
         label = SAGE_VARIANTS[major].label if major in SAGE_VARIANTS else "unknown release"
-        return f"sageattention {kernels.sage_package_version() or major} sageattn ({label})"
+        return f"sageattention {packages.sage_package_version() or major} sageattn ({label})"
 
     def version_info(self, device=None) -> str | None:
-        return kernels.sage_package_version() if kernels.sage_installed() else None
+        return packages.sage_package_version() if packages.sage_installed() else None
 
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
         """q: [B, Sq, H, D], k/v: [B, Skv, H, D] (fp16/bf16, CUDA) -> [B, Sq, H, D]."""

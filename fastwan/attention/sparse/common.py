@@ -4,13 +4,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from fastwan.errors import InvalidArgument
-from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, check_qkv, package_available
+from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, check_qkv, reasons_cannot_run
 from fastwan.attention.sparse.layout import TokenLayout, choose_tile, default_block_size
 from fastwan.attention.sparse import config as cfg
-from fastwan.attention.sparse import kernels
-from fastwan.attention.sparse.kernels import BlockPlan
+from fastwan.attention.sparse import fa4, flex, masks
+from fastwan.attention.sparse.plan import BlockPlan, PlanCache
 
 _KERNEL_NAMES = {
     "flex-compiled": "flex_attention (torch.compile, block-sparse BlockMask)",
@@ -18,6 +19,11 @@ _KERNEL_NAMES = {
     "sdpa": "sdpa + boolean token mask (dense reference)",
     "fa4": "flash_attn.cute block-sparse (FA4)",
 }
+
+# What compiled flex_attention (kernel "auto" or "flex" on CUDA) needs.
+COMPILED_FLEX_CAPABILITIES = Capabilities(
+    device_types=("cuda",), packages=(("triton", "compiled flex_attention on CUDA: pip install triton"),)
+)
 
 
 def _device_key(device: torch.device | str) -> torch.device:
@@ -53,7 +59,7 @@ class SparseVideoBackend(AttentionBackend):
         self.kernel = cfg.kernel_option(kernel)
         self.kernel_options = cfg.kernel_options_option(kernel_options)
         self._layouts: dict = {}
-        self._plans = kernels.LRU(64)
+        self._plans = PlanCache(64)
 
     # ------------------------------------------------------------------ layout
     def tile_for(self, grid) -> tuple[int, int, int]:
@@ -80,17 +86,18 @@ class SparseVideoBackend(AttentionBackend):
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
         reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
         dev = torch.device(device)
+        extra = []
         if self.kernel == "fa4":
-            reasons += kernels.fa4_reasons(dev, dtype)
-        if dev.type == "cuda" and self.kernel in ("auto", "flex") and not package_available("triton"):
-            reasons.append("compiled flex_attention needs triton (pip install triton) on CUDA")
-        return reasons
+            extra += fa4.fa4_reasons(dev, dtype)
+        if dev.type == "cuda" and self.kernel in ("auto", "flex"):
+            extra += reasons_cannot_run(COMPILED_FLEX_CAPABILITIES, device=dev, dtype=dtype, head_dim=head_dim)
+        return reasons + [r for r in dict.fromkeys(extra) if r not in reasons]
 
     def _fa4_ok(self, plan: BlockPlan | None, device, dtype) -> bool:
         if plan is not None and ((plan.token_pred is not None and plan.fa4_mask is None)
                                  or plan.layout.block_size % 128):
             return False
-        return not kernels.fa4_reasons(device, dtype)
+        return not fa4.fa4_reasons(device, dtype)
 
     def resolve_kernel(self, device, dtype=torch.bfloat16, plan: BlockPlan | None = None) -> str:
         """The concrete kernel: 'flex-compiled' | 'flex-eager' | 'sdpa' | 'fa4'."""
@@ -103,7 +110,7 @@ class SparseVideoBackend(AttentionBackend):
         if k == "flex":
             return "flex-compiled" if dev.type == "cuda" else "flex-eager"
         if k == "fa4":
-            reasons = kernels.fa4_reasons(dev, dtype)
+            reasons = fa4.fa4_reasons(dev, dtype)
             if reasons:
                 raise RuntimeError(f"{self.name}: kernel='fa4' cannot run: " + "; ".join(reasons))
         return k
@@ -135,17 +142,17 @@ class SparseVideoBackend(AttentionBackend):
             mask = plan._cache.get("dense")
             if mask is None:
                 mask = plan._cache["dense"] = plan.dense_mask()
-            return kernels.run_sdpa_masked(q, k, v, mask, scale=scale)
+            return run_sdpa_masked(q, k, v, mask, scale=scale)
         if kind == "fa4":
-            return kernels.run_fa4(q, k, v, plan.fa4_tensors(), scale=scale)
+            return fa4.run_fa4(q, k, v, plan.fa4_tensors(), scale=scale)
         compiled = kind == "flex-compiled"
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         block_mask = plan.flex_block_mask(exact=not compiled, q_blocks=grad)
         options = None
         if compiled:
-            options = dict(kernels.default_kernel_options(plan.layout.block_size) or {})
+            options = dict(flex.default_kernel_options(plan.layout.block_size) or {})
             options.update(self.kernel_options or {})
-        return kernels.run_flex(q, k, v, block_mask, scale=scale, compiled=compiled, kernel_options=options)
+        return flex.run_flex(q, k, v, block_mask, scale=scale, compiled=compiled, kernel_options=options)
 
     # ------------------------------------------------------------------ calls
     def check_call(self, q, k, v, meta: AttentionMetadata | None) -> TokenLayout:
@@ -181,8 +188,6 @@ class SparseVideoBackend(AttentionBackend):
         return meta.step_index is not None and meta.step_index < self.dense_steps
 
     def dense_plan(self, layout: TokenLayout) -> BlockPlan:
-        from fastwan.attention.sparse import masks
-
         key = ("dense", layout.grid, str(layout.device))
         return self._plans.get_or(key, lambda: BlockPlan(layout, *masks.full_tables(layout), name="keys"))
 
@@ -212,6 +217,14 @@ class SparseVideoBackend(AttentionBackend):
 
     def config_repr(self) -> str:
         return f"tile={self.tile}, dense_steps={self.dense_steps}, kernel={self.kernel!r}"
+
+
+def run_sdpa_masked(q, k, v, mask: torch.Tensor, *, scale: float):
+    """Reference kernel: q, k, v [B, S, H, D], mask bool [Bm, Hm, S, S] (True = attend) -> [B, S, H, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2)
 
 
 def _prod(t) -> int:

@@ -37,7 +37,7 @@ from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import masks
 from fastwan.attention.sparse.common import SparseVideoBackend
-from fastwan.attention.sparse.kernels import BlockPlan
+from fastwan.attention.sparse.plan import BlockPlan
 from fastwan.errors import InvalidArgument
 
 _DIMS = ("T", "H", "W")

@@ -43,7 +43,7 @@ from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.kernels import vsa as vsa_kernels
 from fastwan.attention.sparse.common import SparseVideoBackend
-from fastwan.attention.sparse.kernels import BlockPlan
+from fastwan.attention.sparse.plan import BlockPlan
 
 
 def topk_count(sparsity: float, num_tiles: int) -> int:

@@ -9,16 +9,19 @@ import torch
 from fastwan.models.loading import CheckpointTensors, load_into, weight_files
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.transformer import WanTransformer, keep_in_fp32
+from fastwan.options import DiTOptions
 
 
-def load_transformer(folder, *, dtype, device, attention=None, allow_pickle: bool = False) -> WanTransformer:
+def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptions | None = None,
+                     allow_pickle: bool = False) -> WanTransformer:
     """``folder``: a Diffusers ``transformer/`` (or ``transformer_2/``) folder (config.json + safetensors)
-    -> the :class:`WanTransformer` in eval mode without gradients."""
+    -> the :class:`WanTransformer` in eval mode without gradients, built as ``options`` (default
+    ``DiTOptions()``) resolve for ``device`` and ``dtype``."""
     folder = Path(folder)
     cfg = WanConfig.from_file(folder / "config.json")
     files = weight_files(folder, allow_pickle=allow_pickle)
     with torch.device("meta"):
-        model = WanTransformer(cfg, attention)
+        model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(device, dtype))
     state = CheckpointTensors(files)
     if any(k.endswith("attn1.to_gate_compress.weight") for k in state.keys()):
         with torch.device("meta"):

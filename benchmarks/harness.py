@@ -1,0 +1,337 @@
+"""What the GPU benchmarks share: logging and versions, CUDA timing, the Wan inputs and shapes, a random checkpoint
+at the real shapes, DiT variants as :class:`~fastwan.options.DiTOptions` overrides, the diffusers peers, video
+comparison (PSNR/SSIM), kernel-time grouping (torch.profiler) and nvidia-smi sampling.
+
+The benchmarks run from the repository root as modules, ``python -m benchmarks.<name>``. An A/B variant is data
+(DiTOptions overrides, an attention config, a ``cfg_mode``) that builds its own model or generator; nothing
+changes a built one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastwan.options import DiTOptions
+from fastwan.profiler import span_time, time_fn
+
+H, W, F = 480, 832, 81  # Wan2.1 1.3B's video: 21 x 30 x 52 = 32,760 tokens
+PROMPT = "a red fox running through fresh snow in a pine forest, cinematic lighting"
+NEG = "blurry, low quality, static"
+TEXT_TOKENS, TEXT_DIM = 512, 4096  # the pipelines pad every prompt to 512 UMT5 rows
+
+DIT_COMMON = MappingProxyType(dict(
+    patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=TEXT_DIM, freq_dim=256,
+    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024))
+DIT_SIZES = MappingProxyType({  # the DiT shape of each Wan2.1 size, and its job's video (frames, height, width)
+    "1.3b": (MappingProxyType(dict(num_attention_heads=12, ffn_dim=8960, num_layers=30)), (81, 480, 832)),
+    "14b": (MappingProxyType(dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)), (81, 720, 1280)),
+})
+PEERS = MappingProxyType({
+    "diffusers": "as installed (eager, default attention), fp32 VAE",
+    "diffusers_tuned": "compile_repeated_blocks(fullgraph=True) + _native_cudnn, fp32 VAE",
+})
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def versions() -> dict:
+    import diffusers
+    import transformers
+
+    v = {"torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
+         "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
+         "cudnn": torch.backends.cudnn.version()}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
+
+
+# ---- timing ----------------------------------------------------------------------------------------------
+
+def cuda_time(fn: Callable[[], Any], warmup: int = 2, iters: int = 5) -> float:
+    """Median milliseconds of fn() over ``iters`` calls (CUDA events, one synchronised call at a time), after
+    ``warmup`` calls."""
+    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+
+
+def span_ms(fn: Callable[[], Any], calls: int = 10, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
+    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
+
+
+def smi() -> tuple[float, float]:
+    """(SM clock MHz, power W) of GPU 0 as nvidia-smi reports them now; NaNs when it cannot be asked."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout.split("\n")[0]
+        mhz, w = (float(x) for x in out.split(","))
+        return mhz, w
+    except Exception:
+        return float("nan"), float("nan")
+
+
+def smi_round(fn: Callable[[], Any], calls: int) -> tuple[float, float, float]:
+    """(median ms per call, SM MHz, W) of ``calls`` calls each between two CUDA events, with the clock and power
+    sampled mid-round (the queue holds the rest of the round while nvidia-smi answers)."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    sample = (float("nan"), float("nan"))
+    for i, (start, end) in enumerate(ev):
+        start.record()
+        fn()
+        end.record()
+        if i == calls // 2:
+            sample = smi()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev), *sample
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep ``limit`` graphs per code object: variants built side by side compile the same block code,
+    each with its own guards."""
+    import torch._dynamo.config as dcfg
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), limit))
+
+
+# ---- inputs and shapes -----------------------------------------------------------------------------------
+
+def forward_inputs(batch: int, in_ch: int = 16, h: int = H, w: int = W, f: int = F, prompt_tokens: int = TEXT_TOKENS):
+    """(latents, timestep, text) of one DiT forward on CUDA: bf16 latents [batch, in_ch, (f-1)/4+1, h/8, w/8],
+    t = 500, and text [batch, 512, 4096] with the rows after ``prompt_tokens`` zeroed as the pipelines pad a
+    prompt."""
+    if not 0 <= prompt_tokens <= TEXT_TOKENS:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be 0..{TEXT_TOKENS}")
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(batch, in_ch, (f - 1) // 4 + 1, h // 8, w // 8, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.full((batch,), 500.0, device="cuda")
+    text = torch.randn(batch, TEXT_TOKENS, TEXT_DIM, device="cuda", generator=g).to(torch.bfloat16)
+    text[:, prompt_tokens:] = 0
+    return x, t, text
+
+
+def dit_kwargs(size: str) -> dict:
+    """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size ("1.3b" or "14b")."""
+    return {**DIT_COMMON, **DIT_SIZES[size][0]}
+
+
+def wan_config(size: str):
+    """fastwan's :class:`~fastwan.models.WanConfig` of a Wan2.1 size."""
+    from fastwan.models import WanConfig
+
+    return WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **dit_kwargs(size)})
+
+
+def make_checkpoint(root: Path, size: str) -> None:
+    """Random weights at the real shapes, saved as a Diffusers-format folder (bf16 DiT/UMT5, fp32 VAE)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from fastwan.tiny import _tokenizer
+
+    root = Path(root)
+    if (root / "model_index.json").exists():
+        log(f"checkpoint exists at {root}")
+        return
+    t0 = time.time()
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        m = WanTransformer3DModel(**dit_kwargs(size)).to(torch.bfloat16)
+        m.save_pretrained(root / "transformer", safe_serialization=True, max_shard_size="10GB")
+        del m
+        cfg = UMT5Config(vocab_size=256384, d_model=TEXT_DIM, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                         feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+                         relative_attention_max_distance=128, dense_act_fn="gelu_new", is_gated_act=True,
+                         tie_word_embeddings=False)
+        te = UMT5EncoderModel(cfg).to(torch.bfloat16)
+        te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
+        del te
+        AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
+    torch.cuda.empty_cache()
+    _tokenizer().save_pretrained(root / "tokenizer")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "_diffusers_version": "0.35.0",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None,
+        "expand_timesteps": False}))
+    log(f"made random {size} checkpoint in {time.time() - t0:.1f}s")
+
+
+# ---- DiT variants ------------------------------------------------------------------------------------------
+
+def _named_variants() -> dict[str, dict[str, Any]]:
+    """Every name of :func:`option_variants`, before resolution."""
+    from fastwan import options
+
+    defaults = DiTOptions()
+    named: dict[str, dict[str, Any]] = {"defaults": {}}
+    for f in dataclasses.fields(DiTOptions):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            named[("-" if default else "+") + f.name] = {f.name: not default}
+        elif f.name == "block":
+            named.update({b: {"block": b} for b in options.BLOCKS if b != default})
+    return named
+
+
+def option_variants(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:
+    """Named :class:`DiTOptions` overrides derived from its fields: "defaults" ({}); each ``block`` other than the
+    default by its value ("fast", "reference"); each bool field flipped from its default, "-name" (or "+name").
+    A name whose options resolve, for ``device`` and ``dtype``, to those of an earlier name is left out."""
+    out, seen = {}, set()
+    for label, overrides in _named_variants().items():
+        resolved = DiTOptions(**overrides).resolve(device, dtype)
+        if resolved not in seen:
+            seen.add(resolved)
+            out[label] = overrides
+    return out
+
+
+def option_overrides(label: str) -> dict[str, Any]:
+    """The DiTOptions overrides named ``label`` (see :func:`option_variants`); ValueError for an unknown name."""
+    named = _named_variants()
+    if label not in named:
+        raise ValueError(f"DiT variant {label!r}: use one of {', '.join(named)}")
+    return dict(named[label])
+
+
+def dit_options(overrides: Mapping[str, Any], device: torch.device | str = "cuda",
+                dtype: torch.dtype = torch.bfloat16) -> DiTOptions:
+    """``DiTOptions(**overrides)`` (which validates the names and values), resolved for ``device`` and ``dtype``."""
+    return DiTOptions(**overrides).resolve(device, dtype)
+
+
+def build_dit(cfg, attention, state: Mapping[str, torch.Tensor], overrides: Mapping[str, Any] = MappingProxyType({})):
+    """A WanTransformer built as ``overrides`` and given the tensors of ``state`` (assigned, not copied: every
+    variant built from one state shares its weights), in eval mode without gradients. ``state``'s tensors are on
+    CUDA in the model's dtypes (bf16; fp32 where :func:`~fastwan.models.keep_in_fp32`)."""
+    from fastwan.models import WanTransformer
+
+    with torch.device("meta"):
+        model = WanTransformer(cfg, attention, options=dit_options(overrides))
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+# ---- the diffusers peers -----------------------------------------------------------------------------------
+
+def tune_diffusers(transformer) -> None:
+    """The tuned diffusers peer: its cuDNN attention backend and compile_repeated_blocks(fullgraph=True)."""
+    transformer.set_attention_backend("_native_cudnn")
+    transformer.compile_repeated_blocks(fullgraph=True)
+
+
+def diffusers_pipeline(root: Path, tuned: bool):
+    """diffusers' WanPipeline from ``root`` on CUDA (bf16, fp32 VAE): the eager peer, or the tuned one
+    (:func:`tune_diffusers`)."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(Path(root) / "vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(root, vae=vae, torch_dtype=torch.bfloat16).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    if tuned:
+        tune_diffusers(pipe.transformer)
+    return pipe
+
+
+# ---- comparing videos ----------------------------------------------------------------------------------------
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM over frames of two uint8 videos [T, H, W, 3] (luma, 7x7 uniform window, K1=.01, K2=.03)."""
+    def luma(v):
+        t = torch.from_numpy(v).double()
+        return (0.299 * t[..., 0] + 0.587 * t[..., 1] + 0.114 * t[..., 2]).unsqueeze(1)  # [T, 1, H, W]
+
+    x, y = luma(a), luma(b)
+    pool = torch.nn.functional.avg_pool2d
+    mx, my = pool(x, 7, 1), pool(y, 7, 1)
+    vx, vy = pool(x * x, 7, 1) - mx**2, pool(y * y, 7, 1) - my**2
+    cxy = pool(x * y, 7, 1) - mx * my
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    m = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return float(m.mean())
+
+
+def compare(frames: np.ndarray, ref_path: str | os.PathLike) -> dict | None:
+    """PSNR, SSIM and absolute differences of ``frames`` against the video saved at ``ref_path`` (None when there
+    is none, or it has another shape)."""
+    if not os.path.exists(ref_path):
+        return None
+    ref = np.load(ref_path)
+    if ref.shape != frames.shape:
+        return None
+    d = np.abs(ref.astype(int) - frames.astype(int))
+    return {"psnr_db": psnr(frames, ref), "ssim": ssim(frames, ref), "mean_abs": float(d.mean()),
+            "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+
+
+# ---- kernel time (torch.profiler) --------------------------------------------------------------------------
+
+def classify(name: str) -> str:
+    """A DiT kernel's group: attention, gemm, norms or elementwise/other."""
+    n = name.lower()
+    if n.startswith("triton_"):  # inductor's fused kernels are named after the ops they fuse
+        return "norms" if "norm" in n else "elementwise/other"
+    if any(s in n for s in ("flash", "fmha", "attention", "sage", "attn", "cudnn_generated")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "wgmma")):
+        return "gemm"
+    if any(s in n for s in ("norm", "welford", "rms")):  # incl. fastwan.kernels.norms (norm_rows, rms_rope_rows)
+        return "norms"
+    return "elementwise/other"
+
+
+def kernel_times(fn: Callable[[], Any], calls: int = 1, warmup: bool = True) -> dict[str, tuple[float, float]]:
+    """{kernel name: (CUDA ms per call of ``fn``, launches per call)} from torch.profiler over ``calls`` calls,
+    after one warm-up call unless ``warmup`` is False."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if warmup:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ms: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            ms[e.name] += e.device_time / 1e3
+            launches[e.name] += 1
+    return {k: (ms[k] / calls, launches[k] / calls) for k in ms}
+
+
+def kernel_groups(fn: Callable[[], Any], calls: int = 1, group: Callable[[str], str] = classify) -> dict[str, float]:
+    """CUDA kernel time per call of ``fn`` (ms) by ``group`` (default :func:`classify`), from
+    :func:`kernel_times`."""
+    groups: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in kernel_times(fn, calls).items():
+        groups[group(name)] += ms
+    return dict(groups)

@@ -1,0 +1,113 @@
+"""``python -m fastwan.profiler``: which attention backends can run a Wan self-attention problem, how fast, and
+which is fastest. The problem is a token grid (``-i T H W``) or a model preset and a resolution (``--model``)."""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import torch
+
+from fastwan.attention.variants import BackendSpec, backend_specs
+from fastwan.envinfo import default_device, parse_dtype
+from fastwan.profiler.problem import MODELS, Problem, model_grid
+from fastwan.profiler.output import render, report
+from fastwan.profiler.runner import plan, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fastwan.profiler",
+        description="Time attention backends on Wan self-attention problems (NATTEN-style profiler).",
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("-i", "--input-size", nargs=3, type=int, metavar=("T", "H", "W"), help="token grid")
+    src.add_argument("--model", choices=sorted(MODELS), help="derive heads, head dim and grid from a Wan model")
+    ap.add_argument("--height", type=int, help="video height in pixels (with --model)")
+    ap.add_argument("--width", type=int, help="video width in pixels (with --model)")
+    ap.add_argument("--num-frames", type=int, help="video frames, 4k+1 (with --model)")
+    ap.add_argument("-b", "--batch", type=int, default=1)
+    ap.add_argument("-n", "--heads", type=int, help="attention heads (default: model's, else 12)")
+    ap.add_argument("-d", "--head-dim", type=int, help="head dim (default: model's, else 128)")
+    ap.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
+    ap.add_argument("--device", help="default: cuda if available, else cpu")
+    ap.add_argument("--backend", action="append", help="backend name (repeatable) or 'all' (default: all)")
+    ap.add_argument("--warmup", type=int, help="warmup calls (default 3 on GPU, 1 on CPU)")
+    ap.add_argument("--iters", type=int, help="timed calls (default 10 on GPU, 3 on CPU)")
+    ap.add_argument("--dry-run", action="store_true", help="only say which backends can run and why not")
+    ap.add_argument("--optimize", action="store_true", help="also try every kernel variant; report the fastest")
+    ap.add_argument("--step-index", type=int, default=49, help="denoising step passed to sparse backends")
+    ap.add_argument("--num-steps", type=int, default=50, help="denoising steps passed to sparse backends")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                    help="settings for one backend, e.g. 'SLIDING_TILE_ATTN={\"window\": [5, 3, 3]}' "
+                         "(repeatable; a JSON object, or a path to a JSON file)")
+    return ap
+
+
+def problem_from_args(args: argparse.Namespace) -> Problem:
+    device = torch.device(args.device) if args.device else default_device()
+    dtype = parse_dtype(args.dtype)
+    if args.model:
+        preset = MODELS[args.model]
+        h, w, f = preset.default_size
+        grid = model_grid(args.model, args.height or h, args.width or w, args.num_frames or f)
+        heads, head_dim = args.heads or preset.heads, args.head_dim or preset.head_dim
+    else:
+        if any(x is not None for x in (args.height, args.width, args.num_frames)):
+            raise ValueError("--height/--width/--num-frames need --model (or give the token grid with -i T H W).")
+        if args.input_size is None:
+            raise ValueError("give a token grid with -i T H W, or a model preset with --model.")
+        grid = tuple(args.input_size)
+        heads, head_dim = args.heads or 12, args.head_dim or 128
+    for name, value in (("grid", min(grid)), ("batch", args.batch), ("heads", heads), ("head dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}.")
+    return Problem(args.batch, heads, head_dim, grid, dtype, device)
+
+
+def parse_configs(items: Sequence[str]) -> dict[str, dict]:
+    """['NAME=JSON or path', ...] -> {NAME: config}; bad names or JSON raise ValueError."""
+    from fastwan.attention.registry import BACKENDS
+    from fastwan.attention.sparse import load_attention_config
+
+    out: dict[str, dict] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().upper()
+        if not sep or name not in BACKENDS:
+            raise ValueError(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
+        out[name] = load_attention_config(value)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        problem = problem_from_args(args)
+        specs = backend_specs(args.backend, variants=args.optimize)
+        configs = parse_configs(args.config)
+        specs = [BackendSpec(sp.name, {**configs[sp.name], **sp.config}, sp.suffix) if sp.name in configs else sp
+                 for sp in specs]
+    except ValueError as exc:
+        ap.error(str(exc))
+    on_gpu = problem.device.type == "cuda"
+    warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
+    iters = args.iters if args.iters is not None else (10 if on_gpu else 3)
+    if warmup < 0 or iters < 1:
+        ap.error(f"--warmup must be >= 0 and --iters >= 1 (got {warmup}, {iters}).")
+    if args.dry_run:
+        mode, results = "dry-run", plan(problem, specs)[0]
+    else:
+        mode = "optimize" if args.optimize else "time"
+        results = run(problem, specs, warmup=warmup, iters=iters, step_index=args.step_index,
+                      num_steps=args.num_steps, seed=args.seed)
+    render(problem, results, mode=mode)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report(problem, results, mode=mode), f, indent=2, default=str)
+    if mode != "dry-run" and not any(r.median_ms for r in results):
+        return 1
+    return 0

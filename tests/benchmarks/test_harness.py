@@ -1,0 +1,95 @@
+"""The GPU benchmarks' CPU-checkable parts: variants derived from DiTOptions, variant parsing, video comparison,
+and every benchmark module importing and answering --help."""
+import dataclasses
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import e2e, forward_14b, harness
+from fastwan.options import DiTOptions
+
+MODULES = ("attention_bench", "conv_bench", "cross_bench", "e2e", "fa4_tiles", "forward_14b", "fused_bench",
+           "gemm_shapes", "levers", "profile_forward", "sparse_bench", "vae_bench")
+
+
+def test_option_variants_follow_the_dataclass():
+    named = harness.option_variants("cuda", torch.bfloat16)
+    assert named["defaults"] == {}
+    for f in dataclasses.fields(DiTOptions):
+        default = getattr(DiTOptions(), f.name)
+        if isinstance(default, bool):
+            assert named[("-" if default else "+") + f.name] == {f.name: not default}
+    for label, overrides in named.items():
+        assert harness.option_overrides(label) == overrides
+        DiTOptions(**overrides)  # valid field names and values
+
+
+def test_option_variants_drop_names_that_resolve_alike():
+    """On CPU "auto" resolves to the reference block, so "reference" is the defaults there; "fast" is not."""
+    named = harness.option_variants("cpu", torch.float32)
+    assert "reference" not in named and named["fast"] == {"block": "fast"}
+    resolved = [DiTOptions(**o).resolve("cpu", torch.float32) for o in named.values()]
+    assert len(set(resolved)) == len(resolved)
+
+
+def test_unknown_dit_variant_is_refused():
+    with pytest.raises(ValueError, match="DiT variant 'nope'"):
+        harness.option_overrides("nope")
+
+
+def test_e2e_ab_variants():
+    assert "reference" in harness.option_variants()
+    assert e2e.parse_ab("sequential") == ("sequential", {})
+    assert e2e.parse_ab("batched/reference") == ("batched", {"block": "reference"})
+    with pytest.raises(ValueError, match="cfg_mode"):
+        e2e.parse_ab("twice")
+
+
+@pytest.mark.parametrize("argv,msg", [(["--phase", "cfgab", "--ab", "batched/nope"], "DiT variant 'nope'"),
+                                      (["--phase", "make,warp"], "unknown phase")])
+def test_e2e_refuses_bad_arguments_before_any_work(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        e2e.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_forward_14b_variants():
+    assert forward_14b.parse_variant("auto", "FLASH_ATTN") == ({"fa4_tile_m": "auto", "fa4_split": True}, {})
+    assert forward_14b.parse_variant("t128/nosplit/reference", "FLASH_ATTN") == (
+        {"fa4_tile_m": 128, "fa4_split": False}, {"block": "reference"})
+    assert forward_14b.parse_variant("reference", "TORCH_SDPA") == (None, {"block": "reference"})
+    with pytest.raises(ValueError, match="need --backend FLASH_ATTN"):
+        forward_14b.parse_variant("t192", "TORCH_SDPA")
+    with pytest.raises(ValueError, match="part 'fast-ish'"):
+        forward_14b.parse_variant("t128/fast-ish", "FLASH_ATTN")
+
+
+def test_compare_videos(tmp_path):
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    assert harness.psnr(a, a) == float("inf") and harness.ssim(a, a) == pytest.approx(1.0)
+    b = a.copy()
+    b[0, 0, 0, 0] ^= 8
+    path = tmp_path / "ref.npy"
+    assert harness.compare(a, path) is None
+    np.save(path, a)
+    got = harness.compare(b, path)
+    assert got["max_abs"] == 8 and 0 < got["mean_abs"] < 1 and got["psnr_db"] > 40
+    assert harness.compare(a[:1], path) is None  # another shape: no comparison
+
+
+def test_kernel_classes():
+    assert harness.classify("flash_fwd_kernel") == "attention"
+    assert harness.classify("nvjet_tst_128x256") == "gemm"
+    assert harness.classify("norm_rows") == "norms"
+    assert harness.classify("triton_poi_fused_add_0") == "elementwise/other"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_help(name, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and f"python -m benchmarks.{name}" in capsys.readouterr().out
