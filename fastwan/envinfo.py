@@ -100,7 +100,7 @@ def backend_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> lis
                 reasons=reasons,
                 unverified=None if reasons else backend.unverified(device, head_dim),
             )
-        except Exception as exc:  # e.g. a sparse backend module that is not there yet
+        except Exception as exc:  # a backend that cannot be created is reported with its error, not raised
             row.update(available=False, version=None, kernel=None, sparse=None, unverified=None,
                        reasons=[f"cannot create: {type(exc).__name__}: {exc}"])
         rows.append(row)

@@ -19,7 +19,7 @@ Ops (all tensors [B, S, C] unless noted; ``scale``/``shift``/``gate``: fp32 [B, 
   (no kernel of ours: cuBLAS through ``addmm_``; an op so that torch.compile keeps it in place);
 * ``residual_bmm_(x, a, u)``: ``x += a @ u`` in place with per-sample u [B or 1, K, N] (cuBLAS, as above);
 * ``rms_rope(x, weight, table?, eps, head_dim) -> out``: RMSNorm over C with a low-precision weight, then the
-  interleaved-pair RoPE of :func:`fastwan.models.wan.layers.apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
+  interleaved-pair RoPE of :func:`apply_rope` (table fp32 [1, S, 1, 2 * head_dim]).
 """
 from __future__ import annotations
 
@@ -59,9 +59,18 @@ def residual_reference(x, y, gate) -> torch.Tensor:
     return (x.float() + (y.float() * gate if gate is not None else y.float())).to(x.dtype)
 
 
-def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
-    from fastwan.models.wan.layers import apply_rope  # (the DiT imports this module)
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs in fp32. x: [B, S, H, D]; table: [1, S, 1, 2D] -> x.dtype.
 
+    out[2i] = x[2i] cos - x[2i+1] sin and out[2i+1] = x[2i] sin + x[2i+1] cos, computed as
+    x * cos + swap_pairs(x) * signed_sin with every operand contiguous.
+    """
+    d = x.shape[-1]
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * table[..., :d] + swapped * table[..., d:]).type_as(x)  # bf16 * fp32 computes in fp32
+
+
+def rms_rope_reference(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
     y = F.rms_norm(x, (x.shape[-1],), eps=eps).to(weight.dtype) * weight
     if table is None:
         return y

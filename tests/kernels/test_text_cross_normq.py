@@ -1,19 +1,17 @@
 """The collapsed text cross-attention with the query's RMSNorm fused in (fastwan::text_cross_attention_normq).
 
 Checked in float64 against an explicit RMSNorm followed by a dense softmax over every (duplicated) padding key:
-the PyTorch reference, and the Triton kernel under the interpreter (fp32; in bf16 against the two-op route,
-rms_rope's norm then the unfused kernel)."""
+the PyTorch reference, and the Triton kernel under the interpreter (fp32; bf16 on the GPU:
+tests/gpu/test_gpu_text_cross.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fastwan.kernels import text_cross  # noqa: F401 (registers the ops)
+from tests.kernels.interpreter import worst_error
 
 ops = torch.ops.fastwan
 EPS = 1e-6
@@ -91,9 +89,4 @@ print(f"WORST {worst:.3e}")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
 def test_kernel_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split("WORST")[-1]) <= 1e-5, out.stdout  # bf16: tests/gpu/test_gpu_text_cross.py
+    assert worst_error(KERNEL_SCRIPT) <= 1e-5  # bf16: tests/gpu/test_gpu_text_cross.py

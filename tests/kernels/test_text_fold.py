@@ -1,17 +1,13 @@
-"""The cross-attention's output projection folded into the per-prompt values (``text_fold``).
+"""The cross-attention's output projection folded into the per-prompt values.
 
 ``fastwan::text_cross_probs_normq`` (the attention weights over the collapsed text keys) is checked in float64
 against the softmax over every duplicated padding key with the padding's weights summed; the fold
 (``P @ fold_values(v, W_o)``) against the attention output projected by ``W_o``; the Triton kernel under the
-interpreter; the DiT with the fold on against off (forward, CFG batched and sequential, with and without the
-residual adds in the GEMMs, compiled with prompts of two widths). bf16 on the GPU: tests/gpu/test_gpu_text_cross.py.
+interpreter. The DiT's folded route: tests/models/test_fast_block.py; bf16 on the GPU: tests/gpu/test_gpu_text_cross.py.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ import torch
 import fastwan.kernels.norms  # noqa: F401  (registers residual_bmm_)
 from fastwan.models.wan.cross import fold_values, fold_width
 from tests.kernels.test_text_cross_normq import EPS, composed64, normq_inputs
+from tests.kernels.interpreter import worst_error
 
 ops = torch.ops.fastwan
 
@@ -126,12 +123,4 @@ print(f"WORST {worst:.3e}")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
 def test_kernel_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split("WORST")[-1]) <= 1e-6, out.stdout
-
-
-# ------------------------------------------------------------------------------------------------ the DiT
+    assert worst_error(KERNEL_SCRIPT) <= 1e-6

@@ -1,9 +1,6 @@
-"""Cross-attention with the text padding collapsed into one weighted key (fastwan.kernels.text_cross).
-
-The collapse must equal attention over every (duplicated) padding key: checked in float64 against a dense
-softmax, for the PyTorch reference, the Triton kernel (under the interpreter, fp32) and the DiT's wiring (forward,
-forward_cfg batched and sequential, compiled). The kernel's bf16 behaviour is checked on the GPU
-(tests/gpu/test_gpu_text_cross.py)."""
+"""The key count of padded text (:func:`fastwan.models.wan.cross.text_keys`) and the collapse rule it feeds: the
+collapsed reference attention equals attention over every (duplicated) padding key, in float64. The ops and their
+kernels: tests/kernels/; the DiT's wiring: tests/models/test_fast_block.py."""
 from __future__ import annotations
 
 

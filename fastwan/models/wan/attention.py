@@ -17,7 +17,8 @@ import fastwan.kernels.norms  # noqa: F401  (registers fastwan::rms_rope)
 import fastwan.kernels.text_cross  # noqa: F401  (registers the fastwan:: text cross-attention ops)
 from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.models.wan.cross import CrossKV
-from fastwan.models.wan.layers import RMSNorm, apply_rope
+from fastwan.kernels.norms import apply_rope
+from fastwan.models.wan.layers import RMSNorm
 
 
 class _Projections(nn.Module):

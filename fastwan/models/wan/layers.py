@@ -61,7 +61,7 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
     The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each interleaved channel pair
     (2i, 2i+1) rotates by the angle of its axis position (angles in fp64, stored fp32). The table holds
     ``cos`` repeated per pair (first D) and ``sin`` signed for the pair swap (-sin, +sin) (last D), so the
-    rotation is two contiguous multiply-adds (see :func:`apply_rope`).
+    rotation is two contiguous multiply-adds (see :func:`fastwan.kernels.norms.apply_rope`).
     """
     T, H, W = grid
     for name, n in zip("THW", grid):
@@ -79,17 +79,6 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
     cos = ang.cos().repeat_interleave(2, dim=-1)
     sin = torch.stack((-ang.sin(), ang.sin()), dim=-1).flatten(-2)
     return torch.cat((cos, sin), dim=-1).float()
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs in fp32. x: [B, S, H, D]; table: [1, S, 1, 2D] -> x.dtype.
-
-    out[2i] = x[2i] cos - x[2i+1] sin and out[2i+1] = x[2i] sin + x[2i+1] cos, computed as
-    x * cos + swap_pairs(x) * signed_sin with every operand contiguous.
-    """
-    d = x.shape[-1]
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return (x * table[..., :d] + swapped * table[..., d:]).type_as(x)  # bf16 * fp32 computes in fp32
 
 
 def linear_gelu_tanh(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:

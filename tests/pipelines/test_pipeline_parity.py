@@ -42,7 +42,7 @@ def test_pipeline_matches_diffusers(tiny_ckpts, variant, negative, kw):
 def test_a14b_case_crosses_the_expert_boundary(tiny_ckpts):
     """The A14B parity case above really uses both experts (high-noise first, then low-noise)."""
     gen = VideoGenerator.from_pretrained(tiny_ckpts["wan2.2-a14b"], device="cpu", dtype=torch.float32)
-    from tests.test_cfg import record_batches
+    from tests.pipelines.test_cfg import record_batches
 
     rec = record_batches(gen)
     gen.generate_video("a dog", seed=0, save_video=False, num_inference_steps=6, **SIZE)
