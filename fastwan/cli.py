@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from fastwan.errors import UserError, one_line
+from fastwan.options import BLOCKS
 
 # The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
 USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
@@ -38,6 +39,9 @@ def _generate_parser(sub) -> None:
                    help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN")
     p.add_argument("--attention-config", default=None, help="JSON file with the sparse backend's settings")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks")
+    p.add_argument("--dit-block", choices=BLOCKS, default="auto",
+                   help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "
+                        "where the kernels run)")
     p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
     p.add_argument("--cfg-mode", choices=("auto", "batched", "sequential"), default="auto",
                    help="CFG as one batch of 2, two passes, or auto (two passes for large videos on CUDA)")
@@ -86,6 +90,7 @@ def _run_generate(args) -> int:
     import torch
 
     from fastwan import VideoGenerator
+    from fastwan.options import DiTOptions
 
     _check_output(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,7 +99,7 @@ def _run_generate(args) -> int:
         args.model, device=device, dtype=dtype, attention_backend=args.attention_backend,
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
-        vae_chunk_frames=args.vae_chunk_frames,
+        vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block),
     )
     res = gen.generate_video(
         args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCKS = ("auto", "fast", "reference")
 
@@ -47,6 +49,8 @@ class DiTOptions:
         """"auto" made concrete for a model of ``dtype`` on ``device``."""
         if self.block != "auto":
             return self
+        import torch
+
         from fastwan.kernels import HALF, triton_importable
 
         fast = torch.device(device).type == "cuda" and dtype in HALF and triton_importable()

@@ -11,6 +11,7 @@ import pytest
 import imageio.v3 as iio
 
 from fastwan import VideoGenerator, cli
+from fastwan.options import DiTOptions
 
 
 def test_cli_generate_writes_mp4(tmp_path):
@@ -145,7 +146,7 @@ def test_seed_and_overwrite_reach_the_generator(monkeypatch, capsys):
     assert fake.kwargs["seed"] == 7 and fake.kwargs["overwrite"] is True
 
 
-def test_cli_vae_tiling_reaches_the_generator(monkeypatch):
+def test_cli_build_options_reach_the_generator(monkeypatch):
     class Stop(Exception):
         pass
 
@@ -167,6 +168,9 @@ def test_cli_vae_tiling_reaches_the_generator(monkeypatch):
     assert seen["vae_tiling"] is False and seen["vae_chunk_frames"] == "auto"
     run("--vae-chunk-frames", "3")
     assert seen["vae_chunk_frames"] == 3
+    assert seen["dit_options"] == DiTOptions(block="auto")
+    run("--dit-block", "reference")
+    assert seen["dit_options"] == DiTOptions(block="reference")
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])
