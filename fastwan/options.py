@@ -55,7 +55,3 @@ class DiTOptions:
 
         fast = torch.device(device).type == "cuda" and dtype in HALF and triton_importable()
         return dataclasses.replace(self, block="fast" if fast else "reference")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
