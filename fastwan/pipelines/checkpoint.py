@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
-from fastwan.models.wan.config import WanConfig
+from fastwan.models.wan.config import WanConfig, check_text_to_video
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -230,6 +230,8 @@ def _check_components(root: Path, index_path: Path, experts: tuple[str, ...]) ->
 def _expert_configs(root: Path, experts: tuple[str, ...]) -> list[WanConfig]:
     """The experts' checked configs; rule: two experts share one architecture."""
     configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
+    for e, cfg in zip(experts, configs):
+        check_text_to_video(cfg, str(root / e / "config.json"))
     if len(configs) == 2 and configs[0] != configs[1]:
         a, b = (dataclasses.asdict(c) for c in configs)
         diff = [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]

@@ -16,7 +16,7 @@ import torch.nn as nn
 import fastwan.kernels.norms  # noqa: F401  (registers fastwan::rms_rope)
 import fastwan.kernels.text_cross  # noqa: F401  (registers the fastwan:: text cross-attention ops)
 from fastwan.attention import AttentionDispatch, AttentionMetadata
-from fastwan.models.wan.cross import CrossKV
+from fastwan.models.wan.cross import CrossInputs, CrossKV
 from fastwan.kernels.norms import apply_rope
 from fastwan.models.wan.layers import RMSNorm
 
@@ -66,18 +66,38 @@ class WanSelfAttention(_Projections):
 
 
 class WanCrossAttention(_Projections):
+    """Attention over the text, and for image-conditioned checkpoints (``image_kv_dim`` set) also over the image
+    tokens with their own key/value projections (``add_k_proj``, ``add_v_proj``, ``norm_added_k``); the two
+    outputs are added before ``to_out``."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, image_kv_dim: int | None = None):
+        super().__init__(dim, heads, head_dim, eps)
+        self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+        if image_kv_dim is not None:
+            self.add_k_proj = nn.Linear(image_kv_dim, heads * head_dim)
+            self.add_v_proj = nn.Linear(image_kv_dim, heads * head_dim)
+            self.norm_added_k = RMSNorm(heads * head_dim, eps)
+
     def text_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """context [B, L, C] -> keys (after ``norm_k``) and values, each [B, L, heads, head_dim]."""
         return self.norm(self.to_k(context), self.norm_k, None), self.heads_of(self.to_v(context))
 
-    def attend(self, x, context: torch.Tensor, attn: AttentionDispatch) -> torch.Tensor:
-        """x [B, S, C] over the text embedding ``context`` [B, L, C] -> [B, S, heads * head_dim]."""
-        k, v = self.text_kv(context)
-        q = self.norm(self.to_q(x), self.norm_q, None)
-        return attn.cross_attention(q, k, v).flatten(2).type_as(x)
+    def image_kv(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded image tokens [B, N, C] -> keys (after ``norm_added_k``) and values, each [B, N, heads, head_dim]."""
+        return self.norm(self.add_k_proj(image), self.norm_added_k, None), self.heads_of(self.add_v_proj(image))
 
-    def forward(self, x, context: torch.Tensor, attn: AttentionDispatch) -> torch.Tensor:
-        """x [B, S, C]; context [B, L, C] -> [B, S, C]."""
+    def attend(self, x, context: CrossInputs, attn: AttentionDispatch) -> torch.Tensor:
+        """x [B, S, C] over the text (and image) embeddings -> [B, S, heads * head_dim]."""
+        k, v = self.text_kv(context.text)
+        q = self.norm(self.to_q(x), self.norm_q, None)
+        out = attn.cross_attention(q, k, v).flatten(2).type_as(x)
+        if context.image is not None:
+            k_img, v_img = self.image_kv(context.image)
+            out = out + attn.cross_attention(q, k_img, v_img).flatten(2).type_as(x)
+        return out
+
+    def forward(self, x, context: CrossInputs, attn: AttentionDispatch) -> torch.Tensor:
+        """x [B, S, C] -> [B, S, C]."""
         return self.to_out[0](self.attend(x, context, attn))
 
 
@@ -105,11 +125,16 @@ class FastCrossAttention(_FastNorm, WanCrossAttention):
                                                                ctx.keys)
         else:
             out = attn.cross_attention(self.norm(q, self.norm_q, None), ctx.k, ctx.v)
-        return out.flatten(2).type_as(x)
+        out = out.flatten(2).type_as(x)
+        return out if ctx.k_img is None else out + self.image_attend(q, ctx, attn)
 
-    def probs(self, x: torch.Tensor, ctx: CrossKV) -> torch.Tensor:
-        """The attention weights of x [B, S, C] over a folded :class:`CrossKV` (``u`` set) -> [B, S, heads * width]
-        (``fastwan::text_cross_probs_normq``)."""
+    def image_attend(self, q: torch.Tensor, ctx: CrossKV, attn: AttentionDispatch) -> torch.Tensor:
+        """The image tokens' part for the raw query projection q [B, S, C] -> [B, S, heads * head_dim]."""
+        return attn.cross_attention(self.norm(q, self.norm_q, None), ctx.k_img, ctx.v_img).flatten(2).type_as(q)
+
+    def probs(self, q: torch.Tensor, ctx: CrossKV) -> torch.Tensor:
+        """The attention weights of the raw query projection q [B, S, C] over a folded :class:`CrossKV` (``u``
+        set) -> [B, S, heads * width] (``fastwan::text_cross_probs_normq``)."""
         width = ctx.u.shape[1] // self.heads
-        return torch.ops.fastwan.text_cross_probs_normq(self.to_q(x), self.norm_q.weight, self.norm_q.eps, ctx.k,
-                                                        ctx.keys, width).flatten(2)
+        return torch.ops.fastwan.text_cross_probs_normq(q, self.norm_q.weight, self.norm_q.eps, ctx.k, ctx.keys,
+                                                        width).flatten(2)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fastwan.kernels.norms  # noqa: F401  (registers the fastwan:: norm and residual ops)
 from fastwan.attention import AttentionDispatch, AttentionMetadata
@@ -54,7 +55,7 @@ class WanBlock(nn.Module):
         dim, heads, hd = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
         self.norm1 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.attn1 = self_attn(dim, heads, hd, cfg.eps)
-        self.attn2 = cross_attn(dim, heads, hd, cfg.eps)
+        self.attn2 = cross_attn(dim, heads, hd, cfg.eps, cfg.added_kv_proj_dim)
         self.norm2 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else None
         self.ffn = FeedForward(dim, cfg.ffn_dim)
         self.norm3 = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
@@ -115,13 +116,16 @@ class FastWanBlock(WanBlock):
         return r, ops.offset_norm_mod(r.x, r.offset, w, b, scale, shift, norm.eps)
 
     @staticmethod
-    def _add(r: Residual, a: torch.Tensor, lin: nn.Linear, gate, in_gemm: bool) -> Residual:
-        """r + lin(a) [* gate] (gate: fp32 [1, 1, C] when ``in_gemm``, else any modulation view, or None); r's
-        pending branch output (``y``) has been added by the norm before."""
+    def _add(r: Residual, a: torch.Tensor, lin: nn.Linear, gate, in_gemm: bool, bias: bool = True) -> Residual:
+        """r + lin(a) [* gate] (gate: fp32 [1, 1, C] when ``in_gemm``, else any modulation view, or None; without
+        lin's bias if not ``bias``); a pending output ``y`` of r is added to, otherwise r has none."""
         if not in_gemm:
-            return Residual(r.x, y=lin(a), gate=gate)
+            y = lin(a) if bias else F.linear(a, lin.weight)
+            return Residual(r.x, y=y if r.y is None else r.y + y, gate=gate)
         w = lin.weight if gate is None else (lin.weight.float() * gate.reshape(-1, 1)).to(lin.weight.dtype)
         torch.ops.fastwan.residual_linear_(r.x, a, w)
+        if not bias:
+            return r
         bias = lin.bias.float().view(1, 1, -1)
         bias = bias if gate is None else bias * gate
         return Residual(r.x, offset=bias if r.offset is None else r.offset + bias)
@@ -139,13 +143,17 @@ class FastWanBlock(WanBlock):
         out = self.attn2.to_out[0]
         if context.u is None:
             r = self._add(r, self.attn2.attend(h, context, attn), out, None, in_gemm)
-        elif in_gemm:  # folded: x += P @ u in one batched GEMM, to_out's bias into the offset
-            torch.ops.fastwan.residual_bmm_(r.x, self.attn2.probs(h, context), context.u)
-            bias = out.bias.float().view(1, 1, -1)
-            r = Residual(r.x, offset=bias if r.offset is None else r.offset + bias)
-        else:
-            p = self.attn2.probs(h, context)
-            bias = out.bias.to(p.dtype).view(1, 1, -1).expand(p.shape[0], p.shape[1], -1)
-            r = Residual(r.x, y=torch.baddbmm(bias, p, context.u.expand(p.shape[0], -1, -1)))
+        else:  # folded: P @ u in one batched GEMM, plus to_out's bias
+            q = self.attn2.to_q(h)
+            p = self.attn2.probs(q, context)
+            if in_gemm:  # x += P @ u in place, the bias into the offset
+                torch.ops.fastwan.residual_bmm_(r.x, p, context.u)
+                bias = out.bias.float().view(1, 1, -1)
+                r = Residual(r.x, offset=bias if r.offset is None else r.offset + bias)
+            else:
+                bias = out.bias.to(p.dtype).view(1, 1, -1).expand(p.shape[0], p.shape[1], -1)
+                r = Residual(r.x, y=torch.baddbmm(bias, p, context.u.expand(p.shape[0], -1, -1)))
+            if context.k_img is not None:  # the image tokens' part, projected without a second bias
+                r = self._add(r, self.attn2.image_attend(q, context, attn), out, None, in_gemm, bias=False)
         r, h = self._norm(r, self.norm3, scale2, shift2)
         return self._add(r, linear_gelu_tanh(h, self.ffn.net[0].proj), self.ffn.net[2], gate2, in_gemm)

@@ -120,7 +120,7 @@ class WanConfig:
         if "out_channels" in kwargs and kwargs["out_channels"] is None:
             kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
         cfg = cls(**kwargs)
-        _check_text_to_video(cfg, source)
+        _check_image_conditioning(cfg, source)
         return cfg
 
     @classmethod
@@ -151,8 +151,22 @@ def _check_value(source: str, key: str, value: object, rule: Rule, default: obje
     )
 
 
-def _check_text_to_video(cfg: WanConfig, source: str) -> None:
-    """Rules for a text-to-video DiT: no image conditioning, and it predicts a latent of the shape it reads."""
+def _check_image_conditioning(cfg: WanConfig, source: str) -> None:
+    """Rule for a DiT with image tokens: the image embedder's output (the DiT's width) is what the blocks' added
+    key/value projections read, so ``image_dim`` and ``added_kv_proj_dim`` come together, the latter equal to
+    the width."""
+    if (cfg.image_dim is None) != (cfg.added_kv_proj_dim is None) or \
+            cfg.added_kv_proj_dim not in (None, cfg.inner_dim):
+        raise CheckpointError(
+            f"{source}: \"image_dim\": {json_text(cfg.image_dim)} and \"added_kv_proj_dim\": "
+            f"{json_text(cfg.added_kv_proj_dim)} do not fit: an image-conditioned Wan DiT sets both, with "
+            f"added_kv_proj_dim equal to num_attention_heads x attention_head_dim = {cfg.inner_dim}; a text-only one "
+            "sets neither. Fix config.json or download the checkpoint again.")
+
+
+def check_text_to_video(cfg: WanConfig, source: str) -> None:
+    """Rules for the DiT of a text-to-video pipeline: no image conditioning, and it predicts a latent of the shape
+    it reads."""
     if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
         raise CheckpointError(
             f"{source} is an image-to-video Wan DiT (\"image_dim\": {json_text(cfg.image_dim)}, "

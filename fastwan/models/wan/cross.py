@@ -24,14 +24,25 @@ FOLD_MAX_WIDTH = 0.5  # fold where width <= this fraction of the head dim: the G
 KEEP_PROMPTS = 4  # prompt tuples held by a PromptCache (each holds 2 x layers x L x C)
 
 
+class CrossInputs(NamedTuple):
+    """What the reference block's cross-attention reads: the text embedding [B, L, C] and, for image-conditioned
+    checkpoints, the image tokens embedded [B, N, C] (else None)."""
+    text: torch.Tensor
+    image: torch.Tensor | None = None
+
+
 class CrossKV(NamedTuple):
     """One block's cross-attention input for a batch of prompts: k (after ``norm_k``) and v [B, L, H, D];
     ``keys`` int32 [B] where the text padding is collapsed into one weighted key, else None. Folded (``u``
-    [B, H * width, C] set, v None): the block adds P @ u plus ``to_out``'s bias instead of projecting P @ V."""
+    [B, H * width, C] set, v None): the block adds P @ u plus ``to_out``'s bias instead of projecting P @ V.
+    Image-conditioned: the image tokens' keys (after ``norm_added_k``) and values ``k_img``, ``v_img``
+    [B, N, H, D], attended separately and added before the output projection."""
     k: torch.Tensor
     v: torch.Tensor | None
     keys: torch.Tensor | None
     u: torch.Tensor | None = None
+    k_img: torch.Tensor | None = None
+    v_img: torch.Tensor | None = None
 
 
 def text_keys(text: torch.Tensor) -> torch.Tensor:
@@ -95,32 +106,37 @@ class PromptCache:
         self._keys[id(text)] = (weakref.ref(text), text._version, keys, n)
         return keys, n
 
-    def contexts(self, model, texts: tuple[torch.Tensor, ...]) -> list[CrossKV]:
+    def contexts(self, model, texts: tuple[torch.Tensor, ...], image: torch.Tensor | None = None) -> list[CrossKV]:
         """One :class:`CrossKV` per block of ``model`` (a fast :class:`~fastwan.models.wan.WanTransformer`) for the
-        texts (each [B_i, L, text_dim]) concatenated along the batch; cached unless autograd is on."""
+        texts (each [B_i, L, text_dim]) concatenated along the batch, and the image embeddings ``image`` (as
+        :meth:`~fastwan.models.wan.WanTransformer.image_context` takes them; one sample's are shared by the whole
+        batch); cached unless autograd is on."""
         found = [self.keys(t) for t in texts]
         keys = None if any(k is None for k, _ in found) else torch.cat([k for k, _ in found])
         width = None if keys is None else fold_width(max(n for _, n in found), model.config.attention_head_dim,
                                                      self.fold_max_width)
         cache = not torch.is_grad_enabled()
-        ident = tuple(id(t) for t in texts)
+        inputs = texts if image is None else (*texts, image)
+        ident = tuple(id(t) for t in inputs)
         sig = tuple((p.data_ptr(), p._version) for p in model.text_parameters())
         hit = self._kvs.get(ident) if cache else None
-        if (hit is not None and all(r() is t for r, t in zip(hit[0], texts))
-                and hit[1] == tuple(t._version for t in texts) and hit[2] == sig):
+        if (hit is not None and all(r() is t for r, t in zip(hit[0], inputs))
+                and hit[1] == tuple(t._version for t in inputs) and hit[2] == sig):
             return hit[3]
         context = model.text_context(texts)
+        image_context = None if image is None else model.image_context(image, batch=context.shape[0])
         kvs = []
         for blk in model.blocks:
             k, v = blk.attn2.text_kv(context)
+            k_img, v_img = (None, None) if image_context is None else blk.attn2.image_kv(image_context)
             if width is None:
-                kvs.append(CrossKV(k, v, keys))
+                kvs.append(CrossKV(k, v, keys, None, k_img, v_img))
             else:
                 u = fold_values(v, keys, width, blk.attn2.to_out[0].weight)
                 torch._dynamo.maybe_mark_dynamic(u, 1)  # compiled blocks: one graph for every prompt width
-                kvs.append(CrossKV(k, None, keys, u))
+                kvs.append(CrossKV(k, None, keys, u, k_img, v_img))
         if cache:
             live = {k: v for k, v in self._kvs.items() if all(r() is not None for r in v[0]) and k != ident}
             self._kvs = dict(list(live.items())[-(KEEP_PROMPTS - 1):])
-            self._kvs[ident] = (tuple(weakref.ref(t) for t in texts), tuple(t._version for t in texts), sig, kvs)
+            self._kvs[ident] = (tuple(weakref.ref(t) for t in inputs), tuple(t._version for t in inputs), sig, kvs)
         return kvs

@@ -105,6 +105,30 @@ class FeedForward(nn.Module):
         return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
 
 
+class ImageEmbedding(nn.Module):
+    """CLIP image tokens -> the DiT's width: fp32 LayerNorm, Linear -> GELU (erf) -> Linear, fp32 LayerNorm, with
+    Diffusers' names (norm1, ff.net.0.proj, ff.net.2, norm2, pos_embed). With ``pos_embed`` (first-last-frame
+    checkpoints) the two images' tokens, stacked on the batch, are joined into one sequence first."""
+
+    def __init__(self, in_dim: int, dim: int, pos_embed_seq_len: int | None):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(in_dim)
+        proj = nn.Module()
+        proj.proj = nn.Linear(in_dim, in_dim)
+        self.ff = nn.Module()
+        self.ff.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(in_dim, dim)])
+        self.norm2 = nn.LayerNorm(dim)
+        self.pos_embed = None if pos_embed_seq_len is None else nn.Parameter(torch.zeros(1, pos_embed_seq_len, in_dim))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        """image [B, N, image_dim] (with pos_embed: [2B, N, image_dim]) -> [B, N or 2N, C] in image's dtype."""
+        if self.pos_embed is not None:
+            image = image.reshape(-1, 2 * image.shape[1], image.shape[2]) + self.pos_embed
+        h = fp32_layer_norm(image, self.norm1).to(image.dtype)
+        h = self.ff.net[2](F.gelu(self.ff.net[0].proj(h)))
+        return fp32_layer_norm(h, self.norm2).to(image.dtype)
+
+
 class TimeTextEmbedding(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -117,6 +141,8 @@ class TimeTextEmbedding(nn.Module):
         self.text_embedder = nn.Module()
         self.text_embedder.linear_1 = nn.Linear(cfg.text_dim, dim)
         self.text_embedder.linear_2 = nn.Linear(dim, dim)
+        self.image_embedder = None if cfg.image_dim is None else ImageEmbedding(cfg.image_dim, dim,
+                                                                              cfg.pos_embed_seq_len)
 
     def forward(self, timestep: torch.Tensor, text: torch.Tensor):
         """timestep: [B] or per-token [B, S]; text: [B, L, text_dim].

@@ -17,7 +17,7 @@ from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.errors import InvalidArgument
 from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
-from fastwan.models.wan.cross import PromptCache
+from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
 from fastwan.options import DiTOptions
 
@@ -93,13 +93,38 @@ class WanTransformer(nn.Module):
         text = texts[0].to(self.dtype) if len(texts) == 1 else torch.cat([t.to(self.dtype) for t in texts])
         return self.condition_embedder.text(text)
 
-    def _contexts(self, texts: tuple[torch.Tensor, ...], context: torch.Tensor | None = None) -> list:
-        """What each block's cross-attention reads for the texts (concatenated along the batch): the fast block's
-        per-prompt :class:`~fastwan.models.wan.cross.CrossKV`, or the text embedding (``context`` if given)."""
+    def image_context(self, image: torch.Tensor, batch: int) -> torch.Tensor:
+        """The image embedder on CLIP image tokens ``image`` [B_img, N, image_dim] ([2 B_img, N, image_dim] for
+        first-last-frame checkpoints, both frames' tokens) -> [batch, N or 2N, C]; one image's tokens serve a batch
+        of any size (CFG's passes share the image)."""
+        if self.condition_embedder.image_embedder is None:
+            raise InvalidArgument("this Wan DiT has no image embedder (image_dim is not set in its config); it takes "
+                                  "no image tokens. Use an image-to-video checkpoint, or pass image=None.")
+        ctx = self.condition_embedder.image_embedder(image.to(self.dtype))
+        if ctx.shape[0] == batch:
+            return ctx
+        if ctx.shape[0] != 1:
+            raise InvalidArgument(f"image tokens for {ctx.shape[0]} samples, but the batch has {batch}; give one "
+                                  "image per sample, or one for the whole batch.")
+        return ctx.expand(batch, -1, -1)
+
+    def _check_image(self, image: torch.Tensor | None) -> None:
+        if (image is None) != (self.condition_embedder.image_embedder is None):
+            raise InvalidArgument(
+                "this Wan DiT reads CLIP image tokens (image_dim is set in its config): pass image=[B, N, image_dim]."
+                if image is None else
+                "this Wan DiT has no image embedder (image_dim is not set in its config); pass image=None.")
+
+    def _contexts(self, texts: tuple[torch.Tensor, ...], context: torch.Tensor | None = None,
+                  image: torch.Tensor | None = None) -> list:
+        """What each block's cross-attention reads for the texts (concatenated along the batch) and the image
+        tokens: the fast block's per-prompt :class:`~fastwan.models.wan.cross.CrossKV`, or the reference block's
+        :class:`~fastwan.models.wan.cross.CrossInputs` (the text embedding ``context`` if given)."""
         if self.prompts is not None:
-            return self.prompts.contexts(self, texts)
+            return self.prompts.contexts(self, texts, image)
         context = self.text_context(texts) if context is None else context
-        return [context] * len(self.blocks)
+        image_context = None if image is None else self.image_context(image, context.shape[0])
+        return [CrossInputs(context, image_context)] * len(self.blocks)
 
     # -- forward ------------------------------------------------------------------------------------------
     def _embed(self, latents: torch.Tensor, timestep: torch.Tensor):
@@ -155,13 +180,17 @@ class WanTransformer(nn.Module):
         timestep: torch.Tensor,
         text: torch.Tensor,
         *,
+        image: torch.Tensor | None = None,
         step_index: int | None = None,
         num_steps: int | None = None,
     ) -> torch.Tensor:
-        """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]
+        """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]; image: CLIP image
+        tokens [B or 1, N, image_dim] for image-conditioned checkpoints (see :meth:`image_context`), else None
         -> prediction [B, C_out, F, H, W] in the dtype of the model."""
+        self._check_image(image)
         x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
-        r = self._blocks(0, Residual(x), self._contexts((text,)), mod, rope, grid, layout, step_index, num_steps)
+        r = self._blocks(0, Residual(x), self._contexts((text,), image=image), mod, rope, grid, layout, step_index,
+                         num_steps)
         return self._head(r, temb, grid, layout)
 
     def _blocks(self, start: int, r: Residual, contexts, mod, rope, grid, layout, step_index, num_steps) -> Residual:
@@ -178,6 +207,7 @@ class WanTransformer(nn.Module):
         text: torch.Tensor,
         text_uncond: torch.Tensor,
         *,
+        image: torch.Tensor | None = None,
         batched: bool = True,
         step_index: int | None = None,
         num_steps: int | None = None,
@@ -189,9 +219,10 @@ class WanTransformer(nn.Module):
         cross-attention, so everything up to the first block's cross-attention is computed once, at batch 1.
         The passes then run as one batch of 2 (``batched``) or one after the other (less memory).
 
-        latents [1, C_in, F, H, W]; timestep [1] (or per-token [1, S]); text, text_uncond [1, L, text_dim]
-        -> (cond, uncond), each [1, C_out, F, H, W].
+        latents [1, C_in, F, H, W]; timestep [1] (or per-token [1, S]); text, text_uncond [1, L, text_dim]; image:
+        the image tokens both passes read, as in :meth:`forward` -> (cond, uncond), each [1, C_out, F, H, W].
         """
+        self._check_image(image)
         if latents.shape[0] != 1 or text.shape[0] != 1 or text_uncond.shape[0] != 1:
             raise ValueError(
                 f"forward_cfg takes one sample: latents batch {latents.shape[0]}, text batch {text.shape[0]}, "
@@ -214,9 +245,9 @@ class WanTransformer(nn.Module):
 
         if batched:
             both = r._replace(x=torch.cat([r.x, r.x]), y=None if r.y is None else torch.cat([r.y, r.y]))
-            return rest(both, torch.cat([h, h]), self._contexts((text, text_uncond))).chunk(2)
+            return rest(both, torch.cat([h, h]), self._contexts((text, text_uncond), image=image)).chunk(2)
         context = None if self.prompts is not None else self.text_context((text, text_uncond))  # one embedder call
-        ctx = [self._contexts((t,), None if context is None else context[i:i + 1])
+        ctx = [self._contexts((t,), None if context is None else context[i:i + 1], image)
                for i, t in enumerate((text, text_uncond))]
         # the fast block adds into x in place: the first pass gets its own copy
         first = r._replace(x=r.x.clone()) if self.prompts is not None else r
