@@ -27,12 +27,15 @@ from fastwan.errors import InvalidArgument, MissingFileError
 from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
+# image-to-video layouts (WanImageToVideoPipeline): written for tests; the pipeline does not run them yet
+IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")
 TINY_IDS = {
     "tiny": "wan2.1",
     "tiny-wan2.1": "wan2.1",
     "tiny-wan2.2-a14b": "wan2.2-a14b",
     "tiny-wan2.2-ti2v": "wan2.2-ti2v",
 }
+CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
 _FORMAT = 1  # bump when the tiny layout changes, so cached copies are rebuilt
 
 TEXT_DIM = 32
@@ -63,9 +66,25 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 
 def _check_variant(variant: str) -> None:
-    """Rule: a tiny variant is one of :data:`VARIANTS`."""
-    if variant not in VARIANTS:
-        raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of {', '.join(VARIANTS)}.")
+    """Rule: a tiny variant is one of :data:`VARIANTS` or :data:`IMAGE_VARIANTS`."""
+    if variant not in VARIANTS + IMAGE_VARIANTS:
+        raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of "
+                              f"{', '.join(VARIANTS + IMAGE_VARIANTS)}.")
+
+
+def _write_clip(path: Path, seed: int) -> None:
+    """A tiny CLIP vision encoder and its image processor (``image_encoder/``, ``image_processor/``)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    enc = CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=32, num_hidden_layers=3,
+                                           num_attention_heads=2, image_size=CLIP_IMAGE_SIZE,
+                                           patch_size=CLIP_PATCH)).eval()
+    _randomize(enc, seed + 1, std=0.3)
+    enc.save_pretrained(path / "image_encoder", safe_serialization=True)
+    CLIPImageProcessor(size={"shortest_edge": CLIP_IMAGE_SIZE},
+                       crop_size={"height": CLIP_IMAGE_SIZE, "width": CLIP_IMAGE_SIZE}).save_pretrained(
+        path / "image_processor")
 
 
 def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: int = 0,
@@ -89,6 +108,11 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
     path.mkdir(parents=True, exist_ok=True)
     ti2v = variant == "wan2.2-ti2v"
     channels = 48 if ti2v else 16
+    image = variant in IMAGE_VARIANTS
+    clip = variant in ("wan2.1-i2v", "wan2.1-flf2v")
+    tokens = (CLIP_IMAGE_SIZE // CLIP_PATCH) ** 2 + 1
+    image_cfg = dict(image_dim=CLIP_DIM if clip else None, added_kv_proj_dim=24 if clip else None,
+                     pos_embed_seq_len=2 * tokens if variant == "wan2.1-flf2v" else None)
 
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")
@@ -102,12 +126,13 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
     _randomize(te, seed + 1, std=0.5)
     te.save_pretrained(path / "text_encoder", safe_serialization=True, **shard)
 
-    experts = ["transformer", "transformer_2"] if variant == "wan2.2-a14b" else ["transformer"]
+    experts = ["transformer", "transformer_2"] if variant in ("wan2.2-a14b", "wan2.2-i2v-a14b") else ["transformer"]
     for i, name in enumerate(experts):
         dit = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
-            out_channels=channels, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+            in_channels=2 * channels + 4 if image else channels, out_channels=channels, text_dim=TEXT_DIM,
+            freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=64, **image_cfg,
         )
         _randomize(dit, seed + 10 + i, std=0.1)
         dit.save_pretrained(path / name, safe_serialization=True, **shard)
@@ -128,8 +153,10 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
                                     num_train_timesteps=1000)
     sched.save_pretrained(path / "scheduler")
 
+    if clip:
+        _write_clip(path, seed + 30)
     index = {
-        "_class_name": "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if image else "WanPipeline",
         "_diffusers_version": "0.35.0",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
@@ -140,6 +167,9 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
         "boundary_ratio": 0.875 if len(experts) == 2 else None,
         "expand_timesteps": ti2v,
     }
+    if image:
+        index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
     return path
 
