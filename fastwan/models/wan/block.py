@@ -126,9 +126,9 @@ class FastWanBlock(WanBlock):
         torch.ops.fastwan.residual_linear_(r.x, a, w)
         if not bias:
             return r
-        bias = lin.bias.float().view(1, 1, -1)
-        bias = bias if gate is None else bias * gate
-        return Residual(r.x, offset=bias if r.offset is None else r.offset + bias)
+        b = lin.bias.float().view(1, 1, -1)
+        b = b if gate is None else b * gate
+        return Residual(r.x, offset=b if r.offset is None else r.offset + b)
 
     def video_half(self, r: Residual, temb, rope, attn, meta=None) -> tuple[Residual, torch.Tensor]:
         shift1, scale1, gate1 = self.modulation(temb)[:3]
