@@ -19,12 +19,14 @@ USER_ERROR_EXIT = 2
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="make a video from a text prompt")
+    p = sub.add_parser("generate", help="make a video from a text prompt (and an image)")
     p.add_argument("--prompt", required=True, help="what the video shows")
     p.add_argument("--model", default="tiny",
-                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v "
-                        "(default: tiny)")
+                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v / "
+                        "tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b (default: tiny)")
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
+    p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
+    p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints): an image file")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--num-frames", type=int, default=None, help="4k+1 frames, e.g. 81")
@@ -102,7 +104,8 @@ def _run_generate(args) -> int:
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block),
     )
     res = gen.generate_video(
-        args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
+        height=args.height, width=args.width,
         num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
         overwrite=args.overwrite, return_frames=False,

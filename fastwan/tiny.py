@@ -27,13 +27,15 @@ from fastwan.errors import InvalidArgument, MissingFileError
 from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
-# image-to-video layouts (WanImageToVideoPipeline): written for tests; the pipeline does not run them yet
-IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")
+IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts
 TINY_IDS = {
     "tiny": "wan2.1",
     "tiny-wan2.1": "wan2.1",
     "tiny-wan2.2-a14b": "wan2.2-a14b",
     "tiny-wan2.2-ti2v": "wan2.2-ti2v",
+    "tiny-wan2.1-i2v": "wan2.1-i2v",
+    "tiny-wan2.1-flf2v": "wan2.1-flf2v",
+    "tiny-wan2.2-i2v-a14b": "wan2.2-i2v-a14b",
 }
 CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
 _FORMAT = 1  # bump when the tiny layout changes, so cached copies are rebuilt

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import imageio.v3 as iio
+import numpy as np
 
 from fastwan import VideoGenerator, cli
 from fastwan.options import DiTOptions
@@ -175,3 +176,17 @@ def test_cli_build_options_reach_the_generator(monkeypatch):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])
         assert e.value.code == 2
+
+
+def test_cli_image_to_video(tmp_path, capsys):
+    from PIL import Image
+
+    out = tmp_path / "fox.mp4"
+    args = ["generate", "--prompt", "a fox", "--model", "tiny-wan2.1-i2v", "--seed", "1", "--output", str(out)]
+    assert cli.main(args) == 2  # an image-to-video checkpoint without --image: a one-line error, no video
+    err = capsys.readouterr().err
+    assert "--image PATH" in err.strip().splitlines()[-1] and "Traceback" not in err and not out.exists()
+    image = tmp_path / "first.png"
+    Image.fromarray(np.full((48, 64, 3), 200, dtype=np.uint8)).save(image)
+    assert cli.main([*args, "--image", str(image)]) == 0
+    assert out.is_file() and out.stat().st_size > 0

@@ -32,17 +32,26 @@ class Preset:
     fps: int
 
 
+# Image-to-video presets follow the Wan repos' generate.py: I2V 40 steps, FLF2V 50, guidance 5.0 (Wan2.1) and
+# 3.5 / 3.5 (Wan2.2 A14B); height x width is the pixel area, the image's aspect ratio decides the sides.
 PRESETS = {
     "wan2.1": Preset(480, 832, 81, 50, 5.0, None, 16),
     "wan2.2-a14b": Preset(720, 1280, 81, 40, 4.0, 3.0, 16),
     "wan2.2-ti2v": Preset(704, 1280, 121, 50, 5.0, None, 24),
+    "wan2.1-i2v": Preset(480, 832, 81, 40, 5.0, None, 16),
+    "wan2.1-flf2v": Preset(720, 1280, 81, 50, 5.0, None, 16),
+    "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
 }
 # tiny checkpoints: the same kinds of models at sizes a 2-core CPU makes in seconds
 TINY_PRESETS = {
     "wan2.1": Preset(128, 128, 17, 8, 5.0, None, 8),
     "wan2.2-a14b": Preset(128, 128, 17, 8, 4.0, 3.0, 8),
     "wan2.2-ti2v": Preset(128, 128, 17, 8, 5.0, None, 8),
+    "wan2.1-i2v": Preset(64, 64, 9, 4, 5.0, None, 8),
+    "wan2.1-flf2v": Preset(64, 64, 9, 4, 5.0, None, 8),
+    "wan2.2-i2v-a14b": Preset(64, 64, 9, 6, 3.5, 3.5, 8),
 }
+IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # they need an image
 
 # Wan's own default negative prompt (the one FastVideo's presets and the Wan repo use).
 WAN_NEGATIVE_PROMPT = (
@@ -53,9 +62,11 @@ WAN_NEGATIVE_PROMPT = (
 
 REQUIRED = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B)
+I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B
+IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
-OTHER_TASKS = (("ImageToVideo", "image-to-video"), ("I2V", "image-to-video"), ("VideoToVideo", "video-to-video"),
-               ("VACE", "VACE (video editing)"), ("Animate", "character animation"))
+OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("VACE", "VACE (video editing)"),
+               ("Animate", "character animation"))
 # the files a component folder holds that fastwan reads (configs, weights, tokenizer files)
 _COMPONENT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")
 
@@ -70,6 +81,12 @@ class Checkpoint:
     experts: tuple[str, ...]  # ("transformer",) or ("transformer", "transformer_2")
     boundary_ratio: float | None
     expand_timesteps: bool
+    image_encoder: bool = False  # a CLIP image encoder (image_encoder/, image_processor/) to load
+
+    @property
+    def needs_image(self) -> bool:
+        """Image-to-video checkpoints generate from an image only."""
+        return self.variant in IMAGE_VARIANTS
 
     def folder(self, component: str) -> Path:
         return self.root / component
@@ -82,6 +99,8 @@ class PipelineIndex:
     experts: tuple[str, ...]
     boundary_ratio: float | None
     expand_timesteps: bool
+    image_to_video: bool = False
+    image_encoder: bool = False
 
 
 def _download(model_id: str, patterns: list[str], revision: str | None = None) -> Path:
@@ -110,10 +129,10 @@ def _download(model_id: str, patterns: list[str], revision: str | None = None) -
         ) from None
 
 
-def _component_patterns(experts: tuple[str, ...], allow_pickle: bool) -> list[str]:
+def _component_patterns(experts: tuple[str, ...], allow_pickle: bool, image_encoder: bool = False) -> list[str]:
     """allow_patterns for the files of the components fastwan loads (pickle weights only when allowed)."""
     suffixes = _COMPONENT_FILES + (tuple(f"*{s}" for s in PICKLE_SUFFIXES) if allow_pickle else ())
-    comps = experts + tuple(c for c in REQUIRED if c not in experts)
+    comps = experts + tuple(c for c in REQUIRED if c not in experts) + (IMAGE_COMPONENTS if image_encoder else ())
     return ["model_index.json"] + [f"{c}/{s}" for c in comps for s in suffixes]
 
 
@@ -138,21 +157,21 @@ def _locate(name: str) -> tuple[Path, str | None, bool]:
 
 
 def _check_pipeline_class(index: dict, path: Path) -> None:
-    """Rule: ``_class_name`` is the Wan text-to-video pipeline class."""
+    """Rule: ``_class_name`` is the Wan text-to-video or image-to-video pipeline class."""
     cls = index.get("_class_name")
-    if cls == T2V_PIPELINE:
+    if cls in (T2V_PIPELINE, I2V_PIPELINE):
         return
     if not (isinstance(cls, str) and cls.startswith("Wan")):
         raise CheckpointError(
             f"{path}: \"_class_name\": {json_text(cls)} describes a pipeline that is not a Wan pipeline; fastwan runs "
-            f"Wan text-to-video checkpoints, whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\". "
-            "Point fastwan at a Wan2.1/Wan2.2 text-to-video checkpoint in the Diffusers layout."
+            f"Wan checkpoints whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\" or \"{I2V_PIPELINE}\". "
+            "Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers layout."
         )
     task = next((t for word, t in OTHER_TASKS if word in cls), "this pipeline's task")
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
-        f"checkpoints (\"_class_name\": \"{T2V_PIPELINE}\": Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B), and "
-        f"{task} is not supported yet. Use a text-to-video checkpoint."
+        f"(\"{T2V_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\") checkpoints, and {task} is not supported "
+        "yet. Use a text- or image-to-video checkpoint."
     )
 
 
@@ -210,28 +229,74 @@ def _index_expand(index: dict, path: Path) -> bool:
     )
 
 
+def _index_image_encoder(index: dict, path: Path) -> bool:
+    """Rule: ``image_encoder`` and ``image_processor`` are both [library, class] pairs (a CLIP to load) or both
+    absent / [null, null]."""
+    named = []
+    for comp in IMAGE_COMPONENTS:
+        entry = index.get(comp)
+        if entry is None or entry == [None, None]:
+            named.append(False)
+        elif isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) and x for x in entry):
+            named.append(True)
+        else:
+            raise CheckpointError(
+                f"{path}: \"{comp}\": {json_text(entry)} is invalid; it must be [null, null] or a [library, class] "
+                "pair such as [\"transformers\", \"CLIPVisionModel\"]. Fix model_index.json or download the "
+                "checkpoint again.")
+    if named[0] != named[1]:
+        enc, proc = (json_text(index.get(c)) for c in IMAGE_COMPONENTS)
+        raise CheckpointError(
+            f"{path}: \"image_encoder\": {enc} and \"image_processor\": {proc}; the two must be named together "
+            "(the CLIP encoder and its preprocessing) or both be null. Fix model_index.json or download the "
+            "checkpoint again.")
+    return named[0]
+
+
 def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
     """The checked meaning of a ``model_index.json`` (``index``, read from ``path``)."""
     _check_pipeline_class(index, path)
     experts = _index_experts(index, path)
-    return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path))
+    i2v = index.get("_class_name") == I2V_PIPELINE
+    return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path), i2v,
+                         i2v and _index_image_encoder(index, path))
 
 
-def _check_components(root: Path, index_path: Path, experts: tuple[str, ...]) -> None:
+def _check_components(root: Path, index_path: Path, meta: PipelineIndex) -> None:
     """Every component folder the checkpoint needs exists."""
-    for comp in REQUIRED + experts[1:]:
+    needed = REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ())
+    for comp in needed:
         if not (root / comp).is_dir():
             raise MissingFileError(
                 f"checkpoint {root} is missing its '{comp}/' component; this Wan checkpoint (per {index_path.name}) "
-                f"needs {', '.join(REQUIRED + experts[1:])}. Download the checkpoint again."
+                f"needs {', '.join(needed)}. Download the checkpoint again."
             )
 
 
-def _expert_configs(root: Path, experts: tuple[str, ...]) -> list[WanConfig]:
+def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
+    """Rules for the DiT of an image-to-video pipeline: it reads the noise, a 4-channel frame mask and the
+    condition latents (in = 2 x out + 4), and CLIP image tokens exactly when the pipeline has a CLIP encoder."""
+    if cfg.in_channels != 2 * cfg.out_channels + 4:
+        raise CheckpointError(
+            f"{source}: \"in_channels\": {cfg.in_channels} with \"out_channels\": {cfg.out_channels}; an "
+            "image-to-video Wan DiT reads the noise, the 4-channel frame mask and the condition latents "
+            f"(in_channels = 2 x out_channels + 4 = {2 * cfg.out_channels + 4}). Download the checkpoint again.")
+    if (cfg.image_dim is not None) != clip:
+        raise CheckpointError(
+            f"{source}: \"image_dim\": {json_text(cfg.image_dim)}, but the pipeline "
+            f"{'has' if clip else 'has no'} CLIP image encoder; a Wan DiT reads image tokens exactly when its "
+            "pipeline has one (Wan2.1 I2V / FLF2V). Download the checkpoint again.")
+
+
+def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     """The experts' checked configs; rule: two experts share one architecture."""
+    experts = meta.experts
     configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
     for e, cfg in zip(experts, configs):
-        check_text_to_video(cfg, str(root / e / "config.json"))
+        if meta.image_to_video:
+            _check_image_to_video(cfg, str(root / e / "config.json"), meta.image_encoder)
+        else:
+            check_text_to_video(cfg, str(root / e / "config.json"))
     if len(configs) == 2 and configs[0] != configs[1]:
         a, b = (dataclasses.asdict(c) for c in configs)
         diff = [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
@@ -259,19 +324,23 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
     index = read_json(index_path, missing=f"{root} is not a Diffusers-format pipeline folder.")
     meta = read_pipeline_index(index, index_path)
     if hub:
-        root = _download(name, _component_patterns(meta.experts, allow_pickle),
+        root = _download(name, _component_patterns(meta.experts, allow_pickle, meta.image_encoder),
                          revision=root.name if HUB_COMMIT.match(root.name) else None)
-    _check_components(root, index_path, meta.experts)
-    configs = _expert_configs(root, meta.experts)
-    for comp in meta.experts + ("text_encoder", "vae"):
+    _check_components(root, index_path, meta)
+    configs = _expert_configs(root, meta)
+    for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ()):
         weight_files(root / comp, allow_pickle=allow_pickle)
     read_json(root / "scheduler" / "scheduler_config.json", missing="the scheduler component needs it.")
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2
-    variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
+    if meta.image_to_video:
+        variant = "wan2.2-i2v-a14b" if two else ("wan2.1-flf2v" if configs[0].pos_embed_seq_len else "wan2.1-i2v")
+    else:
+        variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
     preset = (TINY_PRESETS if tiny_variant else PRESETS)[variant]
-    return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand)
+    return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
+                      meta.image_encoder)
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

@@ -33,6 +33,7 @@ from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, va
 from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
+from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.text import encode_prompts
 
@@ -63,7 +64,8 @@ class VideoGenerator:
     """Text-to-video with a Wan2.1/Wan2.2 checkpoint. Build with :meth:`from_pretrained`."""
 
     def __init__(self, ckpt: Checkpoint, *, device, dtype, vae_dtype, attention, transformers, text_encoder,
-                 tokenizer, vae, scheduler, cfg_gate_step, cfg_mode, vae_chunk_frames="auto"):
+                 tokenizer, vae, scheduler, cfg_gate_step, cfg_mode, vae_chunk_frames="auto", image_encoder=None,
+                 image_processor=None):
         self.checkpoint = ckpt
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
         self.attention: AttentionDispatch = attention
@@ -72,6 +74,7 @@ class VideoGenerator:
         self.cfg_gate_step = cfg_gate_step
         self.cfg_mode = cfg_mode
         self.vae_chunk_frames = vae_chunk_frames
+        self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
         self.preset = ckpt.preset
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
         # decode feature cache, the DiT's text K/V cache), so one generator makes one video at a time
@@ -195,10 +198,18 @@ class VideoGenerator:
         if tiling is not None:
             vae.enable_tiling(**tiling)
         scheduler = _load_scheduler(ckpt.folder("scheduler"))
+        image_encoder = image_processor = None
+        if ckpt.image_encoder:
+            from transformers import CLIPImageProcessor, CLIPVisionModel
+
+            image_encoder = CLIPVisionModel.from_pretrained(
+                ckpt.folder("image_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
+            ).to(device).eval()
+            image_processor = CLIPImageProcessor.from_pretrained(ckpt.folder("image_processor"))
         return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                    transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
                    scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
-                   vae_chunk_frames=vae_chunk_frames)
+                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor)
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -212,12 +223,12 @@ class VideoGenerator:
         check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
                      scheduler=self.scheduler, max_grid=cfg.rope_max_seq_len)
 
-    def _identity(self, negative_prompt: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
         a = self.attention
         return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
-                "attention": [a.self_backend.name, a.cross_backend.name]}
+                "attention": [a.self_backend.name, a.cross_backend.name], "images": images}
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -225,6 +236,8 @@ class VideoGenerator:
         self,
         prompt: str,
         *,
+        image: Any = None,
+        last_image: Any = None,
         negative_prompt: str | None = None,
         height: int | None = None,
         width: int | None = None,
@@ -247,8 +260,15 @@ class VideoGenerator:
         automatic name ``<prompt slug>_<seed>_<digest>.mp4``; no file is replaced unless ``overwrite=True`` (a
         taken automatic name gets ``-2``, ``-3``, ...). The file appears only when complete. All rules:
         :mod:`fastwan.pipelines.output`. Every check runs before any compute.
+        ``image`` (and ``last_image``): for image-to-video checkpoints, the first (and last) frame: a PIL image, an
+        np.uint8 H x W x 3 array or a file path (:mod:`fastwan.pipelines.image`); without height and width the
+        video takes the image's aspect ratio at the preset's pixel area, and the images are resized to the size.
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
+        req = check_image_request(self.checkpoint, image, last_image)
+        if req is not None and height is None and width is None:
+            multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
+            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple)
         s = with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
                            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                            guidance_scale_2=guidance_scale_2, fps=fps)
@@ -266,11 +286,12 @@ class VideoGenerator:
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
 
         with self._lock:
-            frames, forwards, timings, peak = self._generate(prompt, negative_prompt, s, seed)
+            frames, forwards, timings, peak = self._generate(prompt, negative_prompt, s, seed, req)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
-            name = output.automatic_name(prompt, seed, self._identity(negative_prompt, settings))
+            name = output.automatic_name(prompt, seed,
+                                         self._identity(negative_prompt, settings, req and req.digest))
             video_file = output.save_video(target, name, frames, s.fps)
         timings["saving"] = time.perf_counter() - t0
         timings["total"] = timings.pop("total") + timings["saving"]  # total last
@@ -280,9 +301,9 @@ class VideoGenerator:
             num_transformer_forwards=forwards, settings=settings,
         )
 
-    def _generate(self, prompt: str, negative_prompt: str, s, seed: int):
-        """Text encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer forwards,
-        timings in seconds, peak CUDA memory in bytes or None)."""
+    def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None):
+        """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
+        forwards, timings in seconds, peak CUDA memory in bytes or None)."""
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -290,9 +311,13 @@ class VideoGenerator:
         do_cfg = s.guidance_scale > 1.0
         texts = [prompt, negative_prompt] if do_cfg else [prompt]
         emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)
+        cond = None
+        if req is not None:
+            cond = encode_request(req, s.height, s.width, s.num_frames, self.vae, self.image_encoder,
+                                  self.image_processor, dev, self.dtype)
         _sync(dev)
         t1 = time.perf_counter()
-        latents, forwards = self._denoise(emb, s, seed, do_cfg)
+        latents, forwards = self._denoise(emb, s, seed, do_cfg, cond)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents)
@@ -303,14 +328,17 @@ class VideoGenerator:
         return frames, forwards, timings, peak
 
     # ---------------------------------------------------------------------------------------------------------
-    def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool) -> tuple[torch.Tensor, int]:
-        """emb [1 or 2, L, D] (cond[, uncond]) -> final latents [1, C, F, H, W] fp32, and the forward count."""
+    def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None) -> tuple[torch.Tensor, int]:
+        """emb [1 or 2, L, D] (cond[, uncond]); image_inputs: (condition latents, CLIP tokens or None) of an
+        image-to-video call -> final latents [1, C, F, H, W] fp32, and the forward count."""
         from tqdm.auto import tqdm
 
         dev = self.device
         cfg = self.checkpoint.transformer_config
         vt, vs = self.vae_scale_factors
-        shape = (1, cfg.in_channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
+        condition, image_tokens = image_inputs if image_inputs is not None else (None, None)
+        channels = cfg.out_channels if condition is not None else cfg.in_channels  # I2V reads noise + condition
+        shape = (1, channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
         generator = torch.Generator(device=dev).manual_seed(int(seed))
         latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
 
@@ -339,8 +367,11 @@ class VideoGenerator:
                 current, delta = expert, None  # a new expert: its own guidance delta
             model = self.transformers[expert]
             gs = s.guidance_scale if expert == 0 else gs2
-            x = latents.to(model.dtype)
+            x = latents if condition is None else torch.cat([latents, condition], dim=1)
+            x = x.to(model.dtype)
             kw = {"step_index": i, "num_steps": n}
+            if image_tokens is not None:
+                kw["image"] = image_tokens
             if do_cfg and (i < gate_at or delta is None):
                 # cond and uncond share the latents: their common start (up to block 0's cross-attention) once
                 pos, neg = model.forward_cfg(x, self._timestep(t, tokens), cond, uncond, batched=batched, **kw)

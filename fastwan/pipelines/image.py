@@ -13,7 +13,9 @@ is conditioned on, with the numerics of diffusers' ``WanImageToVideoPipeline``.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +103,59 @@ def clip_tokens(image_encoder, image_processor, images: list) -> torch.Tensor:
     batch = image_processor(images=images, return_tensors="pt")
     out = image_encoder(pixel_values=batch["pixel_values"].to(param.device, param.dtype), output_hidden_states=True)
     return out.hidden_states[-2]
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """The images of one image-to-video call, read and checked: ``first`` (and ``last``), and a digest of their
+    pixels (part of the automatic file name)."""
+    first: Any
+    last: Any | None
+    digest: str
+
+
+def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
+    """The rules of a checkpoint's task, before any compute: image-to-video checkpoints need ``image``; text-only
+    ones take none; ``last_image`` (first-last-frame) needs a checkpoint made for it (Wan2.1 FLF2V, which needs
+    it, or Wan2.2 I2V-A14B)."""
+    variant = checkpoint.variant
+    if image is None:
+        if checkpoint.needs_image:
+            raise InvalidArgument(f"this checkpoint ({variant}) makes a video from an image: pass image= (a PIL "
+                                  "image, an np.uint8 H x W x 3 array or a file path; CLI --image PATH).")
+        if last_image is not None:
+            raise InvalidArgument("last_image is given without image; the first frame comes first (image=).")
+        return None
+    if not checkpoint.needs_image:
+        raise InvalidArgument(f"image= was given, but this checkpoint ({variant}) is text-to-video; use an "
+                              "image-to-video checkpoint (Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B) or drop image=.")
+    if last_image is None and variant == "wan2.1-flf2v":
+        raise InvalidArgument("this first-last-frame checkpoint (Wan2.1-FLF2V) needs last_image= as well "
+                              "(CLI --last-image PATH).")
+    if last_image is not None and variant == "wan2.1-i2v":
+        raise InvalidArgument("last_image= needs a first-last-frame checkpoint (Wan2.1-FLF2V or Wan2.2-I2V-A14B); "
+                              "Wan2.1-I2V conditions on the first frame only.")
+    first = read_image(image, "image")
+    last = None if last_image is None else read_image(last_image, "last_image")
+    h = hashlib.sha256()
+    for img in (first, last):
+        if img is not None:
+            h.update(repr(img.size).encode())
+            h.update(img.tobytes())
+    return ImageRequest(first, last, h.hexdigest()[:16])
+
+
+@torch.no_grad()
+def encode_request(req: ImageRequest, height: int, width: int, num_frames: int, vae, image_encoder,
+                   image_processor, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(condition [1, 4 + z_dim, F_lat, H_lat, W_lat] fp32 on ``device``, CLIP tokens [n, N, D] in ``dtype`` or
+    None when the checkpoint has no CLIP encoder)."""
+    spatial = vae_scale_factors(vae)[1]
+    first = pixels(req.first, height, width, spatial).to(device)
+    last = None if req.last is None else pixels(req.last, height, width, spatial).to(device)
+    cond = condition_latents(vae, first, last, num_frames).to(device)
+    tokens = None
+    if image_encoder is not None:
+        images = [req.first] if req.last is None else [req.first, req.last]
+        tokens = clip_tokens(image_encoder, image_processor, images).to(device, dtype)
+    return cond, tokens

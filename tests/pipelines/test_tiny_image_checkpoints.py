@@ -1,6 +1,6 @@
-"""The tiny image-to-video checkpoints (Wan2.1 I2V, FLF2V, Wan2.2 I2V-A14B layouts) are what diffusers'
-WanImageToVideoPipeline loads and runs; fastwan's DiT reads their transformers with the image tokens of
-fastwan.pipelines.image as diffusers' does; fastwan's pipeline refuses them until it runs image-to-video."""
+"""Image-to-video on the tiny Wan2.1 I2V, FLF2V and Wan2.2 I2V-A14B checkpoints: diffusers' WanImageToVideoPipeline
+loads and runs them; fastwan's DiT reads their transformers with the inputs of fastwan.pipelines.image as
+diffusers' does; generate_video(image=, last_image=) gives diffusers' frames; the task rules hold before compute."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ from PIL import Image
 
 from fastwan import VideoGenerator
 from fastwan.attention import AttentionDispatch
-from fastwan.errors import CheckpointError
+from fastwan.errors import InvalidArgument
 from fastwan.models import load_transformer
 from fastwan.options import DiTOptions
 from fastwan.pipelines.image import clip_tokens, condition_latents, pixels
@@ -66,7 +66,49 @@ def test_fastwan_dit_reads_the_tiny_image_transformers(image_ckpt, block):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fastwan_pipeline_refuses_them_for_now(image_ckpt):
-    _, path = image_ckpt
-    with pytest.raises(CheckpointError, match="image-to-video is not supported yet"):
-        VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+@pytest.mark.parametrize("guidance", [5.0, 1.0])
+def test_pipeline_matches_diffusers(image_ckpt, guidance):
+    """generate_video(image=[, last_image=]) against diffusers' WanImageToVideoPipeline: same frames (fp32, CPU)."""
+    from diffusers import WanImageToVideoPipeline
+
+    variant, path = image_ckpt
+    extra = {"last_image": frames(1)} if variant in ("wan2.1-flf2v", "wan2.2-i2v-a14b") else {}
+    kw = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=guidance)
+    if variant == "wan2.2-i2v-a14b":
+        kw["guidance_scale_2"] = guidance
+    gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    res = gen.generate_video("a fox in the snow", image=frames(0), negative_prompt="blurry", seed=5,
+                             save_video=False, **extra, **kw)
+    pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(image=frames(0), prompt="a fox in the snow", negative_prompt="blurry", output_type="np",
+                generator=torch.Generator("cpu").manual_seed(5), **extra, **kw).frames[0]
+    want = (want * 255).round().astype(np.uint8)
+    assert res.frames.shape == want.shape == (9, 64, 64, 3) and want.std() > 5
+    assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_image_rules_before_any_compute(image_ckpt, tiny_ckpts):
+    variant, path = image_ckpt
+    gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    with pytest.raises(InvalidArgument, match="makes a video from an image: pass image="):
+        gen.generate_video("a fox", save_video=False)
+    if variant == "wan2.1-flf2v":
+        with pytest.raises(InvalidArgument, match="needs last_image="):
+            gen.generate_video("a fox", image=frames(0), save_video=False)
+    if variant == "wan2.1-i2v":
+        with pytest.raises(InvalidArgument, match="needs a first-last-frame checkpoint"):
+            gen.generate_video("a fox", image=frames(0), last_image=frames(1), save_video=False)
+    t2v = VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", dtype=torch.float32)
+    with pytest.raises(InvalidArgument, match="is text-to-video"):
+        t2v.generate_video("a fox", image=frames(0), save_video=False)
+
+
+def test_default_size_follows_the_image(image_ckpt):
+    variant, _ = image_ckpt
+    gen = VideoGenerator.from_pretrained(f"tiny-{variant}", device="cpu", dtype=torch.float32)  # 64 x 64 preset
+    wide = Image.fromarray(np.zeros((30, 60, 3), dtype=np.uint8))
+    extra = {"last_image": wide} if variant != "wan2.1-i2v" else {}
+    res = gen.generate_video("a fox", image=wide, seed=1, save_video=False, num_inference_steps=1, num_frames=5,
+                             **extra)
+    assert res.frames.shape[1:3] == (32, 80)  # the 64 x 64 preset area at 2:1, each side rounded down to 16
