@@ -338,9 +338,14 @@ class VideoGenerator:
         vt, vs = self.vae_scale_factors
         condition, image_tokens = image_inputs if image_inputs is not None else (None, None)
         channels = cfg.out_channels if condition is not None else cfg.in_channels  # I2V reads noise + condition
+        first_frame = condition is not None and self.checkpoint.expand_timesteps  # TI2V: the image is frame 0
         shape = (1, channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
         generator = torch.Generator(device=dev).manual_seed(int(seed))
         latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
+        if first_frame:  # 1 where the noise is denoised; the first latent frame is the image's, at timestep 0
+            keep = torch.ones(1, 1, *shape[2:], device=dev)
+            keep[:, :, 0] = 0
+            token_keep = keep[0, 0][:, ::cfg.patch_size[1], ::cfg.patch_size[2]].flatten()[None]
 
         scheduler = type(self.scheduler).from_config(self.scheduler.config)  # fresh state per video
         scheduler.set_timesteps(s.num_inference_steps, device=dev)
@@ -367,25 +372,31 @@ class VideoGenerator:
                 current, delta = expert, None  # a new expert: its own guidance delta
             model = self.transformers[expert]
             gs = s.guidance_scale if expert == 0 else gs2
-            x = latents if condition is None else torch.cat([latents, condition], dim=1)
+            if first_frame:
+                x = (1 - keep) * condition + keep * latents
+            else:
+                x = latents if condition is None else torch.cat([latents, condition], dim=1)
             x = x.to(model.dtype)
+            timestep = token_keep * t.to(torch.float32) if first_frame else self._timestep(t, tokens)
             kw = {"step_index": i, "num_steps": n}
             if image_tokens is not None:
                 kw["image"] = image_tokens
             if do_cfg and (i < gate_at or delta is None):
                 # cond and uncond share the latents: their common start (up to block 0's cross-attention) once
-                pos, neg = model.forward_cfg(x, self._timestep(t, tokens), cond, uncond, batched=batched, **kw)
+                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched, **kw)
                 forwards += 2
                 delta = pos - neg
                 pred = neg + gs * delta
             elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
-                pos = model(x, self._timestep(t, tokens), cond, **kw)
+                pos = model(x, timestep, cond, **kw)
                 forwards += 1
                 pred = pos + (gs - 1.0) * delta
             else:
-                pred = model(x, self._timestep(t, tokens), cond, **kw)
+                pred = model(x, timestep, cond, **kw)
                 forwards += 1
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        if first_frame:
+            latents = (1 - keep) * condition + keep * latents
         return latents, forwards
 
     def _cfg_batched(self, tokens: int) -> bool:

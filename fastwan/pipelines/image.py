@@ -73,18 +73,24 @@ def pixels(image, height: int, width: int, spatial_factor: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def normalized_latents(vae, video: torch.Tensor) -> torch.Tensor:
+    """video [1, 3, T, H, W] in [-1, 1] -> its VAE latents (the distribution's mode), normalised by the VAE's
+    ``latents_mean`` / ``latents_std``, fp32."""
+    param = next(vae.parameters())
+    latents = vae.encode(video.to(param.device, param.dtype)).latent_dist.mode().float()
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+    return (latents - mean) * inv_std
+
+
+@torch.no_grad()
 def condition_latents(vae, first: torch.Tensor, last: torch.Tensor | None, num_frames: int) -> torch.Tensor:
     """first (and last) [1, 3, H, W] in [-1, 1] -> [1, 4 + z_dim, F_lat, H/s, W/s] fp32: the mask of the given
     frames (each latent frame's 4 video frames as 4 channels; the first latent frame stands for the first video
     frame only, repeated) and the normalised latents of the condition video."""
     zeros = first.new_zeros(1, 3, num_frames - (1 if last is None else 2), *first.shape[-2:])
     video = torch.cat([first.unsqueeze(2), zeros] + ([] if last is None else [last.unsqueeze(2)]), dim=2)
-    param = next(vae.parameters())
-    latents = vae.encode(video.to(param.device, param.dtype)).latent_dist.mode().float()
-    cfg = vae.config
-    mean = torch.tensor(cfg.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(cfg.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-    latents = (latents - mean) * inv_std
+    latents = normalized_latents(vae, video)
     tf = vae_scale_factors(vae)[0]
     given = torch.zeros(num_frames, device=latents.device)
     given[0] = 1
@@ -112,6 +118,7 @@ class ImageRequest:
     first: Any
     last: Any | None
     digest: str
+    first_frame_only: bool = False  # Wan2.2-TI2V: the first frame's latents replace the first latent frame
 
 
 def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
@@ -126,9 +133,13 @@ def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
         if last_image is not None:
             raise InvalidArgument("last_image is given without image; the first frame comes first (image=).")
         return None
-    if not checkpoint.needs_image:
+    if not (checkpoint.needs_image or checkpoint.expand_timesteps):
         raise InvalidArgument(f"image= was given, but this checkpoint ({variant}) is text-to-video; use an "
-                              "image-to-video checkpoint (Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B) or drop image=.")
+                              "image-to-video checkpoint (Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B, "
+                              "Wan2.2-TI2V-5B) or drop image=.")
+    if last_image is not None and checkpoint.expand_timesteps:
+        raise InvalidArgument("last_image= is not taken by Wan2.2-TI2V-5B: its image mode fixes the first frame "
+                              "only. Drop last_image=.")
     if last_image is None and variant == "wan2.1-flf2v":
         raise InvalidArgument("this first-last-frame checkpoint (Wan2.1-FLF2V) needs last_image= as well "
                               "(CLI --last-image PATH).")
@@ -142,16 +153,19 @@ def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
         if img is not None:
             h.update(repr(img.size).encode())
             h.update(img.tobytes())
-    return ImageRequest(first, last, h.hexdigest()[:16])
+    return ImageRequest(first, last, h.hexdigest()[:16], bool(checkpoint.expand_timesteps))
 
 
 @torch.no_grad()
 def encode_request(req: ImageRequest, height: int, width: int, num_frames: int, vae, image_encoder,
                    image_processor, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(condition [1, 4 + z_dim, F_lat, H_lat, W_lat] fp32 on ``device``, CLIP tokens [n, N, D] in ``dtype`` or
-    None when the checkpoint has no CLIP encoder)."""
+    """(condition [1, 4 + z_dim, F_lat, H_lat, W_lat] fp32 on ``device`` -- for a first-frame model
+    (Wan2.2-TI2V, ``expand_timesteps``) the first frame's latents [1, z_dim, 1, H_lat, W_lat] --, CLIP tokens
+    [n, N, D] in ``dtype`` or None when the checkpoint has no CLIP encoder)."""
     spatial = vae_scale_factors(vae)[1]
     first = pixels(req.first, height, width, spatial).to(device)
+    if req.first_frame_only:
+        return normalized_latents(vae, first.unsqueeze(2)).to(device), None
     last = None if req.last is None else pixels(req.last, height, width, spatial).to(device)
     cond = condition_latents(vae, first, last, num_frames).to(device)
     tokens = None

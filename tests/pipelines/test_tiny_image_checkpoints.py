@@ -112,3 +112,26 @@ def test_default_size_follows_the_image(image_ckpt):
     res = gen.generate_video("a fox", image=wide, seed=1, save_video=False, num_inference_steps=1, num_frames=5,
                              **extra)
     assert res.frames.shape[1:3] == (32, 80)  # the 64 x 64 preset area at 2:1, each side rounded down to 16
+
+
+def test_ti2v_image_mode_matches_diffusers(tiny_ckpts):
+    """Wan2.2-TI2V-5B with an image: the first latent frame is the image's, at timestep 0 through the per-token
+    timesteps (diffusers' WanImageToVideoPipeline with expand_timesteps); frames equal to diffusers'."""
+    from diffusers import WanImageToVideoPipeline
+
+    path = tiny_ckpts["wan2.2-ti2v"]
+    kw = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
+    gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    res = gen.generate_video("a fox", image=frames(0), negative_prompt="blurry", seed=2, save_video=False, **kw)
+    pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
+    assert pipe.config.expand_timesteps
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(image=frames(0), prompt="a fox", negative_prompt="blurry", output_type="np",
+                generator=torch.Generator("cpu").manual_seed(2), **kw).frames[0]
+    want = (want * 255).round().astype(np.uint8)
+    assert res.frames.shape == want.shape and want.std() > 5
+    assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
+    text_only = gen.generate_video("a fox", negative_prompt="blurry", seed=2, save_video=False, **kw)
+    assert np.abs(text_only.frames.astype(int) - res.frames.astype(int)).max() > 8  # the image really conditions
+    with pytest.raises(InvalidArgument, match="TI2V-5B: its image mode fixes the first frame only"):
+        gen.generate_video("a fox", image=frames(0), last_image=frames(1), save_video=False, **kw)
