@@ -123,3 +123,17 @@ def test_image_config_rule(tmp_path):
             WanConfig.from_dict({**raw, **bad})
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert WanConfig.from_file(tmp_path / "config.json").added_kv_proj_dim == 24
+
+
+def test_compiled_fast_build_with_image_tokens(checkpoint):
+    """fullgraph-compiled fast blocks take the image tokens (no graph break) and keep diffusers' output."""
+    ref, folder, variant = checkpoint
+    torch._dynamo.reset()
+    model = build(folder, "fast")
+    model.compile_blocks(fullgraph=True)
+    x, text, image = inputs(variant)
+    t = torch.tensor([400.0])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, t, text, image=image), diffusers_out(ref, x, t, text, image),
+                                   rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -43,6 +43,8 @@ def test_read_image_refuses_what_it_cannot_read(tmp_path):
         read_image(np.zeros((4, 4, 3), dtype=np.float32))
     with pytest.raises(InvalidArgument, match="H x W x 3"):
         read_image(np.zeros((4, 4, 2), dtype=np.uint8))
+    with pytest.raises(InvalidArgument, match="0 x 4 pixels; it must not be empty"):
+        read_image(np.zeros((4, 0, 3), dtype=np.uint8))
     with pytest.raises(InvalidArgumentType, match="last_image=int"):
         read_image(3, name="last_image")
 

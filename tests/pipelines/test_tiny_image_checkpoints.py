@@ -66,23 +66,27 @@ def test_fastwan_dit_reads_the_tiny_image_transformers(image_ckpt, block):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("guidance", [5.0, 1.0])
-def test_pipeline_matches_diffusers(image_ckpt, guidance):
-    """generate_video(image=[, last_image=]) against diffusers' WanImageToVideoPipeline: same frames (fp32, CPU)."""
+@pytest.mark.parametrize("guidance,negative", [(5.0, "blurry"), (4.0, None), (1.0, None)])
+def test_pipeline_matches_diffusers(image_ckpt, guidance, negative):
+    """generate_video(image=[, last_image=]) against diffusers' WanImageToVideoPipeline: same frames (fp32, CPU),
+    with and without a negative prompt (fastwan's default is Wan's own, given to diffusers explicitly), A14B across
+    its expert switch (6 steps)."""
     from diffusers import WanImageToVideoPipeline
+
+    from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT
 
     variant, path = image_ckpt
     extra = {"last_image": frames(1)} if variant in ("wan2.1-flf2v", "wan2.2-i2v-a14b") else {}
     kw = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=guidance)
     if variant == "wan2.2-i2v-a14b":
-        kw["guidance_scale_2"] = guidance
+        kw.update(guidance_scale_2=guidance - 0.5 if guidance > 1 else guidance, num_inference_steps=6)
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
-    res = gen.generate_video("a fox in the snow", image=frames(0), negative_prompt="blurry", seed=5,
+    res = gen.generate_video("a fox in the snow", image=frames(0), negative_prompt=negative, seed=5,
                              save_video=False, **extra, **kw)
     pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    want = pipe(image=frames(0), prompt="a fox in the snow", negative_prompt="blurry", output_type="np",
-                generator=torch.Generator("cpu").manual_seed(5), **extra, **kw).frames[0]
+    want = pipe(image=frames(0), prompt="a fox in the snow", negative_prompt=negative or WAN_NEGATIVE_PROMPT,
+                output_type="np", generator=torch.Generator("cpu").manual_seed(5), **extra, **kw).frames[0]
     want = (want * 255).round().astype(np.uint8)
     assert res.frames.shape == want.shape == (9, 64, 64, 3) and want.std() > 5
     assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
