@@ -49,9 +49,6 @@ class DiTOptions:
         """"auto" made concrete for a model of ``dtype`` on ``device``."""
         if self.block != "auto":
             return self
-        import torch
+        from fastwan.kernels import triton_runs_on
 
-        from fastwan.kernels import HALF, triton_importable
-
-        fast = torch.device(device).type == "cuda" and dtype in HALF and triton_importable()
-        return dataclasses.replace(self, block="fast" if fast else "reference")
+        return dataclasses.replace(self, block="fast" if triton_runs_on(device, dtype) else "reference")

@@ -32,20 +32,27 @@ def triton_importable() -> bool:
     return True
 
 
-def triton_runs(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = HALF,
-                max_last_dim: int | None = None) -> bool:
-    """The one check of whether a Triton kernel runs here: every given tensor on CUDA with a dtype in ``dtypes``
-    (and a last dim of at most ``max_last_dim``), Triton importable, and not inside :func:`reference_kernels`.
-    Inside :func:`interpreted_kernels` any device and any of fp16/bf16/fp32 qualifies."""
+def triton_runs_on(device: torch.device | str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = HALF) -> bool:
+    """The one rule of whether a Triton kernel runs for data of ``dtype`` on ``device``: CUDA and a dtype in
+    ``dtypes``, Triton importable, and not inside :func:`reference_kernels`. Inside :func:`interpreted_kernels`
+    any device and any of fp16/bf16/fp32 qualifies."""
     if _FORCE_REFERENCE.get() or not triton_importable():
         return False
-    interpreted = _INTERPRETED.get()
+    if _INTERPRETED.get():
+        return dtype in FLOATS
+    return torch.device(device).type == "cuda" and dtype in dtypes
+
+
+def triton_runs(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = HALF,
+                max_last_dim: int | None = None) -> bool:
+    """:func:`triton_runs_on` for every given tensor (None: skipped), each with a last dim of at most
+    ``max_last_dim``."""
+    if _FORCE_REFERENCE.get() or not triton_importable():
+        return False
     for t in tensors:
         if t is None:
             continue
-        if not interpreted and (not t.is_cuda or t.dtype not in dtypes):
-            return False
-        if interpreted and t.dtype not in FLOATS:
+        if not triton_runs_on(t.device, t.dtype, dtypes):
             return False
         if max_last_dim is not None and t.dim() and t.shape[-1] > max_last_dim:
             return False

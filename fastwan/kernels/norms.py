@@ -33,13 +33,6 @@ from fastwan.kernels import triton_runs
 MAX_C = 16384  # one row in registers
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the model routes its norms through these ops for activations ``x`` [..., C]: where the kernels run
-    (:func:`fastwan.kernels.triton_runs` with C <= ``MAX_C``). The ops also take anything else (they run their
-    PyTorch reference then)."""
-    return triton_runs(x, max_last_dim=MAX_C)
-
-
 # ---------------------------------------------------------------------------------------------- reference
 def norm_mod_reference(x, weight, bias, scale, shift, eps: float) -> torch.Tensor:
     w = None if weight is None else weight.float()

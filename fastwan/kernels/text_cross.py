@@ -50,13 +50,13 @@ def text_cross_reference(q, k, v, keys) -> torch.Tensor:
 
 def check_inputs(q, k, v, keys) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"text_cross_attention: q [B, S, H, D] and k, v [B, L, H, D] expected, got q "
+        raise ValueError(f"text cross-attention: q [B, S, H, D] and k, v [B, L, H, D] expected, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if keys.shape != (q.shape[0],) or keys.dtype != torch.int32:
-        raise ValueError(f"text_cross_attention: keys must be int32 [{q.shape[0]}] (text_keys), got "
+        raise ValueError(f"text cross-attention: keys must be int32 [{q.shape[0]}] (text_keys), got "
                          f"{keys.dtype} {tuple(keys.shape)}")
     if keys.device != q.device:
-        raise ValueError(f"text_cross_attention: keys are on {keys.device} but q on {q.device}; move keys to "
+        raise ValueError(f"text cross-attention: keys are on {keys.device} but q on {q.device}; move keys to "
                          "q's device (text_keys of the text on that device)")
 
 

@@ -1,6 +1,6 @@
-"""Fused norm ops (fastwan.kernels.norms): their math against float64 formulas, their schemas/fake impls, and the
-block's fused wiring against the plain path. The Triton kernels themselves need a GPU (tests/gpu); here the ops
-run their PyTorch reference, and ``fused.usable`` is forced on so the DiT takes the fused route on the CPU."""
+"""Fused norm ops (fastwan.kernels.norms): their math against float64 formulas and their schemas/fake impls. The
+Triton kernels themselves need a GPU (tests/gpu) or the interpreter (test_norm_kernels_interpreted.py); here the
+ops run their PyTorch reference. The fast block's wiring of them: tests/models/test_fast_block.py."""
 from __future__ import annotations
 
 import pytest

@@ -72,21 +72,28 @@ class WanBlock(nn.Module):
                 meta: AttentionMetadata | None = None) -> Residual:
         """r: the stream [B, S, C]; context: the text embedding [B, L, C] (reference) or this block's
         :class:`CrossKV` (fast); temb: [B, 6, C] or per-token [B, S, 6, C]; rope: [1, S, 1, 2 * head_dim]."""
-        r, h = self.video_half(r, temb, rope, attn, meta)
-        return self.text_half(r, h, context, temb, attn)
+        mod = self.modulation(temb)
+        r, h = self._video(r, mod, rope, attn, meta)
+        return self._text(r, h, context, mod, attn)
 
     def video_half(self, r: Residual, temb, rope, attn, meta=None) -> tuple[Residual, torch.Tensor]:
         """norm1 + modulation, self-attention, gated residual, norm2 -> (stream, cross-attention input h)."""
-        shift1, scale1, gate1 = self.modulation(temb)[:3]
+        return self._video(r, self.modulation(temb), rope, attn, meta)
+
+    def text_half(self, r: Residual, h: torch.Tensor, context, temb, attn) -> Residual:
+        """Cross-attention, residual, norm3 + modulation, FFN, gated residual."""
+        return self._text(r, h, context, self.modulation(temb), attn)
+
+    def _video(self, r: Residual, mod, rope, attn, meta) -> tuple[Residual, torch.Tensor]:
+        shift1, scale1, gate1 = mod[:3]
         x = settle(r)
         h = (fp32_layer_norm(x, self.norm1) * (1 + scale1) + shift1).type_as(x)
         x = (x.float() + self.attn1(h, attn, rope, meta) * gate1).type_as(x)
         h = fp32_layer_norm(x, self.norm2).type_as(x) if self.norm2 is not None else x
         return Residual(x), h
 
-    def text_half(self, r: Residual, h: torch.Tensor, context, temb, attn) -> Residual:
-        """Cross-attention, residual, norm3 + modulation, FFN, gated residual."""
-        shift2, scale2, gate2 = self.modulation(temb)[3:]
+    def _text(self, r: Residual, h: torch.Tensor, context, mod, attn) -> Residual:
+        shift2, scale2, gate2 = mod[3:]
         x = r.x + self.attn2(h, context, attn)
         h = (fp32_layer_norm(x, self.norm3) * (1 + scale2) + shift2).type_as(x)
         return Residual((x.float() + self.ffn(h).float() * gate2).type_as(x))
@@ -130,15 +137,15 @@ class FastWanBlock(WanBlock):
         b = b if gate is None else b * gate
         return Residual(r.x, offset=b if r.offset is None else r.offset + b)
 
-    def video_half(self, r: Residual, temb, rope, attn, meta=None) -> tuple[Residual, torch.Tensor]:
-        shift1, scale1, gate1 = self.modulation(temb)[:3]
+    def _video(self, r: Residual, mod, rope, attn, meta) -> tuple[Residual, torch.Tensor]:
+        shift1, scale1, gate1 = mod[:3]
         in_gemm = shift1.shape[:2] == (1, 1)  # one modulation vector for the batch: gates fold into weights
         r, h = self._norm(r, self.norm1, scale1, shift1)
         r = self._add(r, self.attn1.attend(h, attn, rope, meta), self.attn1.to_out[0], gate1, in_gemm)
         return self._norm(r, self.norm2, None, None)
 
-    def text_half(self, r: Residual, h: torch.Tensor, context: CrossKV, temb, attn) -> Residual:
-        shift2, scale2, gate2 = self.modulation(temb)[3:]
+    def _text(self, r: Residual, h: torch.Tensor, context: CrossKV, mod, attn) -> Residual:
+        shift2, scale2, gate2 = mod[3:]
         in_gemm = shift2.shape[:2] == (1, 1)
         out = self.attn2.to_out[0]
         if context.u is None:
