@@ -71,29 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tuned-peer", dest="tuned_peer", action="store_false",
                    help="skip the second peer (diffusers with compile_repeated_blocks and _native_cudnn)")
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
+    p.add_argument("--task", default="t2v", choices=("t2v", "i2v", "i2v-a14b"),
+                   help="the DiT's task (benchmarks.harness.TASKS): i2v-a14b reads 36 input channels (a "
+                        "Wan2.2-I2V-A14B expert), i2v also 257 CLIP image tokens (Wan2.1-I2V-14B)")
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
                         "padding)")
     return p
 
 
-def diffusers_peers(ref, args, a, res: dict) -> torch.Tensor:
+def diffusers_peers(ref, args, a, res: dict, kw: dict) -> torch.Tensor:
     """Time diffusers' model (eager, then tuned unless --no-tuned-peer) into ``res``; the eager output."""
     torch.cuda.reset_peak_memory_stats()
-    res["diffusers_ms"] = cuda_time(lambda: ref(*args, return_dict=False), warmup=1, iters=a.iters)
+    res["diffusers_ms"] = cuda_time(lambda: ref(*args, **kw, return_dict=False), warmup=1, iters=a.iters)
     res["diffusers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    want = ref(*args, return_dict=False)[0].float()
+    want = ref(*args, **kw, return_dict=False)[0].float()
     log(f"diffusers 14B forward: {res['diffusers_ms']:.0f} ms, peak {res['diffusers_peak_gib']:.1f} GiB")
     if a.tuned_peer:  # the second peer, on the same module and weights: diffusers tuned
         tune_diffusers(ref)
         t0 = time.perf_counter()
-        ref(*args, return_dict=False)
+        ref(*args, **kw, return_dict=False)
         torch.cuda.synchronize()
         res["diffusers_tuned_first_call_s"] = time.perf_counter() - t0
         torch.cuda.reset_peak_memory_stats()
-        res["diffusers_tuned_ms"] = cuda_time(lambda: ref(*args, return_dict=False), warmup=0, iters=a.iters)
+        res["diffusers_tuned_ms"] = cuda_time(lambda: ref(*args, **kw, return_dict=False), warmup=0, iters=a.iters)
         res["diffusers_tuned_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        got = ref(*args, return_dict=False)[0].float()
+        got = ref(*args, **kw, return_dict=False)[0].float()
         res["diffusers_tuned_rel_err_vs_eager"] = ((got - want).norm() / want.norm()).item()
         log(f"diffusers tuned 14B forward: {res['diffusers_tuned_ms']:.0f} ms, "
             f"peak {res['diffusers_tuned_peak_gib']:.1f} GiB")
@@ -117,20 +120,26 @@ def main(argv=None) -> int:
 
     with torch.device("cuda"):
         torch.manual_seed(0)
-        ref = WanTransformer3DModel(**dit_kwargs("14b")).to(torch.bfloat16).eval()
+        ref = WanTransformer3DModel(**dit_kwargs("14b", a.task)).to(torch.bfloat16).eval()
     for name, prm in ref.named_parameters():  # the modules diffusers keeps in fp32
         if keep_in_fp32(name):
             prm.data = prm.data.float()
     res = {"versions": versions(), "command": " ".join(["python -m benchmarks.forward_14b"] + sys.argv[1:]),
-           "tokens": 21 * 45 * 80, "prompt_tokens": a.prompt_tokens}
-    args = forward_inputs(1, h=720, w=1280, prompt_tokens=a.prompt_tokens)
-    want = diffusers_peers(ref, args, a, res)
+           "tokens": 21 * 45 * 80, "prompt_tokens": a.prompt_tokens, "task": a.task}
+    args = forward_inputs(1, in_ch=ref.config.in_channels, h=720, w=1280, prompt_tokens=a.prompt_tokens)
+    image = None
+    if ref.config.image_dim is not None:  # CLIP's penultimate states of one image: 257 tokens
+        g = torch.Generator("cuda").manual_seed(1)
+        image = torch.randn(1, 257, ref.config.image_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    peer_kw = {} if image is None else {"encoder_hidden_states_image": image}
+    ours_kw = {} if image is None else {"image": image}
+    want = diffusers_peers(ref, args, a, res, peer_kw)
 
     raise_recompile_limit()
     state = ref.state_dict()
     ref = None
     torch.cuda.empty_cache()
-    cfg = wan_config("14b")
+    cfg = wan_config("14b", a.task)
     models = {}
     for label, (conf, overrides) in variants.items():
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
@@ -138,7 +147,7 @@ def main(argv=None) -> int:
         if a.compile:
             model.compile_blocks(fullgraph=True)
         t0 = time.perf_counter()
-        got = model(*args).float()
+        got = model(*args, **ours_kw).float()
         torch.cuda.synchronize()
         key = f"{label}: {att.describe('cuda')}{', compiled' if a.compile else ''}"
         e = res.setdefault("fastwan", {})[label] = {"setup": key, "overrides": overrides,
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
     torch.cuda.reset_peak_memory_stats()
     for r in range(a.rounds):  # interleaved, so clock/thermal drift hits every variant alike
         for label, model in models.items():
-            times[label].append(cuda_time(lambda m=model: m(*args), warmup=0, iters=a.iters))
+            times[label].append(cuda_time(lambda m=model: m(*args, **ours_kw), warmup=0, iters=a.iters))
         log(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in times.items()))
     res["fastwan_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for label, model in models.items():
@@ -163,7 +172,7 @@ def main(argv=None) -> int:
         if a.tuned_peer:
             e["speedup_vs_tuned"] = res["diffusers_tuned_ms"] / e["ms"]
         if a.profile:
-            e["kernel_ms"] = kernel_groups(lambda m=model: m(*args))
+            e["kernel_ms"] = kernel_groups(lambda m=model: m(*args, **ours_kw))
     print(f"\ndiffusers: {res['diffusers_ms']:.0f} ms (peak {res['diffusers_peak_gib']:.1f} GiB)")
     if a.tuned_peer:
         print(f"diffusers tuned: {res['diffusers_tuned_ms']:.0f} ms (peak {res['diffusers_tuned_peak_gib']:.1f} GiB)")

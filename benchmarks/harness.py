@@ -128,20 +128,33 @@ def forward_inputs(batch: int, in_ch: int = 16, h: int = H, w: int = W, f: int =
     return x, t, text
 
 
-def dit_kwargs(size: str) -> dict:
-    """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size ("1.3b" or "14b")."""
-    return {**DIT_COMMON, **DIT_SIZES[size][0]}
+def dit_kwargs(size: str, task: str = "t2v") -> dict:
+    """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size ("1.3b" or "14b") and task (:data:`TASKS`)."""
+    return {**DIT_COMMON, **DIT_SIZES[size][0], **TASKS[task][0]}
 
 
-def wan_config(size: str):
-    """fastwan's :class:`~fastwan.models.WanConfig` of a Wan2.1 size."""
+def wan_config(size: str, task: str = "t2v"):
+    """fastwan's :class:`~fastwan.models.WanConfig` of a Wan2.1 size and task."""
     from fastwan.models import WanConfig
 
-    return WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **dit_kwargs(size)})
+    return WanConfig.from_dict({"_class_name": "WanTransformer3DModel", **dit_kwargs(size, task)})
 
 
-def make_checkpoint(root: Path, size: str) -> None:
-    """Random weights at the real shapes, saved as a Diffusers-format folder (bf16 DiT/UMT5, fp32 VAE)."""
+TASKS = MappingProxyType({  # checkpoint task -> (DiT kwargs beyond the size's, scheduler shift, A14B boundary)
+    "t2v": (MappingProxyType({}), 3.0, None),
+    "i2v": (MappingProxyType(dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120)), 3.0, None),  # 2.1 I2V
+    "i2v-a14b": (MappingProxyType(dict(in_channels=36)), 5.0, 0.9),  # Wan2.2-I2V-A14B's two experts
+})
+CLIP_VIT_H = MappingProxyType(dict(  # the Wan2.1 I2V image encoder's shape (ViT-H/14, 257 tokens of 1280)
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, image_size=224,
+    patch_size=14, projection_dim=1024, hidden_act="gelu"))
+
+
+def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.device | str = "cuda") -> None:
+    """Random weights at the real shapes of a Wan2.1 ``size`` and ``task`` (:data:`TASKS`), saved as a
+    Diffusers-format folder: bf16 DiT and UMT5-XXL, fp32 VAE; "i2v" adds a ViT-H CLIP vision encoder (fp32) and
+    its image processor; "i2v-a14b" links ``transformer_2`` to ``transformer`` (the experts load as separate
+    tensors, so time and memory are those of two experts)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -151,10 +164,11 @@ def make_checkpoint(root: Path, size: str) -> None:
     if (root / "model_index.json").exists():
         log(f"checkpoint exists at {root}")
         return
+    _, shift, boundary = TASKS[task]
     t0 = time.time()
-    with torch.device("cuda"):
+    with torch.device(device):
         torch.manual_seed(0)
-        m = WanTransformer3DModel(**dit_kwargs(size)).to(torch.bfloat16)
+        m = WanTransformer3DModel(**dit_kwargs(size, task)).to(torch.bfloat16)
         m.save_pretrained(root / "transformer", safe_serialization=True, max_shard_size="10GB")
         del m
         cfg = UMT5Config(vocab_size=256384, d_model=TEXT_DIM, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
@@ -165,17 +179,32 @@ def make_checkpoint(root: Path, size: str) -> None:
         te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
         del te
         AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
-    torch.cuda.empty_cache()
+        if task == "i2v":
+            from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+            CLIPVisionModel(CLIPVisionConfig(**CLIP_VIT_H)).save_pretrained(root / "image_encoder",
+                                                                            safe_serialization=True)
+            CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                               resample=3).save_pretrained(root / "image_processor")
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    if boundary is not None:
+        (root / "transformer_2").symlink_to("transformer", target_is_directory=True)
     _tokenizer().save_pretrained(root / "tokenizer")
-    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
                             num_train_timesteps=1000).save_pretrained(root / "scheduler")
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "WanPipeline", "_diffusers_version": "0.35.0",
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None,
-        "expand_timesteps": False}))
-    log(f"made random {size} checkpoint in {time.time() - t0:.1f}s")
+    dit = ["diffusers", "WanTransformer3DModel"]
+    index = {"_class_name": "WanPipeline" if task == "t2v" else "WanImageToVideoPipeline",
+             "_diffusers_version": "0.35.0", "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+             "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
+             "transformer": dit, "transformer_2": dit if boundary is not None else [None, None],
+             "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": boundary, "expand_timesteps": False}
+    if task != "t2v":
+        clip = task == "i2v"
+        index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
+    (root / "model_index.json").write_text(json.dumps(index))
+    log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
 
 
 # ---- DiT variants ------------------------------------------------------------------------------------------

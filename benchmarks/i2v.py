@@ -1,0 +1,252 @@
+"""Image-to-video benchmark: fastwan vs diffusers' WanImageToVideoPipeline on the same random weights (GPU).
+
+Jobs (--job): ``i2v-14b`` Wan2.1-I2V-14B, 480x832, 81 frames, 40 steps, CFG 5 (CLIP image tokens, 36 input
+channels); ``i2v-a14b`` Wan2.2-I2V-A14B, 720x1280, 81 frames, 40 steps, guidance 3.5/3.5 (two experts, no CLIP).
+Phases (each appends to the JSON given by --out, so they can run in separate processes):
+  make             write a random checkpoint of the job at the real shapes to --ckpt (A14B: transformer_2 is a link
+                   to transformer; the two experts load as separate tensors, so time and memory are the real ones)
+  diffusers        WanImageToVideoPipeline end to end (bf16 DiT, fp32 CLIP and VAE as diffusers' examples load
+                   them), per-step times from its step callback, frames saved for the comparison
+  diffusers_tuned  the same with compile_repeated_blocks(fullgraph=True) and the _native_cudnn attention backend
+  fastwan          VideoGenerator end to end with --steps (fewer steps measure the whole job's peak memory, as the
+                   peak does not depend on the count once both experts have run), frames compared with diffusers'
+Random weights have the FLOPs and kernels of the real model; video quality is not measured here.
+
+  python -m benchmarks.i2v --job i2v-14b --phase make,diffusers,diffusers_tuned,fastwan --ckpt /tmp/i2v14b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.harness import NEG, PEERS, PROMPT, compare, log, make_checkpoint, tune_diffusers, versions
+
+JOBS = {  # job -> (checkpoint task, height, width, frames, steps, guidance, guidance_2)
+    "i2v-14b": ("i2v", 480, 832, 81, 40, 5.0, None),
+    "i2v-a14b": ("i2v-a14b", 720, 1280, 81, 40, 3.5, 3.5),
+}
+PHASES = ("make", "diffusers", "diffusers_tuned", "fastwan")
+
+
+def bench_image(height: int, width: int) -> np.ndarray:
+    """A deterministic uint8 RGB image [height, width, 3]: colour gradients with a checker pattern (edges and
+    smooth areas, like a photo's content for the encoders' purposes)."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    checker = ((y // 32 + x // 32) % 2) * 40.0
+    r = 255 * x / max(width - 1, 1)
+    g = 255 * y / max(height - 1, 1)
+    b = 127 + 100 * np.sin(x / 37.0) * np.cos(y / 23.0)
+    return np.clip(np.stack([r, g, b], -1) * 0.8 + checker[..., None], 0, 255).astype(np.uint8)
+
+
+def frames_path(out: Path, job: str) -> Path:
+    return out.with_name(f"{out.stem}_{job}_diffusers_frames.npy")
+
+
+class StepClock:
+    """diffusers' ``callback_on_step_end``: the host time at the end of every step (after a device sync)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.marks = device, []
+
+    def __call__(self, pipe, i, t, kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append(time.perf_counter())
+        return {}
+
+    def step_seconds(self) -> list[float]:
+        """Seconds of steps 2..N (the first step's start is not marked)."""
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def diffusers_i2v(root: Path, tuned: bool, device: torch.device):
+    """diffusers' WanImageToVideoPipeline from ``root``: bf16 DiT, fp32 VAE and CLIP (diffusers' examples)."""
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+
+    extra = {"vae": AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=torch.float32)}
+    if (root / "image_encoder").is_dir():
+        from transformers import CLIPVisionModel
+
+        extra["image_encoder"] = CLIPVisionModel.from_pretrained(root / "image_encoder", torch_dtype=torch.float32)
+    pipe = WanImageToVideoPipeline.from_pretrained(root, torch_dtype=torch.bfloat16, **extra).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    if tuned:
+        for t in (pipe.transformer, pipe.transformer_2):
+            if t is not None:
+                tune_diffusers(t)
+    return pipe
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device, compiled: bool) -> None:
+    """Free a finished phase's models: compiled code keeps its module (and weights) alive until dynamo resets."""
+    if compiled:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _peak(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: int, res: dict, out: Path,
+                    tuned: bool, device: torch.device) -> None:
+    """diffusers end to end: one untimed warm-up (2 steps when tuned, to compile), one timed run."""
+    from PIL import Image
+
+    h, w, f = video
+    gs, gs2 = JOBS[job][5:]
+    pipe = diffusers_i2v(root, tuned, device)
+    image = Image.fromarray(bench_image(h, w))
+    kw = dict(image=image, prompt=PROMPT, negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs)
+    if gs2 is not None:
+        kw["guidance_scale_2"] = gs2
+    t0 = time.perf_counter()
+    pipe(**kw, num_inference_steps=2 if tuned else 1, output_type="latent")
+    warmup = time.perf_counter() - t0
+    clock = StepClock(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out_np = pipe(**kw, num_inference_steps=steps, generator=torch.Generator(device).manual_seed(0),
+                  output_type="np", callback_on_step_end=clock).frames[0]
+    _sync(device)
+    e2e = time.perf_counter() - t0
+    frames = (out_np * 255).round().astype(np.uint8)
+    per_step = clock.step_seconds()
+    key = f"{job}:diffusers_tuned" if tuned else f"{job}:diffusers"
+    res[key] = {"seconds": e2e, "steps": steps, "warmup_s": warmup, "peak_gib": _peak(device),
+                "s_per_step_median": statistics.median(per_step) if per_step else None,
+                "s_per_step_spread": [min(per_step), max(per_step)] if per_step else None,
+                "setup": PEERS["diffusers_tuned" if tuned else "diffusers"] + ", fp32 CLIP"}
+    if tuned:
+        res[key]["vs_diffusers"] = compare(frames, frames_path(out, job))
+    else:
+        np.save(frames_path(out, job), frames)
+    log(f"{key}: {e2e:.2f} s, {res[key]['s_per_step_median']} s/step, peak {res[key]['peak_gib']} GiB")
+    del pipe
+    _release(device, tuned)
+
+
+def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int, res: dict, out: Path,
+                  compile_: bool, cfg_mode: str, device: torch.device) -> None:
+    """fastwan end to end: one untimed 2-step warm-up (compilation, kernel JIT), one timed run."""
+    from fastwan import VideoGenerator
+
+    h, w, f = video
+    gs, gs2 = JOBS[job][5:]
+    gen = VideoGenerator.from_pretrained(root, device=device, dtype=torch.bfloat16, cfg_mode=cfg_mode,
+                                         enable_torch_compile=compile_)
+    kw = dict(image=bench_image(h, w), negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs,
+              guidance_scale_2=gs2, seed=0, save_video=False)
+    t0 = time.perf_counter()
+    gen.generate_video(PROMPT, **kw, num_inference_steps=2)
+    warmup = time.perf_counter() - t0
+    _sync(device)
+    t0 = time.perf_counter()
+    r = gen.generate_video(PROMPT, **kw, num_inference_steps=steps)
+    _sync(device)
+    e2e = time.perf_counter() - t0
+    key = f"{job}:fastwan[{cfg_mode}{',compiled' if compile_ else ''},{steps} steps]"
+    res[key] = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps,
+                "timings": r.timings, "warmup_s": warmup, "attention": r.attention_backend,
+                "peak_gib": None if r.peak_memory is None else r.peak_memory / 2**30,
+                "experts": expert_steps(gen, steps), "vs_diffusers": compare(r.frames, frames_path(out, job))}
+    log(f"{key}: {e2e:.2f} s ({res[key]['s_per_step']:.3f} s/step), peak {res[key]['peak_gib']} GiB, "
+        f"vs diffusers {res[key]['vs_diffusers']}")
+    del gen
+    _release(device, compile_)
+
+
+def expert_steps(gen, steps: int) -> list[int]:
+    """How many of ``steps`` steps each expert runs (one entry without a boundary)."""
+    sched = type(gen.scheduler).from_config(gen.scheduler.config)
+    sched.set_timesteps(steps)
+    ratio = gen.checkpoint.boundary_ratio
+    if ratio is None:
+        return [steps]
+    high = sum(1 for t in sched.timesteps.tolist() if t >= ratio * sched.config.num_train_timesteps)
+    return [high, steps - high]
+
+
+def summary(res: dict, job: str) -> None:
+    """This job's figures: each fastwan run against both diffusers peers (e2e and s/step)."""
+    peers = {p: res[f"{job}:{p}"] for p in ("diffusers", "diffusers_tuned") if f"{job}:{p}" in res}
+    log(f"\n| {job} | e2e s | s/step | peak GiB | " + " | ".join(f"vs {p} (e2e, step)" for p in peers) + " |")
+    for name, p in peers.items():
+        log(f"| {name} | {p['seconds']:.2f} | {p['s_per_step_median']:.3f} | {p['peak_gib']} | |")
+    for k, v in res.items():
+        if k.startswith(f"{job}:fastwan[") and isinstance(v, dict):
+            ratios = [f"{p['seconds'] / v['seconds']:.3f}x, {p['s_per_step_median'] / v['s_per_step']:.3f}x"
+                      for p in peers.values() if p["steps"] == v["steps"]]
+            log(f"| {k} | {v['seconds']:.2f} | {v['s_per_step']:.3f} | {v['peak_gib']} | " + " | ".join(ratios)
+                + " |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.i2v", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--job", default="i2v-14b", choices=tuple(JOBS))
+    p.add_argument("--phase", default="make,diffusers,diffusers_tuned,fastwan", help="comma-separated, in order")
+    p.add_argument("--ckpt", default="/tmp/wan-i2v-random")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the job's)")
+    p.add_argument("--cfg-mode", default="auto", choices=("auto", "batched", "sequential"))
+    p.add_argument("--compile", action="store_true", help="fastwan: enable_torch_compile")
+    p.add_argument("--video", default=None, metavar="HxWxF", help="height x width x frames (default: the job's)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="i2v.json")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    phases = a.phase.split(",")
+    unknown = [ph for ph in phases if ph not in PHASES]
+    if unknown:
+        p.error(f"unknown phase(s) {', '.join(unknown)}; use {', '.join(PHASES)}")
+    steps = a.steps if a.steps is not None else JOBS[a.job][4]
+    if steps < 2:
+        p.error(f"--steps {steps}: must be at least 2 (the per-step times need two step ends)")
+    video = JOBS[a.job][1:4]
+    if a.video is not None:
+        try:
+            video = tuple(int(v) for v in a.video.lower().split("x"))
+            if len(video) != 3 or min(video) <= 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--video {a.video!r}: use HEIGHTxWIDTHxFRAMES, e.g. 480x832x81")
+    root, out, device = Path(a.ckpt), Path(a.out), torch.device(a.device)
+    res = json.loads(out.read_text()) if out.exists() else {}
+    if device.type == "cuda":
+        res.setdefault("versions", versions())
+    res.setdefault("commands", []).append(" ".join(["python -m benchmarks.i2v"] + sys.argv[1:]))
+    for ph in phases:
+        if ph == "make":
+            make_checkpoint(root, "14b", task=JOBS[a.job][0], device=device)
+        elif ph in ("diffusers", "diffusers_tuned"):
+            phase_diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
+        else:
+            phase_fastwan(root, a.job, video, steps, res, out, a.compile, a.cfg_mode, device)
+        out.write_text(json.dumps(res, indent=1))
+    summary(res, a.job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
