@@ -46,8 +46,21 @@ def bench_image(height: int, width: int) -> np.ndarray:
     return np.clip(np.stack([r, g, b], -1) * 0.8 + checker[..., None], 0, 255).astype(np.uint8)
 
 
-def frames_path(out: Path, job: str) -> Path:
-    return out.with_name(f"{out.stem}_{job}_diffusers_frames.npy")
+def frames_path(out: Path, key: str) -> Path:
+    """Where the run ``key`` (e.g. "i2v-14b:diffusers") keeps its frames, next to the results JSON."""
+    slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+    return out.with_name(f"{out.stem}_{slug}_frames.npy")
+
+
+def compare_runs(res: dict, out: Path, job: str) -> None:
+    """Every run of ``job`` against diffusers eager's frames, once both are saved (the phases may run in any order
+    and in separate processes)."""
+    ref = frames_path(out, f"{job}:diffusers")
+    for key, entry in res.items():
+        if key.startswith(f"{job}:") and key != f"{job}:diffusers" and entry.get("vs_diffusers") is None:
+            mine = frames_path(out, key)
+            if mine.exists():
+                entry["vs_diffusers"] = compare(np.load(mine), ref)
 
 
 class StepClock:
@@ -133,10 +146,7 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
                 "s_per_step_median": statistics.median(per_step) if per_step else None,
                 "s_per_step_spread": [min(per_step), max(per_step)] if per_step else None,
                 "setup": PEERS["diffusers_tuned" if tuned else "diffusers"] + ", fp32 CLIP"}
-    if tuned:
-        res[key]["vs_diffusers"] = compare(frames, frames_path(out, job))
-    else:
-        np.save(frames_path(out, job), frames)
+    np.save(frames_path(out, key), frames)
     log(f"{key}: {e2e:.2f} s, {res[key]['s_per_step_median']} s/step, peak {res[key]['peak_gib']} GiB")
     del pipe
     _release(device, tuned)
@@ -165,9 +175,10 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
     res[key] = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps,
                 "timings": r.timings, "warmup_s": warmup, "attention": r.attention_backend,
                 "peak_gib": None if r.peak_memory is None else r.peak_memory / 2**30,
-                "experts": expert_steps(gen, steps), "vs_diffusers": compare(r.frames, frames_path(out, job))}
+                "experts": expert_steps(gen, steps)}
+    np.save(frames_path(out, key), r.frames)
     log(f"{key}: {e2e:.2f} s ({res[key]['s_per_step']:.3f} s/step), peak {res[key]['peak_gib']} GiB, "
-        f"vs diffusers {res[key]['vs_diffusers']}")
+        f"timings {r.timings}")
     del gen
     _release(device, compile_)
 
@@ -195,6 +206,9 @@ def summary(res: dict, job: str) -> None:
                       for p in peers.values() if p["steps"] == v["steps"]]
             log(f"| {k} | {v['seconds']:.2f} | {v['s_per_step']:.3f} | {v['peak_gib']} | " + " | ".join(ratios)
                 + " |")
+    for k, v in res.items():
+        if k.startswith(f"{job}:") and v.get("vs_diffusers"):
+            log(f"{k} vs diffusers eager: " + ", ".join(f"{m} {x:.4g}" for m, x in v["vs_diffusers"].items()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +257,7 @@ def main(argv=None) -> int:
             phase_diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
         else:
             phase_fastwan(root, a.job, video, steps, res, out, a.compile, a.cfg_mode, device)
+        compare_runs(res, out, a.job)
         out.write_text(json.dumps(res, indent=1))
     summary(res, a.job)
     return 0
