@@ -1,4 +1,4 @@
-"""Wan 14B DiT forward at 720p x 81 frames (75,600 tokens), batch 1: diffusers vs fastwan on the same weights.
+"""Wan 14B DiT forward (default 720p x 81 frames, 75,600 tokens, batch 1): diffusers vs fastwan on the same weights.
 
 Random weights at the real 14B shapes are created once on the GPU (diffusers module); every fastwan variant is
 built on the meta device and assigned the very same tensors (no copy), so all run identical weights. A variant
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tuned-peer", dest="tuned_peer", action="store_false",
                    help="skip the second peer (diffusers with compile_repeated_blocks and _native_cudnn)")
     p.add_argument("--profile", action="store_true", help="also a kernel-time breakdown per variant")
+    p.add_argument("--video", default="720x1280x81", metavar="HxWxF", help="height x width x frames")
+    p.add_argument("--batch", type=int, default=1, help="samples per forward (2: a batched CFG pass)")
     p.add_argument("--task", default="t2v", choices=("t2v", "i2v", "i2v-a14b"),
                    help="the DiT's task (benchmarks.harness.TASKS): i2v-a14b reads 36 input channels (a "
                         "Wan2.2-I2V-A14B expert), i2v also 257 CLIP image tokens (Wan2.1-I2V-14B)")
@@ -78,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
                         "padding)")
     return p
+
+
+def parse_video(text: str) -> tuple[int, int, int]:
+    """'480x832x81' -> (480, 832, 81); ValueError unless three positive ints with H and W multiples of 16 and
+    F = 4k + 1."""
+    try:
+        h, w, f = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--video {text!r}: use HEIGHTxWIDTHxFRAMES, e.g. 480x832x81") from None
+    if min(h, w, f) <= 0 or h % 16 or w % 16 or (f - 1) % 4:
+        raise ValueError(f"--video {text!r}: height and width must be positive multiples of 16 and frames 4k + 1")
+    return h, w, f
 
 
 def diffusers_peers(ref, args, a, res: dict, kw: dict) -> torch.Tensor:
@@ -110,6 +124,9 @@ def main(argv=None) -> int:
     try:
         if not 0 <= a.prompt_tokens <= 512:
             raise ValueError(f"--prompt-tokens {a.prompt_tokens}: must be 0..512")
+        h, w, f = parse_video(a.video)
+        if a.batch < 1:
+            raise ValueError(f"--batch {a.batch}: must be at least 1")
         variants = {label: parse_variant(label, a.backend) for label in a.variants.split(",")}
     except ValueError as exc:
         p.error(str(exc))
@@ -125,12 +142,13 @@ def main(argv=None) -> int:
         if keep_in_fp32(name):
             prm.data = prm.data.float()
     res = {"versions": versions(), "command": " ".join(["python -m benchmarks.forward_14b"] + sys.argv[1:]),
-           "tokens": 21 * 45 * 80, "prompt_tokens": a.prompt_tokens, "task": a.task}
-    args = forward_inputs(1, in_ch=ref.config.in_channels, h=720, w=1280, prompt_tokens=a.prompt_tokens)
+           "tokens": ((f - 1) // 4 + 1) * (h // 16) * (w // 16), "video": [h, w, f], "batch": a.batch,
+           "prompt_tokens": a.prompt_tokens, "task": a.task}
+    args = forward_inputs(a.batch, in_ch=ref.config.in_channels, h=h, w=w, f=f, prompt_tokens=a.prompt_tokens)
     image = None
     if ref.config.image_dim is not None:  # CLIP's penultimate states of one image: 257 tokens
         g = torch.Generator("cuda").manual_seed(1)
-        image = torch.randn(1, 257, ref.config.image_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        image = torch.randn(a.batch, 257, ref.config.image_dim, device="cuda", generator=g, dtype=torch.bfloat16)
     peer_kw = {} if image is None else {"encoder_hidden_states_image": image}
     ours_kw = {} if image is None else {"image": image}
     want = diffusers_peers(ref, args, a, res, peer_kw)
