@@ -157,6 +157,31 @@ def test_prompt_cache_follows_texts_and_weights(tiny_ckpts):
         assert fresh is not again and not torch.equal(fresh[0].k, again[0].k)
 
 
+def test_prompt_cache_lets_go_with_its_texts(tiny_ckpts):
+    """An entry is dropped as soon as one of its text tensors is freed (nothing is held through the VAE decode or
+    between requests), and only that entry: a later tensor that reuses a freed tensor's id starts a new one."""
+    import gc
+    import weakref
+
+    fast = build(tiny_ckpts["wan2.1"], FAST)
+    a, b, c = (text(fast, 1, [n], seed=n) for n in (3, 4, 5))
+    with torch.no_grad():
+        kv_a = weakref.ref(fast._contexts((a,))[0].k)
+        fast._contexts((b, c))
+        assert len(fast.prompts) == 2
+        del a
+        assert len(fast.prompts) == 1 and kv_a() is None  # freed at once, no gc pass needed
+        del c
+        assert len(fast.prompts) == 0
+        for _ in range(3):  # fresh tensors (ids may repeat): each one's entry lives exactly as long as it does
+            d = text(fast, 1, [4], seed=7)
+            kvs = fast._contexts((d, b))
+            assert fast._contexts((d, b)) is kvs and len(fast.prompts) == 1
+            del d, kvs
+            gc.collect()
+            assert len(fast.prompts) == 0
+
+
 def test_fast_block_compiles_in_place_and_once_per_prompt_width(tiny_ckpts):
     """Inductor (CPU) compiles the fast blocks with fullgraph=True, keeps the GEMM's update of x in place, and does
     not recompile for a prompt of another fold width (the width dim is dynamic)."""

@@ -8,7 +8,9 @@ all padding rows give one key and one value: the cross-attention over them equal
 K = heads x width instead of P @ V and the [S, C] x [C, C] projection.
 
 :class:`PromptCache` holds those tensors per tuple of text tensors (objects and versions) and the weights they
-came from (storage and version), so a denoising loop computes them at its first step only.
+came from (storage and version), so a denoising loop computes them at its first step only. An entry lives only as
+long as its text tensors: it is dropped when one of them is freed (a weakref callback), so nothing is held after a
+request, e.g. during its VAE decode or between requests.
 """
 from __future__ import annotations
 
@@ -138,5 +140,24 @@ class PromptCache:
         if cache:
             live = {k: v for k, v in self._kvs.items() if all(r() is not None for r in v[0]) and k != ident}
             self._kvs = dict(list(live.items())[-(KEEP_PROMPTS - 1):])
-            self._kvs[ident] = (tuple(weakref.ref(t) for t in inputs), tuple(t._version for t in inputs), sig, kvs)
+            drop = _dropper(self, ident)
+            self._kvs[ident] = (tuple(weakref.ref(t, drop) for t in inputs), tuple(t._version for t in inputs), sig,
+                                kvs)
         return kvs
+
+    def __len__(self) -> int:
+        """Entries held (prompt tuples with their keys and values)."""
+        return len(self._kvs)
+
+
+def _dropper(cache: PromptCache, ident: tuple):
+    """A weakref callback that removes ``cache``'s entry ``ident`` when one of its inputs is freed (only the entry
+    that holds the dying reference: an id can be reused by a later tensor once its object is gone)."""
+    cache_ref = weakref.ref(cache)
+
+    def drop(dead: weakref.ref) -> None:
+        c = cache_ref()
+        entry = None if c is None else c._kvs.get(ident)
+        if entry is not None and any(r is dead for r in entry[0]):
+            del c._kvs[ident]
+    return drop
