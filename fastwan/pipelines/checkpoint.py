@@ -34,11 +34,14 @@ class Preset:
 
 # Image-to-video presets follow the Wan repos' generate.py: I2V 40 steps, FLF2V 50, guidance 5.0 (Wan2.1) and
 # 3.5 / 3.5 (Wan2.2 A14B); height x width is the pixel area, the image's aspect ratio decides the sides.
+# Wan2.1-I2V-14B-480P and -720P have identical configs: a checkpoint whose name (Hub id or folder path) says
+# 720P gets the 720P area, any other the 480P one.
 PRESETS = {
     "wan2.1": Preset(480, 832, 81, 50, 5.0, None, 16),
     "wan2.2-a14b": Preset(720, 1280, 81, 40, 4.0, 3.0, 16),
     "wan2.2-ti2v": Preset(704, 1280, 121, 50, 5.0, None, 24),
     "wan2.1-i2v": Preset(480, 832, 81, 40, 5.0, None, 16),
+    "wan2.1-i2v-720p": Preset(720, 1280, 81, 40, 5.0, None, 16),
     "wan2.1-flf2v": Preset(720, 1280, 81, 50, 5.0, None, 16),
     "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
 }
@@ -74,7 +77,7 @@ _COMPONENT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")
 @dataclass(frozen=True)
 class Checkpoint:
     root: Path
-    variant: str  # one of PRESETS
+    variant: str  # a key of TINY_PRESETS (the model kinds)
     preset: Preset
     index: dict
     transformer_config: WanConfig
@@ -338,7 +341,11 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         variant = "wan2.2-i2v-a14b" if two else ("wan2.1-flf2v" if configs[0].pos_embed_seq_len else "wan2.1-i2v")
     else:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
-    preset = (TINY_PRESETS if tiny_variant else PRESETS)[variant]
+    if tiny_variant:
+        preset = TINY_PRESETS[variant]
+    else:
+        named_720p = variant == "wan2.1-i2v" and "720p" in f"{name} {root}".lower()
+        preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder)
 

@@ -139,3 +139,28 @@ def test_ti2v_image_mode_matches_diffusers(tiny_ckpts):
     assert np.abs(text_only.frames.astype(int) - res.frames.astype(int)).max() > 8  # the image really conditions
     with pytest.raises(InvalidArgument, match="TI2V-5B: its image mode fixes the first frame only"):
         gen.generate_video("a fox", image=frames(0), last_image=frames(1), save_video=False, **kw)
+
+
+def test_wan21_i2v_area_follows_the_checkpoint_name(tmp_path, monkeypatch):
+    """Wan2.1-I2V-14B-480P and -720P share one config: the name (folder or Hub id) picks the preset's area, and
+    the default size follows it with the image's aspect ratio."""
+    from huggingface_hub import constants
+
+    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.tiny import write_hub_cache
+
+    src = write_tiny_checkpoint(tmp_path / "src", "wan2.1-i2v")
+    for name, area in [("Wan2.1-I2V-14B-720P-Diffusers", 720 * 1280), ("Wan2.1-I2V-14B-480P-Diffusers", 480 * 832),
+                       ("my-i2v", 480 * 832)]:
+        folder = tmp_path / name
+        folder.symlink_to(src, target_is_directory=True)
+        preset = resolve(folder).preset
+        assert (preset.height * preset.width, preset.num_inference_steps) == (area, 40), name
+    cache = tmp_path / "hub"
+    write_hub_cache(src, cache, "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers").preset.height == 720
+    flf = write_tiny_checkpoint(tmp_path / "Wan2.1-FLF2V-14B-720P-Diffusers", "wan2.1-flf2v")
+    assert resolve(flf).preset.height == 720  # FLF2V is a 720P model whatever its name
