@@ -25,6 +25,7 @@ import torch
 
 from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
+from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models import load_transformer
 from fastwan.options import DiTOptions
@@ -53,6 +54,8 @@ class GenerationResult:
     peak_memory: int | None  # bytes (CUDA max allocated), None on CPU
     num_transformer_forwards: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
+    # the step cache's report: {"type", "computed": {"cond": [steps], "uncond": [...]}[, "calibration"]}, or None
+    cache: dict[str, Any] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -65,8 +68,9 @@ class VideoGenerator:
 
     def __init__(self, ckpt: Checkpoint, *, device, dtype, vae_dtype, attention, transformers, text_encoder,
                  tokenizer, vae, scheduler, cfg_gate_step, cfg_mode, vae_chunk_frames="auto", image_encoder=None,
-                 image_processor=None):
+                 image_processor=None, cache=None):
         self.checkpoint = ckpt
+        self.cache = cache  # the default step cache of generate_video (a fastwan.cache config, or None)
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
         self.attention: AttentionDispatch = attention
         self.transformers = transformers  # one or two experts (high noise first)
@@ -98,6 +102,7 @@ class VideoGenerator:
         dit_options: DiTOptions | None = None,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
+        cache: CacheConfig | str | None = None,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -124,6 +129,10 @@ class VideoGenerator:
         VAE's spatial factor, stride <= tile). On CUDA the VAE's 3-D conv weights are stored channels-last
         (measured: decode -9%, decode memory -10%), and the VAE's causal convolutions, bias adds and upsampling
         run with fewer full-tensor copies, the same math (:mod:`fastwan.vae.convs`; 480p decode -27%).
+
+        ``cache``: the default step cache of :meth:`generate_video` (:mod:`fastwan.cache`: ``FirstBlockCache``,
+        ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
+        or a threshold of 0: none). Under a cache each CFG pass runs its own forward and keeps its own state.
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -161,6 +170,9 @@ class VideoGenerator:
             raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = _attention_config(attention_config)
         ckpt = resolve(model, allow_pickle=allow_pickle)
+        cache = check_cache(cache)
+        resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
+                             ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         check_chunk(vae_chunk_frames)
         head_dim = ckpt.transformer_config.attention_head_dim
@@ -209,7 +221,8 @@ class VideoGenerator:
         return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                    transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
                    scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
-                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor)
+                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
+                   cache=cache)
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -251,6 +264,7 @@ class VideoGenerator:
         save_video: bool = True,
         return_frames: bool = True,
         overwrite: bool = False,
+        cache: CacheConfig | str | None = None,
     ) -> GenerationResult:
         """Make one video. ``None`` arguments take the model's preset (see ``self.preset``).
 
@@ -263,6 +277,8 @@ class VideoGenerator:
         ``image`` (and ``last_image``): for image-to-video checkpoints, the first (and last) frame: a PIL image, an
         np.uint8 H x W x 3 array or a file path (:mod:`fastwan.pipelines.image`); without height and width the
         video takes the image's aspect ratio at the preset's pixel area, and the images are resized to the size.
+        ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
+        steps each pass computed are in ``result.cache``.
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
         req = check_image_request(self.checkpoint, image, last_image)
@@ -273,6 +289,9 @@ class VideoGenerator:
                            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                            guidance_scale_2=guidance_scale_2, fps=fps)
         self._check_inputs(prompt, negative_prompt, s, seed)
+        cache = self.cache if cache is None else check_cache(cache)
+        cfg = self.checkpoint.transformer_config
+        coefficients = resolve_coefficients(cache, self.checkpoint.variant, cfg.inner_dim, s.height, s.width)
         if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
             raise InvalidArgumentType(
                 f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
@@ -281,12 +300,13 @@ class VideoGenerator:
         if negative_prompt is None:
             negative_prompt = WAN_NEGATIVE_PROMPT
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
-                    "vae_chunk_frames": self.vae_chunk_frames}
+                    "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
         if save_video:
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
 
         with self._lock:
-            frames, forwards, timings, peak = self._generate(prompt, negative_prompt, s, seed, req)
+            frames, forwards, timings, peak, report = self._generate(prompt, negative_prompt, s, seed, req,
+                                                                     (cache, coefficients))
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -298,12 +318,14 @@ class VideoGenerator:
         return GenerationResult(
             frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
             seed=seed, timings=timings, attention_backend=self.attention.describe(self.device), peak_memory=peak,
-            num_transformer_forwards=forwards, settings=settings,
+            num_transformer_forwards=forwards, settings=settings, cache=report,
         )
 
-    def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None):
+    def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
+                  cache: tuple = (None, None)):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
-        forwards, timings in seconds, peak CUDA memory in bytes or None)."""
+        forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
+        ``cache``: (step cache config or None, TeaCache coefficients or None)."""
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -317,7 +339,8 @@ class VideoGenerator:
                                   self.image_processor, dev, self.dtype)
         _sync(dev)
         t1 = time.perf_counter()
-        latents, forwards = self._denoise(emb, s, seed, do_cfg, cond)
+        run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
+        latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents)
@@ -325,12 +348,14 @@ class VideoGenerator:
         t3 = time.perf_counter()
         timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "total": t3 - t0}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-        return frames, forwards, timings, peak
+        return frames, forwards, timings, peak, None if run is None else run.report()
 
     # ---------------------------------------------------------------------------------------------------------
-    def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None) -> tuple[torch.Tensor, int]:
+    def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
+                 run: CacheRun | None = None) -> tuple[torch.Tensor, int]:
         """emb [1 or 2, L, D] (cond[, uncond]); image_inputs: (condition latents, CLIP tokens or None) of an
-        image-to-video call -> final latents [1, C, F, H, W] fp32, and the forward count."""
+        image-to-video call; run: the request's step caches -> final latents [1, C, F, H, W] fp32, and the forward
+        count."""
         from tqdm.auto import tqdm
 
         dev = self.device
@@ -364,6 +389,9 @@ class VideoGenerator:
         delta = None  # last (cond - uncond), for CFG gating
         current = None
         forwards = 0
+        def cached(expert: int, name: str) -> dict:  # a step cache decides per pass: own forward and state
+            return {} if run is None else {"cache": run.state(expert, name)}
+
         # which expert runs each step, decided on the host once (no device sync inside the loop)
         experts = [0 if boundary is None or tv >= boundary else 1 for tv in timesteps.tolist()]
         for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
@@ -382,17 +410,20 @@ class VideoGenerator:
             if image_tokens is not None:
                 kw["image"] = image_tokens
             if do_cfg and (i < gate_at or delta is None):
-                # cond and uncond share the latents: their common start (up to block 0's cross-attention) once
-                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched, **kw)
+                if run is None:  # cond and uncond share the latents: their common start (to block 0's cross-attn) once
+                    pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched, **kw)
+                else:
+                    pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+                    neg = model(x, timestep, uncond, **kw, **cached(expert, "uncond"))
                 forwards += 2
                 delta = pos - neg
                 pred = neg + gs * delta
             elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
-                pos = model(x, timestep, cond, **kw)
+                pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
                 forwards += 1
                 pred = pos + (gs - 1.0) * delta
             else:
-                pred = model(x, timestep, cond, **kw)
+                pred = model(x, timestep, cond, **kw, **cached(expert, "cond"))
                 forwards += 1
             latents = scheduler.step(pred, t, latents, return_dict=False)[0]
         if first_frame:

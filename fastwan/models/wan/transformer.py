@@ -9,6 +9,7 @@ in the [B, S, H, D] layout.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,9 @@ from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
 from fastwan.options import DiTOptions
+
+if TYPE_CHECKING:
+    from fastwan.cache import PassCache
 
 __all__ = ["WanTransformer", "keep_in_fp32"]
 
@@ -183,22 +187,53 @@ class WanTransformer(nn.Module):
         image: torch.Tensor | None = None,
         step_index: int | None = None,
         num_steps: int | None = None,
+        cache: PassCache | None = None,
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]; image: CLIP image
-        tokens [B or 1, N, image_dim] for image-conditioned checkpoints (see :meth:`image_context`), else None
-        -> prediction [B, C_out, F, H, W] in the dtype of the model."""
+        tokens [B or 1, N, image_dim] for image-conditioned checkpoints (see :meth:`image_context`), else None;
+        cache: the step cache of this pass (:class:`fastwan.cache.PassCache`, with ``step_index``), which may skip
+        the blocks -> prediction [B, C_out, F, H, W] in the dtype of the model."""
         self._check_image(image)
         x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
-        r = self._blocks(0, Residual(x), self._contexts((text,), image=image), mod, rope, grid, layout, step_index,
-                         num_steps)
+        contexts = self._contexts((text,), image=image)
+        args = (contexts, mod, rope, grid, layout, step_index, num_steps)
+        if cache is None:
+            r = self._blocks(0, Residual(x), *args)
+        else:
+            if step_index is None:
+                raise InvalidArgument("forward(cache=...) needs step_index (the denoising step of this call).")
+            r = Residual(self._cached_blocks(cache, x, temb, args))
         return self._head(r, temb, grid, layout)
 
-    def _blocks(self, start: int, r: Residual, contexts, mod, rope, grid, layout, step_index, num_steps) -> Residual:
-        """Blocks ``start`` .. last on the stream; ``contexts``: one cross-attention input per block."""
-        for i in range(start, len(self.blocks)):
+    def _blocks(self, start: int, r: Residual, contexts, mod, rope, grid, layout, step_index, num_steps,
+                stop: int | None = None) -> Residual:
+        """Blocks ``start`` .. ``stop`` - 1 (default: the last) on the stream; ``contexts``: one cross-attention
+        input per block."""
+        for i in range(start, len(self.blocks) if stop is None else stop):
             meta = self._meta(grid, layout, i, step_index, num_steps)
             r = self.blocks[i](r, contexts[i], mod, rope, self.attention, meta)
         return r
+
+    def _cached_blocks(self, cache: PassCache, x: torch.Tensor, temb: torch.Tensor, args: tuple) -> torch.Tensor:
+        """The blocks under a step cache: x [B, S, C] (the stream entering block 0) -> the stream after the last
+        block, computed or reused as ``cache`` decides. The fast block adds into its input in place, so every
+        tensor kept for a residual is a copy."""
+        step, mod = args[5], args[1]
+        start = x.clone()
+        if cache.skip_stack(step, temb, mod):
+            return cache.reuse(start)
+        if not cache.head_decides:
+            out = settle(self._blocks(0, Residual(x), *args))
+            cache.stored(step, out - start)
+            return out
+        head = settle(self._blocks(0, Residual(x), *args, stop=1))
+        head_residual = head - start
+        if cache.skip_rest(head_residual):
+            return cache.reuse(head)
+        head_out = head.clone()
+        out = settle(self._blocks(1, Residual(head), *args))
+        cache.stored(step, out - head_out, head_residual)
+        return out
 
     def forward_cfg(
         self,
