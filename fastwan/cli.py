@@ -45,6 +45,9 @@ def _generate_parser(sub) -> None:
                    help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "
                         "where the kernels run)")
     p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
+    p.add_argument("--cache", default=None, metavar="TYPE[:KEY=VALUE,...]",
+                   help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, e.g. "
+                        "teacache:threshold=0.1 or magcache:mag_ratios=@ratios.json (see fastwan.cache)")
     p.add_argument("--cfg-mode", choices=("auto", "batched", "sequential"), default="auto",
                    help="CFG as one batch of 2, two passes, or auto (two passes for large videos on CUDA)")
     p.add_argument("--vae-tiling", action="store_true",
@@ -101,7 +104,7 @@ def _run_generate(args) -> int:
         args.model, device=device, dtype=dtype, attention_backend=args.attention_backend,
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
-        vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block),
+        vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
     )
     res = gen.generate_video(
         args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
@@ -118,6 +121,12 @@ def _run_generate(args) -> int:
         t["text_encoding"], t["denoising"], t["decoding"], t["total"]))
     if res.peak_memory is not None:
         print(f"peak GPU memory: {res.peak_memory / 2**30:.2f} GiB")
+    if res.cache is not None:
+        print(f"{res.cache['type']} computed steps: " + "; ".join(
+            f"{name} {len(steps)}/{res.settings['num_inference_steps']} {steps}"
+            for name, steps in res.cache["computed"].items()))
+    if res.cache is not None and "calibration" in res.cache:
+        print(f"magcache calibration: {res.cache['calibration']}")
     return 0
 
 
