@@ -58,6 +58,8 @@ def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
         (["--device", "nonsense"], ["device='nonsense'"]),
         (["--output", str(a_file / "clip.mp4")], [str(a_file)]),
         (["--output", str(existing)], [str(existing), "--overwrite"]),
+        (["--cache", "deepcache"], ["deepcache", "first_block"]),
+        (["--cache", "magcache:threshold=0.1"], ["mag_ratios", "calibrate"]),
     ]
     for extra, words in cases:
         capsys.readouterr()
@@ -135,7 +137,7 @@ def test_env_errors_are_reported_the_same_way(monkeypatch, capsys):
 
 
 def test_seed_and_overwrite_reach_the_generator(monkeypatch, capsys):
-    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1234, attention_backend="TORCH_SDPA", peak_memory=None,
+    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1234, attention_backend="TORCH_SDPA", peak_memory=None, cache=None,
                              timings={"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6})
     fake = fake_generator(monkeypatch, result)
     capsys.readouterr()
@@ -190,3 +192,12 @@ def test_cli_image_to_video(tmp_path, capsys):
     Image.fromarray(np.full((48, 64, 3), 200, dtype=np.uint8)).save(image)
     assert cli.main([*args, "--image", str(image)]) == 0
     assert out.is_file() and out.stat().st_size > 0
+
+
+def test_cli_cache_reports_computed_steps(tmp_path, capsys):
+    out = tmp_path / "fox.mp4"
+    args = ["generate", "--prompt", "a fox", "--model", "tiny", "--seed", "1", "--steps", "6", "--output", str(out),
+            "--cache", "skip_steps:steps=2-3"]
+    assert cli.main(args) == 0 and out.is_file()
+    lines = capsys.readouterr().out.splitlines()
+    assert "skip_steps computed steps: cond 4/6 [0, 1, 4, 5]; uncond 4/6 [0, 1, 4, 5]" in lines
