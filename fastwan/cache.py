@@ -127,12 +127,16 @@ class MagCache:
 @dataclass(frozen=True)
 class SkipSteps:
     """Skip the blocks at the listed step indices (each reuses the residual of the last computed step; step 0
-    always computes)."""
+    always computes). ``first_block``: block 0 still runs at a skipped step and the others reuse their residual
+    (the First-Block cache's mechanism on a fixed schedule)."""
     steps: tuple[int, ...] = ()
+    first_block: bool = False
     name: ClassVar[str] = "skip_steps"
     threshold: ClassVar[float] = 1.0  # never "off": the schedule decides
 
     def __post_init__(self):
+        if not isinstance(self.first_block, bool):
+            raise InvalidArgumentType(f"SkipSteps(first_block={self.first_block!r}): must be True or False.")
         if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
             raise InvalidArgumentType(f"SkipSteps(steps={self.steps!r}): must be a list of step indices.")
         steps = tuple(self.steps)
@@ -177,7 +181,7 @@ def _parse_value(name: str, field: str, text: str):
             else:
                 out.append(int(part) if field == "steps" else float(part))
         return out
-    if field in ("use_ret_steps", "calibrate"):
+    if field in ("use_ret_steps", "calibrate", "first_block"):
         if text.lower() not in ("true", "false", "1", "0"):
             raise InvalidArgument(f"--cache {name}: {field}={text!r} must be true or false.")
         return text.lower() in ("true", "1")
@@ -255,7 +259,7 @@ class PassCache:
     def __init__(self, config: CacheConfig, num_steps: int, coefficients: tuple[float, ...] | None = None):
         self.config, self.num_steps = config, num_steps
         self.coefficients = coefficients
-        self.head_decides = isinstance(config, FirstBlockCache)
+        self.head_decides = isinstance(config, FirstBlockCache) or getattr(config, "first_block", False)
         self.residual: torch.Tensor | None = None  # last computed residual (FBC: of blocks 1..; else all blocks)
         self.head_residual: torch.Tensor | None = None  # FBC: block 0's, at the last computed step
         self.previous: torch.Tensor | None = None  # TeaCache: the previous step's modulated input
@@ -295,12 +299,14 @@ class PassCache:
                 return True
             self.ratio, self.run_length, self.accumulated = 1.0, 0, 0.0
             return False
-        if isinstance(c, SkipSteps):
+        if isinstance(c, SkipSteps) and not c.first_block:
             return step in c.steps and self.residual is not None
         return False
 
-    def skip_rest(self, head_residual: torch.Tensor) -> bool:
+    def skip_rest(self, step: int, head_residual: torch.Tensor) -> bool:
         """First-Block cache: whether blocks 1.. are skipped, from block 0's residual at this step."""
+        if isinstance(self.config, SkipSteps):
+            return step in self.config.steps and self.residual is not None
         prev = self.head_residual
         if prev is None or self.residual is None:
             return False

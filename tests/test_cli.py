@@ -137,7 +137,8 @@ def test_env_errors_are_reported_the_same_way(monkeypatch, capsys):
 
 
 def test_seed_and_overwrite_reach_the_generator(monkeypatch, capsys):
-    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1234, attention_backend="TORCH_SDPA", peak_memory=None, cache=None,
+    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1234, attention_backend="TORCH_SDPA", peak_memory=None,
+                             cache=None,
                              timings={"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6})
     fake = fake_generator(monkeypatch, result)
     capsys.readouterr()

@@ -140,6 +140,15 @@ def test_threshold_zero_is_no_cache(gen, cache):
     assert got.cache is None and np.array_equal(got.frames, base.frames)
 
 
+def test_fixed_first_block_schedule_equals_first_block_cache(gen):
+    """SkipSteps(first_block=True) on the steps a First-Block cache skipped gives that run's frames bit for bit."""
+    fbc = run(gen, cache=FirstBlockCache(0.2))
+    skipped = tuple(i for i in range(STEPS) if i not in fbc.cache["computed"]["cond"])
+    assert skipped and fbc.cache["computed"]["cond"] == fbc.cache["computed"]["uncond"]
+    fixed = run(gen, cache=SkipSteps(skipped, first_block=True))
+    assert fixed.cache["computed"] == fbc.cache["computed"] and np.array_equal(fixed.frames, fbc.frames)
+
+
 def test_cache_composes_with_cfg_gating():
     g = VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, cfg_gate_step=0.5,
                                        cache=SkipSteps((3, 6)))
@@ -195,4 +204,5 @@ def test_parse_cache_forms(tmp_path):
     assert parse_cache("skip_steps:steps=2-4/7") == SkipSteps((2, 3, 4, 7))
     assert parse_cache("teacache:use_ret_steps=false,coefficients=1/0") == TeaCache(coefficients=(1.0, 0.0),
                                                                                       use_ret_steps=False)
+    assert parse_cache("skip_steps:steps=3,first_block=true") == SkipSteps((3,), first_block=True)
     assert parse_cache("none") is None and parse_cache("first_block") == FirstBlockCache()

@@ -228,7 +228,7 @@ class WanTransformer(nn.Module):
             return out
         head = settle(self._blocks(0, Residual(x), *args, stop=1))
         head_residual = head - start
-        if cache.skip_rest(head_residual):
+        if cache.skip_rest(step, head_residual):
             return cache.reuse(head)
         head_out = head.clone()
         out = settle(self._blocks(1, Residual(head), *args))
