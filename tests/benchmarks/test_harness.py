@@ -11,7 +11,7 @@ from benchmarks import e2e, forward_14b, harness
 from fastwan.options import DiTOptions
 
 MODULES = ("attention_bench", "conv_bench", "cross_bench", "e2e", "fa4_tiles", "forward_14b", "fused_bench", "i2v",
-           "gemm_shapes", "levers", "profile_forward", "sparse_bench", "vae_bench")
+           "gemm_shapes", "levers", "profile_forward", "sparse_bench", "vae_bench", "cache_bench")
 
 
 def test_option_variants_follow_the_dataclass():
