@@ -410,11 +410,11 @@ class VideoGenerator:
             if image_tokens is not None:
                 kw["image"] = image_tokens
             if do_cfg and (i < gate_at or delta is None):
-                if run is None:  # cond and uncond share the latents: their common start (to block 0's cross-attn) once
-                    pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched, **kw)
-                else:
-                    pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
-                    neg = model(x, timestep, uncond, **kw, **cached(expert, "uncond"))
+                # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under a
+                # step cache each pass decides with its own state, one after the other
+                caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
+                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
+                                             caches=caches, **kw)
                 forwards += 2
                 delta = pos - neg
                 pred = neg + gs * delta

@@ -206,3 +206,34 @@ def test_parse_cache_forms(tmp_path):
                                                                                       use_ret_steps=False)
     assert parse_cache("skip_steps:steps=3,first_block=true") == SkipSteps((3,), first_block=True)
     assert parse_cache("none") is None and parse_cache("first_block") == FirstBlockCache()
+
+
+@pytest.mark.parametrize("block", ["fast", "reference"])
+@pytest.mark.parametrize("config", [FirstBlockCache(0.5), SkipSteps((1, 3)), SkipSteps((2,), first_block=True)])
+def test_cached_forward_cfg_equals_two_cached_forwards(block, config):
+    """forward_cfg with both passes' caches (block 0's video half shared, the fast block adding into the stream in
+    place) gives what two forward() calls with their own caches give, step after step, skipped or computed."""
+    from fastwan.attention import AttentionDispatch
+    from fastwan.cache import PassCache
+    from fastwan.models import load_transformer
+    from fastwan.options import DiTOptions
+
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+    model = load_transformer(tiny_checkpoint("wan2.1") / "transformer", dtype=torch.float32, device="cpu",
+                             attention=attn, options=DiTOptions(block=block))
+    g = torch.Generator().manual_seed(0)
+    text = torch.randn(1, 512, model.config.text_dim, generator=g)
+    text[:, 6:] = 0
+    uncond = torch.zeros_like(text)
+    pair, single = [PassCache(config, 4) for _ in range(2)], [PassCache(config, 4) for _ in range(2)]
+    with torch.no_grad():
+        for step, t in enumerate((900.0, 700.0, 500.0, 300.0)):
+            x = torch.randn(1, 16, 3, 8, 8, generator=g)
+            tt = torch.tensor([t])
+            got = model.forward_cfg(x, tt, text, uncond, batched=False, step_index=step, num_steps=4,
+                                    caches=tuple(pair))
+            want = [model(x, tt, c, step_index=step, num_steps=4, cache=s) for c, s in zip((text, uncond), single)]
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert [p.computed for p in pair] == [s.computed for s in single]
+    assert len(pair[0].computed) < 4  # something was skipped

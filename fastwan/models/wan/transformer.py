@@ -246,6 +246,7 @@ class WanTransformer(nn.Module):
         batched: bool = True,
         step_index: int | None = None,
         num_steps: int | None = None,
+        caches: tuple[PassCache, PassCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The conditional and unconditional predictions of one CFG step, as ``forward(latents, timestep, text)``
         and ``forward(latents, timestep, text_uncond)`` would give them.
@@ -255,7 +256,9 @@ class WanTransformer(nn.Module):
         The passes then run as one batch of 2 (``batched``) or one after the other (less memory).
 
         latents [1, C_in, F, H, W]; timestep [1] (or per-token [1, S]); text, text_uncond [1, L, text_dim]; image:
-        the image tokens both passes read, as in :meth:`forward` -> (cond, uncond), each [1, C_out, F, H, W].
+        the image tokens both passes read, as in :meth:`forward`; caches: the two passes' step caches (as
+        :meth:`forward` takes one; the passes then run one after the other, the shared start only when one of them
+        computes) -> (cond, uncond), each [1, C_out, F, H, W].
         """
         self._check_image(image)
         if latents.shape[0] != 1 or text.shape[0] != 1 or text_uncond.shape[0] != 1:
@@ -271,6 +274,15 @@ class WanTransformer(nn.Module):
         x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
         video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
         attn = self.attention
+        if caches is not None:
+            if batched or step_index is None:
+                raise InvalidArgument("forward_cfg(caches=...) runs the passes one after the other: pass "
+                                      "batched=False and the step_index.")
+            context = None if self.prompts is not None else self.text_context((text, text_uncond))
+            ctx = [self._contexts((t,), None if context is None else context[i:i + 1], image)
+                   for i, t in enumerate((text, text_uncond))]
+            return self._cached_cfg(caches, x, temb, mod, rope, grid, layout, step_index, num_steps,
+                                    (video_half, text_half), ctx)
         r, h = video_half(Residual(x), mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps))
 
         def rest(r: Residual, h: torch.Tensor, ctx: list) -> torch.Tensor:
@@ -287,3 +299,36 @@ class WanTransformer(nn.Module):
         # the fast block adds into x in place: the first pass gets its own copy
         first = r._replace(x=r.x.clone()) if self.prompts is not None else r
         return rest(first, h, ctx[0]), rest(r, h, ctx[1])
+
+    def _cached_cfg(self, caches, x, temb, mod, rope, grid, layout, step_index, num_steps, halves, ctx):
+        """forward_cfg's two passes under step caches: each pass decides with its own state; block 0's video half,
+        which the passes share, runs once if either computes. -> (cond, uncond) predictions."""
+        video_half, text_half = halves
+        args = [(c, mod, rope, grid, layout, step_index, num_steps) for c in ctx]
+        start = x.clone()  # the stream entering block 0 (the fast block adds into x in place)
+        skips = [c.skip_stack(step_index, temb, mod) for c in caches]
+        computing = [i for i in (0, 1) if not skips[i]]
+        if computing:
+            r, h = video_half(Residual(x), mod, rope, self.attention, self._meta(grid, layout, 0, step_index,
+                                                                                 num_steps))
+        outs = []
+        for i, cache in enumerate(caches):
+            if skips[i]:
+                outs.append(cache.reuse(start))
+                continue
+            shared = self.prompts is not None and i == computing[0] and len(computing) == 2
+            ri = text_half(r._replace(x=r.x.clone()) if shared else r, h, ctx[i][0], mod, self.attention)
+            if not cache.head_decides:
+                out = settle(self._blocks(1, ri, *args[i]))
+                cache.stored(step_index, out - start)
+            else:
+                head = settle(ri)
+                head_residual = head - start
+                if cache.skip_rest(step_index, head_residual):
+                    outs.append(cache.reuse(head))
+                    continue
+                head_out = head.clone()
+                out = settle(self._blocks(1, Residual(head), *args[i]))
+                cache.stored(step_index, out - head_out, head_residual)
+            outs.append(out)
+        return tuple(self._head(Residual(o), temb, grid, layout) for o in outs)
