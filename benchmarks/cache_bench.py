@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import NEG, PROMPT, F, H, W, compare, log, versions
+from benchmarks.harness import NEG, PROMPT, F, H, W, compare, log, parse_video, versions
 
 VSA = {"tile": "auto", "sparsity": 0.85, "kernel": "fa4"}
 
@@ -69,7 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--video", default=f"{H}x{W}x{F}", metavar="HxWxF")
     a = p.parse_args(argv)
-    h, w, f = (int(v) for v in a.video.split("x"))
+    try:
+        h, w, f = parse_video(a.video)
+    except ValueError as exc:
+        p.error(str(exc))
     table = variants(a.steps)
     labels = list(table) if a.variants is None else a.variants.split(",")
     unknown = [v for v in labels if v not in table]

@@ -40,6 +40,7 @@ from benchmarks.harness import (
     log,
     make_checkpoint,
     option_overrides,
+    parse_phases,
     raise_recompile_limit,
     versions,
 )
@@ -261,10 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    phases = a.phase.split(",")
-    unknown = [ph for ph in phases if ph not in PHASES]
-    if unknown:
-        p.error(f"unknown phase(s) {', '.join(unknown)}; use {', '.join(PHASES)}")
+    phases = parse_phases(p, a.phase, PHASES)
     try:  # every variant checked before a phase runs
         ab = tuple(a.ab.split(","))
         for label in ab:

@@ -27,6 +27,7 @@ from benchmarks.harness import (
     kernel_groups,
     log,
     option_overrides,
+    parse_video,
     raise_recompile_limit,
     tune_diffusers,
     versions,
@@ -80,18 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
                         "padding)")
     return p
-
-
-def parse_video(text: str) -> tuple[int, int, int]:
-    """'480x832x81' -> (480, 832, 81); ValueError unless three positive ints with H and W multiples of 16 and
-    F = 4k + 1."""
-    try:
-        h, w, f = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--video {text!r}: use HEIGHTxWIDTHxFRAMES, e.g. 480x832x81") from None
-    if min(h, w, f) <= 0 or h % 16 or w % 16 or (f - 1) % 4:
-        raise ValueError(f"--video {text!r}: height and width must be positive multiples of 16 and frames 4k + 1")
-    return h, w, f
 
 
 def diffusers_peers(ref, args, a, res: dict, kw: dict) -> torch.Tensor:

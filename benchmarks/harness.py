@@ -128,6 +128,27 @@ def forward_inputs(batch: int, in_ch: int = 16, h: int = H, w: int = W, f: int =
     return x, t, text
 
 
+def parse_video(text: str) -> tuple[int, int, int]:
+    """'480x832x81' -> (480, 832, 81); ValueError unless three positive ints with H and W multiples of 16 and
+    F = 4k + 1."""
+    try:
+        h, w, f = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--video {text!r}: use HEIGHTxWIDTHxFRAMES, e.g. 480x832x81") from None
+    if min(h, w, f) <= 0 or h % 16 or w % 16 or (f - 1) % 4:
+        raise ValueError(f"--video {text!r}: height and width must be positive multiples of 16 and frames 4k + 1")
+    return h, w, f
+
+
+def parse_phases(parser, text: str, allowed: tuple[str, ...]) -> list[str]:
+    """'make,fastwan' -> the phases in order; an unknown one is the parser's error (exit 2)."""
+    phases = text.split(",")
+    unknown = [ph for ph in phases if ph not in allowed]
+    if unknown:
+        parser.error(f"unknown phase(s) {', '.join(unknown)}; use {', '.join(allowed)}")
+    return phases
+
+
 def dit_kwargs(size: str, task: str = "t2v") -> dict:
     """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size ("1.3b" or "14b") and task (:data:`TASKS`)."""
     return {**DIT_COMMON, **DIT_SIZES[size][0], **TASKS[task][0]}

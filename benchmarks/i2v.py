@@ -26,7 +26,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import NEG, PEERS, PROMPT, compare, log, make_checkpoint, tune_diffusers, versions
+from benchmarks.harness import (
+    NEG,
+    PEERS,
+    PROMPT,
+    compare,
+    log,
+    make_checkpoint,
+    parse_phases,
+    parse_video,
+    tune_diffusers,
+    versions,
+)
 
 JOBS = {  # job -> (checkpoint task, height, width, frames, steps, guidance, guidance_2)
     "i2v-14b": ("i2v", 480, 832, 81, 40, 5.0, None),
@@ -230,21 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    phases = a.phase.split(",")
-    unknown = [ph for ph in phases if ph not in PHASES]
-    if unknown:
-        p.error(f"unknown phase(s) {', '.join(unknown)}; use {', '.join(PHASES)}")
+    phases = parse_phases(p, a.phase, PHASES)
     steps = a.steps if a.steps is not None else JOBS[a.job][4]
     if steps < 2:
         p.error(f"--steps {steps}: must be at least 2 (the per-step times need two step ends)")
     video = JOBS[a.job][1:4]
     if a.video is not None:
         try:
-            video = tuple(int(v) for v in a.video.lower().split("x"))
-            if len(video) != 3 or min(video) <= 0:
-                raise ValueError
-        except ValueError:
-            p.error(f"--video {a.video!r}: use HEIGHTxWIDTHxFRAMES, e.g. 480x832x81")
+            video = parse_video(a.video)
+        except ValueError as exc:
+            p.error(str(exc))
     root, out, device = Path(a.ckpt), Path(a.out), torch.device(a.device)
     res = json.loads(out.read_text()) if out.exists() else {}
     if device.type == "cuda":

@@ -96,7 +96,7 @@ def test_benchmark_help(name, capsys):
 
 
 def test_forward_14b_video_argument():
-    assert forward_14b.parse_video("480x832x81") == (480, 832, 81)
+    assert harness.parse_video("480x832x81") == (480, 832, 81)
     for bad in ("480x832", "480x830x81", "480x832x80", "0x832x81", "axbxc"):
         with pytest.raises(ValueError, match="--video"):
-            forward_14b.parse_video(bad)
+            harness.parse_video(bad)

@@ -35,7 +35,7 @@ def test_phases_on_a_tiny_checkpoint(tmp_path, job, variant, steps, phases):
 
 
 @pytest.mark.parametrize("argv,msg", [(["--video", "480x832"], "HEIGHTxWIDTHxFRAMES"),
-                                      (["--video", "0x64x9"], "HEIGHTxWIDTHxFRAMES"),
+                                      (["--video", "0x64x9"], "positive multiples of 16"),
                                       (["--steps", "1"], "at least 2"),
                                       (["--phase", "decode"], "unknown phase")])
 def test_bad_arguments_are_refused(argv, msg, capsys, tmp_path):
