@@ -45,6 +45,8 @@ def _generate_parser(sub) -> None:
                    help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "
                         "where the kernels run)")
     p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="merge a LoRA (.safetensors) into the DiT, with an optional strength; repeatable")
     p.add_argument("--cache", default=None, metavar="TYPE[:KEY=VALUE,...]",
                    help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, e.g. "
                         "teacache:threshold=0.1 or magcache:mag_ratios=@ratios.json (see fastwan.cache)")
@@ -105,6 +107,7 @@ def _run_generate(args) -> int:
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
+        lora=[_lora_arg(a) for a in args.lora],
     )
     res = gen.generate_video(
         args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
@@ -128,6 +131,15 @@ def _run_generate(args) -> int:
     if res.cache is not None and "calibration" in res.cache:
         print(f"magcache calibration: {res.cache['calibration']}")
     return 0
+
+
+def _lora_arg(text: str) -> tuple[str, float]:
+    """'style.safetensors:0.8' -> (path, 0.8); a path without a numeric ':SCALE' suffix gets 1.0."""
+    path, sep, scale = text.rpartition(":")
+    try:
+        return (path, float(scale)) if sep and path else (text, 1.0)
+    except ValueError:
+        return text, 1.0
 
 
 def _run_env(argv: list[str]) -> int:

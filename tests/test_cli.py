@@ -60,6 +60,7 @@ def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
         (["--output", str(existing)], [str(existing), "--overwrite"]),
         (["--cache", "deepcache"], ["deepcache", "first_block"]),
         (["--cache", "magcache:threshold=0.1"], ["mag_ratios", "calibrate"]),
+        (["--lora", str(tmp_path / "missing.safetensors")], ["missing.safetensors", "does not exist"]),
     ]
     for extra, words in cases:
         capsys.readouterr()
@@ -175,6 +176,9 @@ def test_cli_build_options_reach_the_generator(monkeypatch):
     assert seen["dit_options"] == DiTOptions(block="auto")
     run("--dit-block", "reference")
     assert seen["dit_options"] == DiTOptions(block="reference")
+    assert seen["lora"] == []
+    run("--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5", "--lora", "d:e.safetensors")
+    assert seen["lora"] == [("a.safetensors", 1.0), ("c:/x/b.safetensors", 0.5), ("d:e.safetensors", 1.0)]
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])

@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,14 @@ from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.lora import LoraState, apply_lora, check_loras, parse_lora_spec
 from fastwan.models import load_transformer
 from fastwan.options import DiTOptions
 from fastwan.vae.convs import fast_decoder_convs
 from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
 from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
+from fastwan.pipelines.output import GenerationResult
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
@@ -42,20 +43,6 @@ logger = logging.getLogger("fastwan")
 
 CFG_MODES = ("auto", "batched", "sequential")
 AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
-
-
-@dataclass
-class GenerationResult:
-    frames: np.ndarray | None  # uint8 [T, H, W, 3]
-    video_path: str | None
-    seed: int  # the seed used (drawn at random for seed=None): pass it back to make the same video again
-    timings: dict[str, float]  # seconds: text_encoding, denoising, decoding, saving, total
-    attention_backend: str
-    peak_memory: int | None  # bytes (CUDA max allocated), None on CPU
-    num_transformer_forwards: int = 0
-    settings: dict[str, Any] = field(default_factory=dict)
-    # the step cache's report: {"type", "computed": {"cond": [steps], "uncond": [...]}[, "calibration"]}, or None
-    cache: dict[str, Any] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -71,6 +58,7 @@ class VideoGenerator:
                  image_processor=None, cache=None):
         self.checkpoint = ckpt
         self.cache = cache  # the default step cache of generate_video (a fastwan.cache config, or None)
+        self._loras = [LoraState() for _ in transformers]  # per expert: the originals merged LoRAs changed
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
         self.attention: AttentionDispatch = attention
         self.transformers = transformers  # one or two experts (high noise first)
@@ -103,6 +91,7 @@ class VideoGenerator:
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
         cache: CacheConfig | str | None = None,
+        lora=None,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -133,6 +122,9 @@ class VideoGenerator:
         ``cache``: the default step cache of :meth:`generate_video` (:mod:`fastwan.cache`: ``FirstBlockCache``,
         ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
         or a threshold of 0: none). Under a cache each CFG pass runs its own forward and keeps its own state.
+
+        ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), or a list of them (see
+        :meth:`load_lora`).
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -171,6 +163,8 @@ class VideoGenerator:
         config = _attention_config(attention_config)
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
+        loras = parse_lora_spec(lora)
+        check_loras(loras, ckpt.transformer_config)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
@@ -218,11 +212,26 @@ class VideoGenerator:
                 ckpt.folder("image_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
             ).to(device).eval()
             image_processor = CLIPImageProcessor.from_pretrained(ckpt.folder("image_processor"))
-        return cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
+        gen = cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                    transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
                    scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
                    vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
                    cache=cache)
+        for path, scale in loras:
+            gen.load_lora(path, scale)
+        return gen
+
+    def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None) -> None:
+        """Merge a LoRA file into the DiT weights (:mod:`fastwan.lora`: diffusers/PEFT or original-Wan keys);
+        ``expert``: 0 (high noise) or 1 for one Wan2.2 A14B expert, None for all. Checked before any change."""
+        with self._lock:
+            apply_lora(self.transformers, self._loras, path, scale, expert)
+
+    def unload_lora(self) -> None:
+        """Restore every weight the loaded LoRAs changed, bit for bit."""
+        with self._lock:
+            for state in self._loras:
+                state.restore()
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -241,7 +250,8 @@ class VideoGenerator:
         a = self.attention
         return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
-                "attention": [a.self_backend.name, a.cross_backend.name], "images": images}
+                "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
+                "loras": [state.loaded for state in self._loras]}
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()

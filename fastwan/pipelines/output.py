@@ -27,7 +27,7 @@ import re
 import secrets
 import unicodedata
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +261,17 @@ def _remove_quietly(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+@dataclass
+class GenerationResult:
+    frames: np.ndarray | None  # uint8 [T, H, W, 3]
+    video_path: str | None
+    seed: int  # the seed used (drawn at random for seed=None): pass it back to make the same video again
+    timings: dict[str, float]  # seconds: text_encoding, denoising, decoding, saving, total
+    attention_backend: str
+    peak_memory: int | None  # bytes (CUDA max allocated), None on CPU
+    num_transformer_forwards: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+    # the step cache's report: {"type", "computed": {"cond": [steps], "uncond": [...]}[, "calibration"]}, or None
+    cache: dict[str, Any] | None = None

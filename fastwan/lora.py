@@ -1,0 +1,217 @@
+"""LoRA files for the Wan DiT: read (safetensors only), map onto the model's linear layers, merge into the weights.
+
+Key formats (the ones diffusers' Wan LoRA loader reads):
+
+* diffusers / PEFT: ``[transformer.]blocks.N.attn1.to_q.lora_A.weight`` and ``lora_B.weight`` under the
+  model's own module names, optionally ``<module>.alpha``;
+* the original Wan / ComfyUI / lightx2v layout: ``diffusion_model.blocks.N.self_attn.q.lora_down.weight`` /
+  ``lora_up.weight`` (or ``lora_A`` / ``lora_B``), ``<module>.alpha``, full deltas ``<module>.diff`` and bias
+  deltas ``<module>.diff_b``, under the original module names (:data:`WAN_NAMES` maps them).
+
+A module's update is ``W += scale * (alpha / rank) * B @ A`` (alpha defaults to the rank), ``W += scale * diff``,
+``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype. Merged weights cost nothing at
+run time; :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
+Deltas of norms (zeros in the files that carry them) are skipped.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
+
+WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
+    (r"blocks\.(\d+)\.self_attn\.([qkv])", r"blocks.\1.attn1.to_\2"),
+    (r"blocks\.(\d+)\.self_attn\.o", r"blocks.\1.attn1.to_out.0"),
+    (r"blocks\.(\d+)\.cross_attn\.([qkv])", r"blocks.\1.attn2.to_\2"),
+    (r"blocks\.(\d+)\.cross_attn\.o", r"blocks.\1.attn2.to_out.0"),
+    (r"blocks\.(\d+)\.cross_attn\.k_img", r"blocks.\1.attn2.add_k_proj"),
+    (r"blocks\.(\d+)\.cross_attn\.v_img", r"blocks.\1.attn2.add_v_proj"),
+    (r"blocks\.(\d+)\.ffn\.0", r"blocks.\1.ffn.net.0.proj"),
+    (r"blocks\.(\d+)\.ffn\.2", r"blocks.\1.ffn.net.2"),
+    (r"text_embedding\.0", "condition_embedder.text_embedder.linear_1"),
+    (r"text_embedding\.2", "condition_embedder.text_embedder.linear_2"),
+    (r"time_embedding\.0", "condition_embedder.time_embedder.linear_1"),
+    (r"time_embedding\.2", "condition_embedder.time_embedder.linear_2"),
+    (r"time_projection\.1", "condition_embedder.time_proj"),
+    (r"head\.head", "proj_out"),
+    (r"img_emb\.proj\.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+    (r"img_emb\.proj\.3", "condition_embedder.image_embedder.ff.net.2"),
+)
+PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.", "model.")
+PARTS = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "lora_up.weight": "B",
+         "alpha": "alpha", "diff": "diff", "diff_b": "diff_b", "lora_B.bias": "diff_b"}
+
+
+def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA file (safetensors only; pickle files are refused)."""
+    from safetensors.torch import load_file
+
+    if not isinstance(path, (str, Path)):
+        raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"LoRA file {str(path)!r} does not exist; check the path.")
+    if path.suffix != ".safetensors":
+        raise InvalidArgument(f"LoRA file {str(path)!r} is not a .safetensors file; fastwan loads LoRAs from "
+                              "safetensors only (convert pickle files with safetensors.torch.save_file).")
+    return load_file(str(path))
+
+
+def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
+    """A file key -> (the model's module name, part: A, B, alpha, diff, diff_b), or None for a key of no module."""
+    ends = [(suffix, part) for suffix, part in PARTS.items() if key.endswith("." + suffix)]
+    if not ends:
+        return None
+    suffix, part = ends[0]
+    name = key[: -len(suffix) - 1]
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name not in modules:
+        for pattern, repl in WAN_NAMES:
+            mapped, n = re.subn(f"^{pattern}$", repl, name)
+            if n:
+                name = mapped
+                break
+    return (name, part) if name in modules else None
+
+
+def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
+    """{module name: {part: tensor}} for the model's linear layers; raises when no key names one of them (with
+    examples of both sides) or a tensor's shape does not fit its module (naming the key)."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
+    updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    unmatched = []
+    for key, value in tensors.items():
+        found = _module_name(key, set(linears) | norms)
+        if found is None:
+            unmatched.append(key)
+            continue
+        name, part = found
+        if name in norms:
+            continue  # norm deltas: zeros in the files that carry them
+        updates.setdefault(name, {})[part] = (key, value)
+    if not updates:
+        raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a linear layer of this model, e.g. "
+                              f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "
+                              "(diffusers names, or the original Wan names with a 'diffusion_model.' prefix).")
+    for name, parts in updates.items():
+        weight = linears[name].weight
+        if ("A" in parts) != ("B" in parts):
+            key = (parts.get("A") or parts.get("B"))[0]
+            raise InvalidArgument(f"{source}: {key} has no matching {'lora_B' if 'A' in parts else 'lora_A'} "
+                                  "tensor; a LoRA module needs both.")
+        if "A" in parts:
+            (ka, a), (kb, b) = parts["A"], parts["B"]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != weight.shape[1] or b.shape[0] != weight.shape[0] \
+                    or a.shape[0] != b.shape[1]:
+                raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} do not fit {name} "
+                                      f"(weight {tuple(weight.shape)}: A must be [rank, {weight.shape[1]}], B "
+                                      f"[{weight.shape[0]}, rank]); the LoRA is for another model.")
+        if "diff" in parts and parts["diff"][1].shape != weight.shape:
+            raise InvalidArgument(f"{source}: {parts['diff'][0]} {tuple(parts['diff'][1].shape)} does not fit {name} "
+                                  f"(weight {tuple(weight.shape)}).")
+        bias = linears[name].bias
+        if "diff_b" in parts and (bias is None or parts["diff_b"][1].shape != bias.shape):
+            raise InvalidArgument(f"{source}: {parts['diff_b'][0]} does not fit the bias of {name} "
+                                  f"({None if bias is None else tuple(bias.shape)}).")
+    return {name: {p: t for p, (_, t) in parts.items()} for name, parts in updates.items()}
+
+
+class LoraState:
+    """The originals of the tensors a model's merged LoRAs changed (on the CPU), to restore them exactly."""
+
+    def __init__(self):
+        self.originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, original copy)
+        self.loaded: list[tuple[str, float]] = []
+
+    def _keep(self, param: torch.Tensor) -> None:
+        if id(param) not in self.originals:
+            self.originals[id(param)] = (param, param.detach().to("cpu", copy=True))
+
+    @torch.no_grad()
+    def merge(self, model: torch.nn.Module, updates: dict, scale: float) -> int:
+        """Add ``scale`` x each update into ``model``'s weights in place; returns the number of modules changed."""
+        modules = dict(model.named_modules())
+        for name, parts in updates.items():
+            lin = modules[name]
+            w = lin.weight
+            delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            if "A" in parts:
+                a = parts["A"].to(w.device, torch.float32)
+                b = parts["B"].to(w.device, torch.float32)
+                alpha = float(parts["alpha"]) if "alpha" in parts else float(a.shape[0])
+                delta += (alpha / a.shape[0]) * (b @ a)
+            if "diff" in parts:
+                delta += parts["diff"].to(w.device, torch.float32)
+            if "A" in parts or "diff" in parts:
+                self._keep(w)
+                w.copy_((w.float() + scale * delta).to(w.dtype))
+            if "diff_b" in parts:
+                self._keep(lin.bias)
+                lin.bias.copy_((lin.bias.float() + scale * parts["diff_b"].to(w.device, torch.float32))
+                               .to(lin.bias.dtype))
+        return len(updates)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Every changed tensor back to its original, bit for bit."""
+        for param, original in self.originals.values():
+            param.copy_(original.to(param.device))
+        self.originals.clear()
+        self.loaded.clear()
+
+
+def parse_lora_spec(spec) -> list[tuple[str, float]]:
+    """``PATH``, ``(PATH, SCALE)`` or a list of them -> [(path, scale)]."""
+    if spec is None:
+        return []
+    items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
+    out = []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            item = (item, 1.0)
+        ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)) \
+            and isinstance(item[1], (int, float)) and not isinstance(item[1], bool)
+        if not ok:
+            raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+        out.append((str(item[0]), float(item[1])))
+    return out
+
+
+def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, expert: int | None = None) -> int:
+    """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
+    with its :class:`LoraState`. Every check (file, keys, shapes, arguments) runs before any weight changes.
+    Returns the number of modules changed."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
+        raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
+    if expert is not None and (isinstance(expert, bool) or expert not in range(len(models))):
+        raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use "
+                              f"{' or '.join(map(str, range(len(models))))}, or None for all.")
+    tensors = read_lora(path)
+    chosen = range(len(models)) if expert is None else [expert]
+    updates = {i: lora_updates(tensors, models[i], f"LoRA {str(path)!r}") for i in chosen}
+    changed = 0
+    for i, upd in updates.items():
+        changed += states[i].merge(models[i], upd, float(scale))
+        states[i].loaded.append((str(path), float(scale)))
+    return changed
+
+
+def check_loras(loras: list[tuple[str, float]], config) -> None:
+    """Every file of ``loras`` read and matched against a DiT of ``config`` built on the meta device (no weights),
+    so a bad file raises before anything is loaded."""
+    if not loras:
+        return
+    from fastwan.models import WanTransformer
+
+    with torch.device("meta"):
+        model = WanTransformer(config)
+    for path, _ in loras:
+        lora_updates(read_lora(path), model, f"LoRA {path!r}")

@@ -1,0 +1,175 @@
+"""LoRA files (fastwan.lora) on tiny checkpoints, fp32 on the CPU: merged LoRAs give diffusers' frames
+(``load_lora_weights``, within 1) in the diffusers and the original-Wan key formats; A14B per expert; unloading
+restores the weights bit for bit; the fast build with a LoRA equals the reference build with it; bad files and
+arguments raise before any weight changes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fastwan import VideoGenerator
+from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
+from fastwan.tiny import tiny_checkpoint
+
+pytest.importorskip("peft")
+SIZE = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
+PROMPT, NEG = "a fox in the snow", "blurry"
+# (diffusers module, original Wan module) of every linear layer a block has
+BLOCK_MODULES = [("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"), ("attn1.to_v", "self_attn.v"),
+                 ("attn1.to_out.0", "self_attn.o"), ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"),
+                 ("attn2.to_v", "cross_attn.v"), ("attn2.to_out.0", "cross_attn.o"), ("ffn.net.0.proj", "ffn.0"),
+                 ("ffn.net.2", "ffn.2")]
+
+
+def random_lora(model, fmt: str, rank: int = 4, seed: int = 0, alpha: float | None = None) -> dict:
+    """A LoRA on every block linear of ``model`` (a diffusers or fastwan DiT with diffusers names)."""
+    g = torch.Generator().manual_seed(seed)
+    mods = dict(model.named_modules())
+    out = {}
+    for i in range(len(model.blocks)):
+        for diff_name, wan_name in BLOCK_MODULES:
+            w = mods[f"blocks.{i}.{diff_name}"].weight
+            a = torch.randn(rank, w.shape[1], generator=g) * 0.3
+            b = torch.randn(w.shape[0], rank, generator=g) * 0.3
+            if fmt == "diffusers":
+                out[f"transformer.blocks.{i}.{diff_name}.lora_A.weight"] = a
+                out[f"transformer.blocks.{i}.{diff_name}.lora_B.weight"] = b
+            else:
+                key = f"diffusion_model.blocks.{i}.{wan_name}"
+                out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = a, b
+                if alpha is not None:
+                    out[f"{key}.alpha"] = torch.tensor(alpha)
+                if diff_name == "attn2.to_out.0":
+                    out[f"{key}.diff_b"] = torch.randn(w.shape[0], generator=g) * 0.2
+    return out
+
+
+def diffusers_frames(variant, lora_path, scale=1.0, **load):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(tiny_checkpoint(variant), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora_path), adapter_name="x", low_cpu_mem_usage=False, **load)
+    if scale != 1.0:
+        pipe.set_adapters(["x"], [scale])
+    out = pipe(PROMPT, negative_prompt=NEG, output_type="np", generator=torch.Generator().manual_seed(3),
+               **SIZE).frames[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+def ours(gen, **kw):
+    return gen.generate_video(PROMPT, negative_prompt=NEG, seed=3, save_video=False, **SIZE, **kw).frames
+
+
+def max_diff(a, b):
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fmt,alpha,scale", [("diffusers", None, 1.0), ("wan", 2.0, 1.0), ("wan", None, 0.5)])
+def test_merged_lora_gives_diffusers_frames(gen, tmp_path, fmt, alpha, scale):
+    path = tmp_path / f"{fmt}.safetensors"
+    save_file(random_lora(gen.transformers[0], fmt, alpha=alpha), str(path))
+    base = ours(gen)
+    gen.load_lora(path, scale)
+    try:
+        got = ours(gen)
+    finally:
+        gen.unload_lora()
+    want = diffusers_frames("wan2.1", path, scale)
+    assert max_diff(got, base) > 10  # the LoRA changes the video
+    assert max_diff(got, want) <= 1
+    assert np.array_equal(ours(gen), base)  # unloaded
+
+
+def test_unload_restores_weights_bit_for_bit(gen, tmp_path):
+    before = {k: v.clone() for k, v in gen.transformers[0].state_dict().items()}
+    for seed in (0, 1):
+        path = tmp_path / f"l{seed}.safetensors"
+        save_file(random_lora(gen.transformers[0], "wan", seed=seed, alpha=4.0), str(path))
+        gen.load_lora(path, 0.7)  # two LoRAs stacked
+    assert any(not torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
+    gen.unload_lora()
+    assert all(torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
+
+
+def test_a14b_lora_per_expert(tmp_path):
+    g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32)
+    high, low = tmp_path / "high.safetensors", tmp_path / "low.safetensors"
+    save_file(random_lora(g.transformers[0], "diffusers", seed=1), str(high))
+    save_file(random_lora(g.transformers[1], "diffusers", seed=2), str(low))
+    g.load_lora(high, expert=0)
+    g.load_lora(low, expert=1)
+    got = g.generate_video(PROMPT, negative_prompt=NEG, seed=3, save_video=False, **SIZE).frames
+
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(tiny_checkpoint("wan2.2-a14b"), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(high), adapter_name="high", low_cpu_mem_usage=False)
+    pipe.load_lora_weights(str(low), adapter_name="low", load_into_transformer_2=True, low_cpu_mem_usage=False)
+    pipe.transformer.set_adapters(["high"])
+    pipe.transformer_2.set_adapters(["low"])
+    want = pipe(PROMPT, negative_prompt=NEG, output_type="np", generator=torch.Generator().manual_seed(3),
+                **{**SIZE, "guidance_scale": g.preset.guidance_scale,
+                   "guidance_scale_2": g.preset.guidance_scale_2}).frames[0]
+    assert max_diff(got, (want * 255).round().astype(np.uint8)) <= 1
+
+
+def test_fast_build_with_lora_equals_reference_with_it(tmp_path):
+    from fastwan.options import DiTOptions
+
+    path = tmp_path / "l.safetensors"
+    ref = VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, lora=None)
+    save_file(random_lora(ref.transformers[0], "wan", alpha=4.0), str(path))
+    frames = {}
+    for block in ("reference", "fast"):
+        g = VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, lora=[(path, 0.8)],
+                                           dit_options=DiTOptions(block=block))
+        ours(g)  # the per-prompt caches filled with the merged weights ...
+        frames[block] = ours(g)
+        g.unload_lora()
+        frames[block + " unloaded"] = ours(g)  # ... and refreshed after unloading
+    assert max_diff(frames["fast"], frames["reference"]) <= 1
+    assert max_diff(frames["fast unloaded"], frames["reference unloaded"]) <= 1
+    assert max_diff(frames["fast"], frames["fast unloaded"]) > 10
+
+
+def test_bad_loras_raise_before_any_change(gen, tmp_path):
+    before = {k: v.clone() for k, v in gen.transformers[0].state_dict().items()}
+    other = tmp_path / "other.safetensors"
+    save_file({"unet.down_blocks.0.proj.lora_A.weight": torch.zeros(2, 3),
+               "unet.down_blocks.0.proj.lora_B.weight": torch.zeros(3, 2)}, str(other))
+    with pytest.raises(InvalidArgument, match="none of its 2 keys.*unet.down_blocks.*blocks.0"):
+        gen.load_lora(other)
+    bad_shape = tmp_path / "shape.safetensors"
+    lora = random_lora(gen.transformers[0], "diffusers")
+    lora["transformer.blocks.1.attn1.to_q.lora_A.weight"] = torch.zeros(4, 7)
+    save_file(lora, str(bad_shape))
+    with pytest.raises(InvalidArgument, match=r"blocks\.1\.attn1\.to_q\.lora_A\.weight \(4, 7\)"):
+        gen.load_lora(bad_shape)
+    half = tmp_path / "half.safetensors"
+    save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24)}, str(half))
+    with pytest.raises(InvalidArgument, match="no matching lora_B"):
+        gen.load_lora(half)
+    pickle = tmp_path / "lora.pt"
+    torch.save({}, pickle)
+    with pytest.raises(InvalidArgument, match="safetensors only"):
+        gen.load_lora(pickle)
+    with pytest.raises(MissingFileError):
+        gen.load_lora(tmp_path / "missing.safetensors")
+    good = tmp_path / "good.safetensors"
+    save_file(random_lora(gen.transformers[0], "diffusers"), str(good))
+    with pytest.raises(InvalidArgument, match="expert=1"):
+        gen.load_lora(good, expert=1)
+    with pytest.raises(InvalidArgumentType, match="scale="):
+        gen.load_lora(good, scale="strong")
+    with pytest.raises(InvalidArgumentType, match="lora="):
+        VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, lora=[(good, 1.0, 2)])
+    assert all(torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
