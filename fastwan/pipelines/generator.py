@@ -121,7 +121,7 @@ class VideoGenerator:
 
         ``cache``: the default step cache of :meth:`generate_video` (:mod:`fastwan.cache`: ``FirstBlockCache``,
         ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
-        or a threshold of 0: none). Under a cache each CFG pass runs its own forward and keeps its own state.
+        or a threshold of 0: none). Under a cache each CFG pass decides with its own state, one pass after the other.
 
         ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), or a list of them (see
         :meth:`load_lora`).
@@ -213,10 +213,10 @@ class VideoGenerator:
             ).to(device).eval()
             image_processor = CLIPImageProcessor.from_pretrained(ckpt.folder("image_processor"))
         gen = cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
-                   transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
-                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
-                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
-                   cache=cache)
+                  transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
+                  scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
+                  vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
+                  cache=cache)
         for path, scale in loras:
             gen.load_lora(path, scale)
         return gen
