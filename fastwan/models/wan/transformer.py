@@ -226,16 +226,23 @@ class WanTransformer(nn.Module):
         start = x.clone()
         if cache.skip_stack(step, temb, mod):
             return cache.reuse(start)
+        return self._cached_rest(cache, self._blocks(0, Residual(x), *args, stop=1), start, args)
+
+    def _cached_rest(self, cache: PassCache, head: Residual, start: torch.Tensor, args: tuple) -> torch.Tensor:
+        """Blocks 1.. under a step cache that did not skip the whole stack: ``head`` is the stream after block 0,
+        ``start`` a copy of the stream entering it -> the stream after the last block; the cache stores the
+        residual of what ran (a First-Block cache may skip blocks 1.. here)."""
+        step = args[5]
         if not cache.head_decides:
-            out = settle(self._blocks(0, Residual(x), *args))
+            out = settle(self._blocks(1, head, *args))
             cache.stored(step, out - start)
             return out
-        head = settle(self._blocks(0, Residual(x), *args, stop=1))
-        head_residual = head - start
+        head_x = settle(head)
+        head_residual = head_x - start
         if cache.skip_rest(step, head_residual):
-            return cache.reuse(head)
-        head_out = head.clone()
-        out = settle(self._blocks(1, Residual(head), *args))
+            return cache.reuse(head_x)
+        head_out = head_x.clone()
+        out = settle(self._blocks(1, Residual(head_x), *args))
         cache.stored(step, out - head_out, head_residual)
         return out
 
@@ -322,17 +329,5 @@ class WanTransformer(nn.Module):
                 continue
             shared = self.prompts is not None and i == computing[0] and len(computing) == 2
             ri = text_half(r._replace(x=r.x.clone()) if shared else r, h, ctx[i][0], mod, self.attention)
-            if not cache.head_decides:
-                out = settle(self._blocks(1, ri, *args[i]))
-                cache.stored(step_index, out - start)
-            else:
-                head = settle(ri)
-                head_residual = head - start
-                if cache.skip_rest(step_index, head_residual):
-                    outs.append(cache.reuse(head))
-                    continue
-                head_out = head.clone()
-                out = settle(self._blocks(1, Residual(head), *args[i]))
-                cache.stored(step_index, out - head_out, head_residual)
-            outs.append(out)
+            outs.append(self._cached_rest(cache, ri, start, args[i]))
         return tuple(self._head(Residual(o), temb, grid, layout) for o in outs)
