@@ -185,16 +185,17 @@ def parse_lora_spec(spec) -> list[tuple[str, float]]:
     return out
 
 
-def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, expert: int | None = None) -> int:
+def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, expert: int | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> int:
     """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
-    with its :class:`LoraState`. Every check (file, keys, shapes, arguments) runs before any weight changes.
-    Returns the number of modules changed."""
+    with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
+    check (file, keys, shapes, arguments) runs before any weight changes. Returns the number of modules changed."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
         raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
     if expert is not None and (isinstance(expert, bool) or expert not in range(len(models))):
         raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use "
                               f"{' or '.join(map(str, range(len(models))))}, or None for all.")
-    tensors = read_lora(path)
+    tensors = read_lora(path) if tensors is None else tensors
     chosen = range(len(models)) if expert is None else [expert]
     updates = {i: lora_updates(tensors, models[i], f"LoRA {str(path)!r}") for i in chosen}
     changed = 0
@@ -204,14 +205,16 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     return changed
 
 
-def check_loras(loras: list[tuple[str, float]], config) -> None:
+def check_loras(loras: list[tuple[str, float]], config) -> list[dict[str, torch.Tensor]]:
     """Every file of ``loras`` read and matched against a DiT of ``config`` built on the meta device (no weights),
-    so a bad file raises before anything is loaded."""
+    so a bad file raises before anything is loaded -> the files' tensors, in order (each file is read once)."""
     if not loras:
-        return
+        return []
     from fastwan.models import WanTransformer
 
     with torch.device("meta"):
         model = WanTransformer(config)
-    for path, _ in loras:
-        lora_updates(read_lora(path), model, f"LoRA {path!r}")
+    files = [read_lora(path) for path, _ in loras]
+    for (path, _), tensors in zip(loras, files):
+        lora_updates(tensors, model, f"LoRA {path!r}")
+    return files

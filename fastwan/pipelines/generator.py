@@ -164,7 +164,7 @@ class VideoGenerator:
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
         loras = parse_lora_spec(lora)
-        check_loras(loras, ckpt.transformer_config)
+        lora_files = check_loras(loras, ckpt.transformer_config)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
@@ -217,8 +217,8 @@ class VideoGenerator:
                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
                   cache=cache)
-        for path, scale in loras:
-            gen.load_lora(path, scale)
+        for (path, scale), tensors in zip(loras, lora_files):
+            apply_lora(gen.transformers, gen._loras, path, scale, tensors=tensors)
         return gen
 
     def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None) -> None:
