@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import NEG, PROMPT, F, H, W, compare, log, parse_video, versions
+from benchmarks.harness import NEG, PROMPT, F, H, W, compare, log, parse_video, release, versions
 
 VSA = {"tile": "auto", "sparsity": 0.85, "kernel": "fa4"}
 
@@ -89,9 +89,7 @@ def main(argv=None) -> int:
         if setup not in gens:
             for other in list(gens):  # one setup's models at a time
                 del gens[other]
-            torch._dynamo.reset()
-            if a.device == "cuda":
-                torch.cuda.empty_cache()
+            release(True, a.device)
             gens[setup] = build(Path(a.ckpt), setup, a.device)
             t0 = time.perf_counter()
             gens[setup].generate_video(PROMPT, **{**kw, "num_inference_steps": 2})

@@ -42,6 +42,7 @@ from benchmarks.harness import (
     option_overrides,
     parse_phases,
     raise_recompile_limit,
+    release,
     versions,
 )
 
@@ -64,12 +65,6 @@ def parse_ab(label: str) -> tuple[str, dict]:
     if mode not in ("batched", "sequential", "auto"):
         raise ValueError(f"A/B variant {label!r}: the cfg_mode must be batched, sequential or auto")
     return mode, option_overrides(variant or "defaults")
-
-
-def _release(compiled: bool) -> None:
-    if compiled:  # compiled blocks stay referenced by dynamo's cache (keeping the weights alive) until reset
-        torch._dynamo.reset()
-    torch.cuda.empty_cache()
 
 
 @torch.no_grad()
@@ -117,7 +112,7 @@ def phase_forward(root: Path, backends: list[str], res: dict, iters: int, compil
             out[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
             log(f"fastwan[{key}] FAILED: {exc}")
         del model
-        _release(compile_)
+        release(compile_)
 
 
 def phase_diffusers(root: Path, steps: int, guidance: float, res: dict, tuned: bool = False) -> None:
@@ -145,7 +140,7 @@ def phase_diffusers(root: Path, steps: int, guidance: float, res: dict, tuned: b
         np.save(DIFFUSERS_FRAMES, frames)
     log(f"{key} {e2e:.2f}s, peak {res[key]['peak_gib']:.2f} GiB")
     del pipe
-    _release(tuned)
+    release(tuned)
 
 
 def generator(root: Path, backend: str, cfg_mode: str, compile_: bool, attention_config: dict | None = None,
@@ -188,7 +183,7 @@ def phase_fastwan(root: Path, steps: int, guidance: float, backend: str, cfg_mod
     log(f"{key}: {e2e:.2f}s ({entry['s_per_step']:.3f} s/step), peak {entry['peak_gib']:.2f} GiB, "
         f"vs diffusers {entry['vs_diffusers']}, vs dense {entry.get('vs_fastwan_dense_eager')}")
     del gen
-    _release(compile_)
+    release(compile_)
 
 
 def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats: int, res: dict,
@@ -220,7 +215,7 @@ def phase_cfg_ab(root: Path, steps: int, guidance: float, backend: str, repeats:
         log(f"cfg {m}: median {o['s_per_step_median']:.4f} s/step (runs {[round(x, 4) for x in o['s_per_step_runs']]}),"
             f" peak {o['peak_gib']:.2f} GiB, max |frames - {first}| {o[f'max_abs_vs_{first}']}")
     del gens
-    _release(compile_)
+    release(compile_)
 
 
 def summary(res: dict) -> None:

@@ -102,6 +102,15 @@ def smi_round(fn: Callable[[], Any], calls: int) -> tuple[float, float, float]:
     return statistics.median(s.elapsed_time(e) for s, e in ev), *sample
 
 
+def release(compiled: bool, device: torch.device | str = "cuda") -> None:
+    """Free a finished phase's models (drop your references first): compiled blocks stay referenced by dynamo's
+    cache, keeping their weights alive, until it resets; then the allocator's cached blocks go back (CUDA)."""
+    if compiled:
+        torch._dynamo.reset()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def raise_recompile_limit(limit: int = 64) -> None:
     """Let dynamo keep ``limit`` graphs per code object: variants built side by side compile the same block code,
     each with its own guards."""

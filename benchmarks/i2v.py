@@ -35,6 +35,7 @@ from benchmarks.harness import (
     make_checkpoint,
     parse_phases,
     parse_video,
+    release,
     tune_diffusers,
     versions,
 )
@@ -114,14 +115,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device, compiled: bool) -> None:
-    """Free a finished phase's models: compiled code keeps its module (and weights) alive until dynamo resets."""
-    if compiled:
-        torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
@@ -160,7 +153,7 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
     np.save(frames_path(out, key), frames)
     log(f"{key}: {e2e:.2f} s, {res[key]['s_per_step_median']} s/step, peak {res[key]['peak_gib']} GiB")
     del pipe
-    _release(device, tuned)
+    release(tuned, device)
 
 
 def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int, res: dict, out: Path,
@@ -191,7 +184,7 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
     log(f"{key}: {e2e:.2f} s ({res[key]['s_per_step']:.3f} s/step), peak {res[key]['peak_gib']} GiB, "
         f"timings {r.timings}")
     del gen
-    _release(device, compile_)
+    release(compile_, device)
 
 
 def expert_steps(gen, steps: int) -> list[int]:
