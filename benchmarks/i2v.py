@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,9 +41,19 @@ from benchmarks.harness import (
     versions,
 )
 
-JOBS = {  # job -> (checkpoint task, height, width, frames, steps, guidance, guidance_2)
-    "i2v-14b": ("i2v", 480, 832, 81, 40, 5.0, None),
-    "i2v-a14b": ("i2v-a14b", 720, 1280, 81, 40, 3.5, 3.5),
+class Job(NamedTuple):
+    task: str  # the checkpoint's task (benchmarks.harness.TASKS)
+    height: int
+    width: int
+    frames: int
+    steps: int
+    guidance: float
+    guidance_2: float | None
+
+
+JOBS = {
+    "i2v-14b": Job("i2v", 480, 832, 81, 40, 5.0, None),
+    "i2v-a14b": Job("i2v-a14b", 720, 1280, 81, 40, 3.5, 3.5),
 }
 PHASES = ("make", "diffusers", "diffusers_tuned", "fastwan")
 
@@ -125,7 +136,7 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
     from PIL import Image
 
     h, w, f = video
-    gs, gs2 = JOBS[job][5:]
+    gs, gs2 = JOBS[job].guidance, JOBS[job].guidance_2
     pipe = diffusers_i2v(root, tuned, device)
     image = Image.fromarray(bench_image(h, w))
     kw = dict(image=image, prompt=PROMPT, negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs)
@@ -162,7 +173,7 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
     from fastwan import VideoGenerator
 
     h, w, f = video
-    gs, gs2 = JOBS[job][5:]
+    gs, gs2 = JOBS[job].guidance, JOBS[job].guidance_2
     gen = VideoGenerator.from_pretrained(root, device=device, dtype=torch.bfloat16, cfg_mode=cfg_mode,
                                          enable_torch_compile=compile_)
     kw = dict(image=bench_image(h, w), negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs,
@@ -235,10 +246,10 @@ def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     phases = parse_phases(p, a.phase, PHASES)
-    steps = a.steps if a.steps is not None else JOBS[a.job][4]
+    steps = a.steps if a.steps is not None else JOBS[a.job].steps
     if steps < 2:
         p.error(f"--steps {steps}: must be at least 2 (the per-step times need two step ends)")
-    video = JOBS[a.job][1:4]
+    video = (JOBS[a.job].height, JOBS[a.job].width, JOBS[a.job].frames)
     if a.video is not None:
         try:
             video = parse_video(a.video)
@@ -251,7 +262,7 @@ def main(argv=None) -> int:
     res.setdefault("commands", []).append(" ".join(["python -m benchmarks.i2v"] + sys.argv[1:]))
     for ph in phases:
         if ph == "make":
-            make_checkpoint(root, "14b", task=JOBS[a.job][0], device=device)
+            make_checkpoint(root, "14b", task=JOBS[a.job].task, device=device)
         elif ph in ("diffusers", "diffusers_tuned"):
             phase_diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
         else:
