@@ -132,7 +132,6 @@ class SkipSteps:
     steps: tuple[int, ...] = ()
     first_block: bool = False
     name: ClassVar[str] = "skip_steps"
-    threshold: ClassVar[float] = 1.0  # never "off": the schedule decides
 
     def __post_init__(self):
         if not isinstance(self.first_block, bool):
@@ -161,7 +160,7 @@ def check_cache(cache) -> CacheConfig | None:
     if not isinstance(cache, tuple(CACHES.values())):
         raise InvalidArgumentType(f"cache={cache!r} must be one of {', '.join(c.__name__ for c in CACHES.values())}"
                                   " (from fastwan.cache), a string such as 'teacache:threshold=0.1', or None.")
-    return None if cache.threshold == 0 else cache
+    return None if getattr(cache, "threshold", None) == 0 else cache  # SkipSteps has no threshold
 
 
 def _parse_value(name: str, field: str, text: str):
@@ -310,7 +309,7 @@ class PassCache:
         prev = self.head_residual
         if prev is None or self.residual is None:
             return False
-        diff = ((head_residual - prev).abs().mean() / prev.abs().mean()).item()
+        diff = ((head_residual - prev).abs().mean() / prev.abs().mean()).item()  # in the residual's dtype, as diffusers
         return diff <= self.config.threshold
 
     def reuse(self, x: torch.Tensor) -> torch.Tensor:
