@@ -30,6 +30,9 @@ class Preset:
     guidance_scale: float
     guidance_scale_2: float | None
     fps: int
+    sampler: str = "default"  # fastwan.pipelines.sampling.SAMPLERS
+    timesteps: tuple[float, ...] | None = None  # the sampler's (euler / dmd); None: evenly spaced
+    flow_shift: float | None = None  # None: the checkpoint scheduler's
 
 
 # Image-to-video presets follow the Wan repos' generate.py: I2V 40 steps, FLF2V 50, guidance 5.0 (Wan2.1) and

@@ -35,8 +35,10 @@ from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
+from fastwan.pipelines.denoise import denoise
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
+from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, with_sampling
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -242,8 +244,9 @@ class VideoGenerator:
     def _check_inputs(self, prompt, negative_prompt, s, seed) -> None:
         """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
         cfg = self.checkpoint.transformer_config
+        scheduler = fresh_scheduler(self.scheduler, s.flow_shift) if s.sampler == "default" else None
         check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
-                     scheduler=self.scheduler, max_grid=cfg.rope_max_seq_len)
+                     scheduler=scheduler, max_grid=cfg.rope_max_seq_len)
 
     def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
@@ -275,6 +278,9 @@ class VideoGenerator:
         return_frames: bool = True,
         overwrite: bool = False,
         cache: CacheConfig | str | None = None,
+        sampler: str | None = None,
+        timesteps=None,
+        flow_shift: float | None = None,
     ) -> GenerationResult:
         """Make one video. ``None`` arguments take the model's preset (see ``self.preset``).
 
@@ -289,15 +295,19 @@ class VideoGenerator:
         video takes the image's aspect ratio at the preset's pixel area, and the images are resized to the size.
         ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
         steps each pass computed are in ``result.cache``.
+        ``sampler`` ("default": the checkpoint's scheduler, "euler", "dmd"), ``timesteps`` (euler / dmd: strictly
+        decreasing, in (0, 1000]) and ``flow_shift``: :mod:`fastwan.pipelines.sampling`; a distilled checkpoint
+        (FastWan) presets its own.
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
         req = check_image_request(self.checkpoint, image, last_image)
         if req is not None and height is None and width is None:
             multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
             height, width = default_size(req.first, self.preset.height * self.preset.width, multiple)
-        s = with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
-                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                           guidance_scale_2=guidance_scale_2, fps=fps)
+        sampling = check_sampling(self.preset, sampler, timesteps, flow_shift, num_inference_steps)
+        s = with_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
+                                         guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
+                          sampling)
         self._check_inputs(prompt, negative_prompt, s, seed)
         cache = self.cache if cache is None else check_cache(cache)
         cfg = self.checkpoint.transformer_config
@@ -363,82 +373,8 @@ class VideoGenerator:
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
                  run: CacheRun | None = None) -> tuple[torch.Tensor, int]:
-        """emb [1 or 2, L, D] (cond[, uncond]); image_inputs: (condition latents, CLIP tokens or None) of an
-        image-to-video call; run: the request's step caches -> final latents [1, C, F, H, W] fp32, and the forward
-        count."""
-        from tqdm.auto import tqdm
-
-        dev = self.device
-        cfg = self.checkpoint.transformer_config
-        vt, vs = self.vae_scale_factors
-        condition, image_tokens = image_inputs if image_inputs is not None else (None, None)
-        channels = cfg.out_channels if condition is not None else cfg.in_channels  # I2V reads noise + condition
-        first_frame = condition is not None and self.checkpoint.expand_timesteps  # TI2V: the image is frame 0
-        shape = (1, channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
-        generator = torch.Generator(device=dev).manual_seed(int(seed))
-        latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
-        if first_frame:  # 1 where the noise is denoised; the first latent frame is the image's, at timestep 0
-            keep = torch.ones(1, 1, *shape[2:], device=dev)
-            keep[:, :, 0] = 0
-            token_keep = keep[0, 0][:, ::cfg.patch_size[1], ::cfg.patch_size[2]].flatten()[None]
-
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # fresh state per video
-        scheduler.set_timesteps(s.num_inference_steps, device=dev)
-        timesteps = scheduler.timesteps
-        n = len(timesteps)
-        boundary = None
-        if self.checkpoint.boundary_ratio is not None:
-            boundary = self.checkpoint.boundary_ratio * scheduler.config.num_train_timesteps
-        gs2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
-        gate_at = n if self.cfg_gate_step is None else int(n * self.cfg_gate_step)
-        pt, ph, pw = cfg.patch_size
-        tokens = (shape[2] // pt) * (shape[3] // ph) * (shape[4] // pw)
-
-        cond, uncond = emb[:1], emb[1:2]
-        batched = self._cfg_batched(tokens)
-        delta = None  # last (cond - uncond), for CFG gating
-        current = None
-        forwards = 0
-        def cached(expert: int, name: str) -> dict:  # a step cache decides per pass: own forward and state
-            return {} if run is None else {"cache": run.state(expert, name)}
-
-        # which expert runs each step, decided on the host once (no device sync inside the loop)
-        experts = [0 if boundary is None or tv >= boundary else 1 for tv in timesteps.tolist()]
-        for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
-            expert = experts[i]
-            if expert != current:
-                current, delta = expert, None  # a new expert: its own guidance delta
-            model = self.transformers[expert]
-            gs = s.guidance_scale if expert == 0 else gs2
-            if first_frame:
-                x = (1 - keep) * condition + keep * latents
-            else:
-                x = latents if condition is None else torch.cat([latents, condition], dim=1)
-            x = x.to(model.dtype)
-            timestep = token_keep * t.to(torch.float32) if first_frame else self._timestep(t, tokens)
-            kw = {"step_index": i, "num_steps": n}
-            if image_tokens is not None:
-                kw["image"] = image_tokens
-            if do_cfg and (i < gate_at or delta is None):
-                # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under a
-                # step cache each pass decides with its own state, one after the other
-                caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
-                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
-                                             caches=caches, **kw)
-                forwards += 2
-                delta = pos - neg
-                pred = neg + gs * delta
-            elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
-                pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
-                forwards += 1
-                pred = pos + (gs - 1.0) * delta
-            else:
-                pred = model(x, timestep, cond, **kw, **cached(expert, "cond"))
-                forwards += 1
-            latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        if first_frame:
-            latents = (1 - keep) * condition + keep * latents
-        return latents, forwards
+        """The denoising loop (:func:`fastwan.pipelines.denoise.denoise`)."""
+        return denoise(self, emb, s, seed, do_cfg, image_inputs, run)
 
     def _cfg_batched(self, tokens: int) -> bool:
         """Whether CFG runs as one batch of 2 (else two batch-1 passes), from ``cfg_mode``. "auto": two passes
@@ -450,12 +386,6 @@ class VideoGenerator:
         logger.info("cfg_mode='auto': %s CFG (%d tokens per sample)", "batched" if batched else "sequential",
                     tokens)
         return batched
-
-    def _timestep(self, t: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The timestep of one sample: [1], or per token [1, S] for checkpoints with expand_timesteps (TI2V)."""
-        if self.checkpoint.expand_timesteps:
-            return t.to(torch.float32).expand(1, tokens)  # a view: no host round trip
-        return t.expand(1)
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""

@@ -18,7 +18,8 @@ RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from
 def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
                  scheduler, max_grid: int | None = None) -> None:
     """``prompt``/``negative_prompt`` and the resolved settings ``s`` (a Preset) for a VAE of (temporal, spatial)
-    ``vae_factors``, a DiT of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and ``scheduler``;
+    ``vae_factors``, a DiT of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and ``scheduler`` (the
+    diffusers scheduler that will run the steps; None for fastwan's own samplers, whose timesteps were checked);
     raises InvalidArgument/InvalidArgumentType."""
     if not isinstance(prompt, str):
         raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
@@ -55,7 +56,8 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
     if not is_int(s.fps) or s.fps < 1:
         raise InvalidArgument(f"fps={s.fps!r} must be a positive int (e.g. 16).")
     _check_seed(seed)
-    _check_num_steps(scheduler, int(s.num_inference_steps))
+    if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
+        _check_num_steps(scheduler, int(s.num_inference_steps))
 
 
 def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid: int | None) -> None:

@@ -1,0 +1,106 @@
+"""The denoising loop of :class:`fastwan.pipelines.generator.VideoGenerator`.
+
+Per step: the expert of the step's timestep (Wan2.2 A14B: high noise while t >= boundary), the model input
+(noise latents, plus the condition latents of image-to-video, or the image as frame 0 at timestep 0 for TI2V),
+the prediction (CFG as one batch of 2 or two passes sharing their start, gated late in sampling, each pass under
+its own step cache), then the sampler's update (:mod:`fastwan.pipelines.sampling`).
+"""
+from __future__ import annotations
+
+import torch
+
+from fastwan.cache import CacheRun
+from fastwan.pipelines.sampling import Schedule, Sampling
+
+
+def sampling_of(s) -> Sampling:
+    """The :class:`Sampling` of resolved settings ``s`` (a Preset whose sampling was checked)."""
+    return Sampling(s.sampler, s.num_inference_steps, s.timesteps, s.flow_shift)
+
+
+def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
+            run: CacheRun | None = None) -> tuple[torch.Tensor, int]:
+    """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
+    image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
+    caches -> final latents [1, C, F, H, W] fp32, and the forward count."""
+    from tqdm.auto import tqdm
+
+    dev = gen.device
+    ckpt = gen.checkpoint
+    cfg = ckpt.transformer_config
+    vt, vs = gen.vae_scale_factors
+    condition, image_tokens = image_inputs if image_inputs is not None else (None, None)
+    channels = cfg.out_channels if condition is not None else cfg.in_channels  # I2V reads noise + condition
+    first_frame = condition is not None and ckpt.expand_timesteps  # TI2V: the image is frame 0
+    shape = (1, channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
+    generator = torch.Generator(device=dev).manual_seed(int(seed))
+    latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
+    if first_frame:  # 1 where the noise is denoised; the first latent frame is the image's, at timestep 0
+        keep = torch.ones(1, 1, *shape[2:], device=dev)
+        keep[:, :, 0] = 0
+        token_keep = keep[0, 0][:, ::cfg.patch_size[1], ::cfg.patch_size[2]].flatten()[None]
+
+    schedule = Schedule(sampling_of(s), gen.scheduler, dev, generator)  # fresh state per video
+    timesteps = schedule.timesteps
+    n = len(timesteps)
+    boundary = None
+    if ckpt.boundary_ratio is not None:
+        boundary = ckpt.boundary_ratio * gen.scheduler.config.num_train_timesteps
+    gs2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
+    gate_at = n if gen.cfg_gate_step is None else int(n * gen.cfg_gate_step)
+    pt, ph, pw = cfg.patch_size
+    tokens = (shape[2] // pt) * (shape[3] // ph) * (shape[4] // pw)
+
+    cond, uncond = emb[:1], emb[1:2]
+    batched = gen._cfg_batched(tokens)
+    delta = None  # last (cond - uncond), for CFG gating
+    current = None
+    forwards = 0
+
+    def cached(expert: int, name: str) -> dict:  # a step cache decides per pass: own forward and state
+        return {} if run is None else {"cache": run.state(expert, name)}
+
+    # which expert runs each step, decided on the host once (no device sync inside the loop)
+    experts = [0 if boundary is None or tv >= boundary else 1 for tv in timesteps.tolist()]
+    for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
+        expert = experts[i]
+        if expert != current:
+            current, delta = expert, None  # a new expert: its own guidance delta
+        model = gen.transformers[expert]
+        gs = s.guidance_scale if expert == 0 else gs2
+        if first_frame:
+            x = (1 - keep) * condition + keep * latents
+        else:
+            x = latents if condition is None else torch.cat([latents, condition], dim=1)
+        x = x.to(model.dtype)
+        timestep = token_keep * t.to(torch.float32) if first_frame else _timestep(ckpt, t, tokens)
+        kw = {"step_index": i, "num_steps": n}
+        if image_tokens is not None:
+            kw["image"] = image_tokens
+        if do_cfg and (i < gate_at or delta is None):
+            # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under a
+            # step cache each pass decides with its own state, one after the other
+            caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
+            pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
+                                         caches=caches, **kw)
+            forwards += 2
+            delta = pos - neg
+            pred = neg + gs * delta
+        elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
+            pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+            forwards += 1
+            pred = pos + (gs - 1.0) * delta
+        else:
+            pred = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+            forwards += 1
+        latents = schedule.step(pred, i, latents)
+    if first_frame:
+        latents = (1 - keep) * condition + keep * latents
+    return latents, forwards
+
+
+def _timestep(ckpt, t: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The timestep of one sample: [1], or per token [1, S] for checkpoints with expand_timesteps (TI2V)."""
+    if ckpt.expand_timesteps:
+        return t.to(torch.float32).expand(1, tokens)  # a view: no host round trip
+    return t.expand(1)

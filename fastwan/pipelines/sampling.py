@@ -1,0 +1,176 @@
+"""Samplers: how the denoising loop turns the DiT's flow prediction into the next latents.
+
+``sampler`` (``generate_video`` / ``--sampler``):
+
+- ``"default"``: the checkpoint's own diffusers scheduler (``scheduler_config.json``; UniPC for the Wan
+  releases), ``num_inference_steps`` steps, its ``flow_shift`` unless ``flow_shift`` is given.
+- ``"euler"``: flow-matching Euler, as step-distilled models (lightx2v's 4-step LoRAs, CausVid) sample.
+  ``timesteps`` are points of the 1000-step training grid, t_i = 1000, 750, 500, 250 by default for 4 steps
+  (evenly spaced from 1000); each becomes sigma_i = shift * s / (1 + (shift - 1) * s) with s = t_i / 1000,
+  the model sees 1000 * sigma_i, and x <- x + (sigma_{i+1} - sigma_i) * v with sigma_N = 0.
+- ``"dmd"``: DMD sampling as FastVideo runs its FastWan models: the model sees t_i itself (1000, 757, 522
+  for FastWan); sigma_i is the sigma of the shifted 1000-step flow-matching grid (``flow_shift``) nearest to
+  t_i / 1000; x0 = x - sigma_i * v; then x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise with fresh Gaussian
+  noise (from the request's seed), and the last step returns x0.
+
+``timesteps`` (euler and dmd only) are strictly decreasing numbers in (0, 1000]; given, they set the step count.
+A checkpoint's preset may carry a sampler, timesteps and flow shift (FastWan: dmd, (1000, 757, 522), 8); a call
+that asks for another step count without timesteps gets evenly spaced ones.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+
+SAMPLERS = ("default", "euler", "dmd")
+TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The resolved sampling of one request: sampler name, step count, timesteps (None: the sampler's own),
+    flow shift (None: the checkpoint scheduler's)."""
+
+    sampler: str
+    num_steps: int
+    timesteps: tuple[float, ...] | None
+    flow_shift: float | None
+
+
+def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_inference_steps=None) -> Sampling:
+    """The call's sampling from its arguments over the preset's (``None``: the preset's value); raises before any
+    compute on an unknown sampler, timesteps that are not strictly decreasing in (0, 1000], timesteps with the
+    default sampler, a step count that disagrees with the timesteps, or a flow shift that is not positive."""
+    name = preset.sampler if sampler is None else sampler
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise InvalidArgument(f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
+                              "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+    steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidArgument(f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled "
+                              "models).")
+    if timesteps is not None:
+        ts = _check_timesteps(timesteps)
+        if name == "default":
+            raise InvalidArgument(f"timesteps={list(timesteps)!r} need sampler='euler' or 'dmd'; the default "
+                                  "sampler takes its timesteps from the checkpoint's scheduler (num_inference_steps).")
+        if num_inference_steps is not None and num_inference_steps != len(ts):
+            raise InvalidArgument(f"num_inference_steps={num_inference_steps!r} disagrees with the {len(ts)} "
+                                  f"timesteps {list(ts)}; pass one of the two.")
+        steps = len(ts)
+    elif name == "default" or sampler is not None and sampler != preset.sampler:
+        ts = None  # the sampler's own schedule
+    else:  # the preset's timesteps hold for the preset's step count only
+        ts = preset.timesteps if preset.timesteps is not None and len(preset.timesteps) == steps else None
+    shift = preset.flow_shift if flow_shift is None else flow_shift
+    if shift is not None:
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
+            raise InvalidArgument(f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, "
+                                  "8.0 for FastWan).")
+        shift = float(shift)
+    return Sampling(name, steps, ts, shift)
+
+
+def _check_timesteps(timesteps) -> tuple[float, ...]:
+    if isinstance(timesteps, (str, bytes)) or not hasattr(timesteps, "__iter__"):
+        raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers, e.g. [1000, 757, 522].")
+    ts = tuple(timesteps)
+    if not ts or any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in ts):
+        raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
+    ts = tuple(float(t) for t in ts)
+    bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
+    if bad:
+        raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
+                              f"points of the {TRAIN_TIMESTEPS}-step training grid, e.g. [1000, 757, 522].")
+    if any(b >= a for a, b in zip(ts, ts[1:])):
+        raise InvalidArgument(f"timesteps={list(ts)!r} must be strictly decreasing (from noise to clean), "
+                              "e.g. [1000, 757, 522].")
+    return ts
+
+
+def evenly_spaced(n: int) -> tuple[float, ...]:
+    """n training timesteps from 1000 down in equal strides: 4 -> (1000, 750, 500, 250)."""
+    return tuple(TRAIN_TIMESTEPS * (1 - i / n) for i in range(n))
+
+
+def shifted(s: torch.Tensor, shift: float) -> torch.Tensor:
+    """The flow shift of sigmas s in [0, 1]: shift * s / (1 + (shift - 1) * s)."""
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def grid_sigma(t: float, shift: float) -> float:
+    """The sigma of the shifted 1000-step flow-matching grid (s = k / 1000, k = 1..1000) nearest t / 1000."""
+    grid = shifted(torch.arange(1, TRAIN_TIMESTEPS + 1, dtype=torch.float64) / TRAIN_TIMESTEPS, shift)
+    return float(grid[torch.argmin((grid * TRAIN_TIMESTEPS - t).abs())])
+
+
+def scheduler_shift(scheduler) -> float | None:
+    """The flow shift of a diffusers scheduler (UniPC: ``flow_shift``; FlowMatchEuler: ``shift``), else None."""
+    cfg = scheduler.config
+    for key in ("flow_shift", "shift"):
+        if key in cfg and cfg[key] is not None:
+            return float(cfg[key])
+    return None
+
+
+def fresh_scheduler(scheduler, flow_shift: float | None = None):
+    """A new diffusers scheduler of ``scheduler``'s config (its own step state), with ``flow_shift`` set when
+    given; raises if that scheduler has no flow shift."""
+    kw = {}
+    if flow_shift is not None:
+        key = next((k for k in ("flow_shift", "shift") if k in scheduler.config), None)
+        if key is None:
+            raise InvalidArgument(f"flow_shift={flow_shift} cannot be set on the checkpoint's "
+                                  f"{type(scheduler).__name__}, which has no flow shift; use sampler='euler'.")
+        kw[key] = flow_shift
+    return type(scheduler).from_config(scheduler.config, **kw)
+
+
+class Schedule:
+    """One request's steps: ``timesteps`` [n] (what the model sees, fp32 on the device) and :meth:`step`."""
+
+    def __init__(self, sampling: Sampling, scheduler, device: torch.device, generator: torch.Generator | None = None):
+        self.sampling, self.generator = sampling, generator
+        self.scheduler = None
+        name = sampling.sampler
+        if name == "default":
+            self.scheduler = fresh_scheduler(scheduler, sampling.flow_shift)
+            self.scheduler.set_timesteps(sampling.num_steps, device=device)
+            self.timesteps = self.scheduler.timesteps
+            return
+        shift = sampling.flow_shift if sampling.flow_shift is not None else scheduler_shift(scheduler)
+        if shift is None:
+            raise InvalidArgument(f"sampler={name!r} needs a flow_shift: the checkpoint's {type(scheduler).__name__} "
+                                  "has none; pass flow_shift (e.g. 5.0).")
+        ts = sampling.timesteps or evenly_spaced(sampling.num_steps)
+        if name == "euler":
+            sig = shifted(torch.tensor(ts, dtype=torch.float64) / TRAIN_TIMESTEPS, shift)
+            self.sigmas = sig.tolist() + [0.0]
+            self.timesteps = (sig * TRAIN_TIMESTEPS).to(torch.float32).to(device)
+        else:
+            self.sigmas = [grid_sigma(t, shift) for t in ts] + [0.0]
+            self.timesteps = torch.tensor(ts, dtype=torch.float32, device=device)
+
+    def step(self, pred: torch.Tensor, i: int, latents: torch.Tensor) -> torch.Tensor:
+        """The latents after step i from the flow prediction ``pred`` (v = noise - x0) at ``latents`` (fp32)."""
+        if self.scheduler is not None:
+            return self.scheduler.step(pred, self.timesteps[i], latents, return_dict=False)[0]
+        sigma, nxt = self.sigmas[i], self.sigmas[i + 1]
+        v = pred.to(latents.dtype)
+        if self.sampling.sampler == "euler":
+            return latents + (nxt - sigma) * v
+        x0 = latents - sigma * v
+        if nxt == 0.0:
+            return x0
+        noise = torch.randn(latents.shape, generator=self.generator, device=latents.device, dtype=latents.dtype)
+        return (1 - nxt) * x0 + nxt * noise
+
+
+def with_sampling(preset, sampling: Sampling):
+    """The preset with the request's sampling settled (step count, sampler, timesteps, flow shift)."""
+    return replace(preset, num_inference_steps=sampling.num_steps, sampler=sampling.sampler,
+                   timesteps=sampling.timesteps, flow_shift=sampling.flow_shift)
