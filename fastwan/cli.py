@@ -31,6 +31,11 @@ def _generate_parser(sub) -> None:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--num-frames", type=int, default=None, help="4k+1 frames, e.g. 81")
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
+    p.add_argument("--sampler", choices=("default", "euler", "dmd"), default=None,
+                   help="default: the checkpoint's (its scheduler; dmd for FastWan); euler for step-distilled LoRAs")
+    p.add_argument("--timesteps", type=_timesteps_arg, default=None, metavar="T1,T2,...",
+                   help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)")
+    p.add_argument("--flow-shift", type=float, default=None, help="default: the checkpoint's (8 for FastWan)")
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--guidance-scale-2", type=float, default=None, help="low-noise expert's scale (Wan2.2 A14B)")
     p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
@@ -60,6 +65,15 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def _timesteps_arg(text: str) -> list[float]:
+    """'1000,757,522' -> [1000.0, 757.0, 522.0] (the generator checks the values)."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 1000,757,522") \
+            from None
 
 
 def _chunk_arg(text: str):
@@ -114,7 +128,8 @@ def _run_generate(args) -> int:
         height=args.height, width=args.width,
         num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
-        overwrite=args.overwrite, return_frames=False,
+        overwrite=args.overwrite, return_frames=False, sampler=args.sampler, timesteps=args.timesteps,
+        flow_shift=args.flow_shift,
     )
     t = res.timings
     print(f"video: {res.video_path}")

@@ -6,7 +6,9 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
   model's own module names, optionally ``<module>.alpha``;
 * the original Wan / ComfyUI / lightx2v layout: ``diffusion_model.blocks.N.self_attn.q.lora_down.weight`` /
   ``lora_up.weight`` (or ``lora_A`` / ``lora_B``), ``<module>.alpha``, full deltas ``<module>.diff`` and bias
-  deltas ``<module>.diff_b``, under the original module names (:data:`WAN_NAMES` maps them).
+  deltas ``<module>.diff_b``, under the original module names (:data:`WAN_NAMES` maps them);
+* kohya / musubi-tuner: ``lora_unet_blocks_N_self_attn_q.lora_down.weight`` (the same parts): ``lora_unet_`` and
+  the original module name with each dot written as an underscore (:func:`_kohya_name` reads it back).
 
 A module's update is ``W += scale * (alpha / rank) * B @ A`` (alpha defaults to the rank), ``W += scale * diff``,
 ``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype. Merged weights cost nothing at
@@ -15,6 +17,7 @@ Deltas of norms (zeros in the files that carry them) are skipped.
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +25,8 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
+
+logger = logging.getLogger("fastwan")
 
 WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
     (r"blocks\.(\d+)\.self_attn\.([qkv])", r"blocks.\1.attn1.to_\2"),
@@ -42,6 +47,10 @@ WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
     (r"img_emb\.proj\.3", "condition_embedder.image_embedder.ff.net.2"),
 )
 PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.", "model.")
+KOHYA_PREFIX = "lora_unet_"
+# WAN_NAMES with every separating dot read as an underscore; each pattern spells its literal parts out in full and
+# matches a whole name, so the underscores inside names (self_attn, k_img, time_embedding) cannot split two ways.
+KOHYA_NAMES = tuple((re.compile(pattern.replace(r"\.", "_")), repl) for pattern, repl in WAN_NAMES)
 PARTS = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "lora_up.weight": "B",
          "alpha": "alpha", "diff": "diff", "diff_b": "diff_b", "lora_B.bias": "diff_b"}
 
@@ -61,6 +70,16 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def _kohya_name(flat: str, modules: set[str]) -> str | None:
+    """A kohya module name without ``lora_unet_`` (dots, where a file has any, read as underscores) -> the model's
+    module name: the one original Wan name whose underscored spelling it is, mapped by :data:`WAN_NAMES` and
+    present in ``modules``; None when no name (or more than one) fits."""
+    flat = flat.replace(".", "_")
+    found = {m.expand(repl) for pattern, repl in KOHYA_NAMES if (m := pattern.fullmatch(flat))}
+    found &= modules
+    return found.pop() if len(found) == 1 else None
+
+
 def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
     """A file key -> (the model's module name, part: A, B, alpha, diff, diff_b), or None for a key of no module."""
     ends = [(suffix, part) for suffix, part in PARTS.items() if key.endswith("." + suffix)]
@@ -68,6 +87,9 @@ def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
         return None
     suffix, part = ends[0]
     name = key[: -len(suffix) - 1]
+    if name.startswith(KOHYA_PREFIX):
+        name = _kohya_name(name[len(KOHYA_PREFIX):], modules)
+        return None if name is None else (name, part)
     for prefix in PREFIXES:
         if name.startswith(prefix):
             name = name[len(prefix):]
@@ -100,7 +122,11 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     if not updates:
         raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a linear layer of this model, e.g. "
                               f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "
-                              "(diffusers names, or the original Wan names with a 'diffusion_model.' prefix).")
+                              "(diffusers names, the original Wan names with a 'diffusion_model.' prefix, or "
+                              "kohya's 'lora_unet_' with the original names' dots as underscores).")
+    if unmatched:  # e.g. text-encoder keys, or blocks this model does not have: the rest still applies
+        logger.warning("%s: %d of its %d keys name no layer of this model and are not applied, e.g. %s",
+                       source, len(unmatched), len(tensors), sorted(unmatched)[:3])
     for name, parts in updates.items():
         weight = linears[name].weight
         if ("A" in parts) != ("B" in parts):

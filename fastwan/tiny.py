@@ -26,7 +26,7 @@ import torch
 from fastwan.errors import InvalidArgument, MissingFileError
 from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
 
-VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
+VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts
 TINY_IDS = {
     "tiny": "wan2.1",
@@ -36,6 +36,7 @@ TINY_IDS = {
     "tiny-wan2.1-i2v": "wan2.1-i2v",
     "tiny-wan2.1-flf2v": "wan2.1-flf2v",
     "tiny-wan2.2-i2v-a14b": "wan2.2-i2v-a14b",
+    "tiny-fastwan2.1": "fastwan2.1",
 }
 CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
 _FORMAT = 1  # bump when the tiny layout changes, so cached copies are rebuilt
@@ -136,6 +137,12 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
             freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
             rope_max_seq_len=64, **image_cfg,
         )
+        if variant == "fastwan2.1":  # VSA's gate projections, saved as FastVideo's FastWan checkpoints carry them
+            for blk in dit.blocks:
+                blk.attn1.to_gate_compress = torch.nn.Linear(dit.config.num_attention_heads *
+                                                             dit.config.attention_head_dim,
+                                                             dit.config.num_attention_heads *
+                                                             dit.config.attention_head_dim)
         _randomize(dit, seed + 10 + i, std=0.1)
         dit.save_pretrained(path / name, safe_serialization=True, **shard)
 
@@ -158,7 +165,8 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
     if clip:
         _write_clip(path, seed + 30)
     index = {
-        "_class_name": "WanImageToVideoPipeline" if image else "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if image else ("WanDMDPipeline" if variant == "fastwan2.1"
+                                                                else "WanPipeline"),
         "_diffusers_version": "0.35.0",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],

@@ -206,3 +206,34 @@ def test_cli_cache_reports_computed_steps(tmp_path, capsys):
     assert cli.main(args) == 0 and out.is_file()
     lines = capsys.readouterr().out.splitlines()
     assert "skip_steps computed steps: cond 4/6 [0, 1, 4, 5]; uncond 4/6 [0, 1, 4, 5]" in lines
+
+
+def test_cli_sampler_flags(monkeypatch, tmp_path, capsys):
+    result = SimpleNamespace(video_path="outputs/v.mp4", seed=1, attention_backend="TORCH_SDPA", peak_memory=None,
+                             cache=None,
+                             timings={"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6})
+    fake = fake_generator(monkeypatch, result)
+    assert cli.main(["generate", "--prompt", "x"]) == 0
+    assert (fake.kwargs["sampler"], fake.kwargs["timesteps"], fake.kwargs["flow_shift"]) == (None, None, None)
+    assert cli.main(["generate", "--prompt", "x", "--sampler", "dmd", "--timesteps", "1000,757,522",
+                     "--flow-shift", "8"]) == 0
+    assert (fake.kwargs["sampler"], fake.kwargs["timesteps"], fake.kwargs["flow_shift"]) == (
+        "dmd", [1000.0, 757.0, 522.0], 8.0)
+    for bad in (["--timesteps", "1000;500"], ["--sampler", "lcm"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", "--prompt", "x", *bad])
+        assert e.value.code == 2 and bad[1] in capsys.readouterr().err
+
+
+def test_cli_bad_timesteps_is_one_line(tmp_path, capsys):
+    """Timesteps the generator refuses: one error line, exit 2, no video."""
+    out = tmp_path / "v.mp4"
+    args = ["generate", "--prompt", "a fox", "--model", "tiny", "--seed", "1", "--output", str(out),
+            "--sampler", "euler", "--timesteps", "500,750"]
+    capsys.readouterr()
+    assert cli.main(args) == 2 and not out.exists()
+    err = capsys.readouterr().err  # after the loading progress bars, the one error line
+    errors = [ln for ln in err.split("\n") if "error" in ln]
+    assert "Traceback" not in err and len(errors) == 1 and "timesteps=[500.0, 750.0]" in errors[0], err
+    assert "strictly decreasing" in errors[0]

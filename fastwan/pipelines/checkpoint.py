@@ -48,6 +48,22 @@ PRESETS = {
     "wan2.1-flf2v": Preset(720, 1280, 81, 50, 5.0, None, 16),
     "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
 }
+# FastVideo's DMD-distilled FastWan checkpoints (model_index.json "_class_name": "WanDMDPipeline") sample as
+# FastVideo's DMD stage does: timesteps 1000, 757, 522 on its shift-8 grid, no CFG; the Wan2.1 ones at FastVideo's
+# 61 x 448 x 832 preset, the TI2V-5B one at the TI2V preset's size.
+DISTILLED = {
+    "wan2.1": Preset(448, 832, 61, 3, 1.0, None, 16, "dmd", (1000.0, 757.0, 522.0), 8.0),
+    "wan2.2-ti2v": Preset(704, 1280, 121, 3, 1.0, None, 24, "dmd", (1000.0, 757.0, 522.0), 8.0),
+}
+# VSA-trained checkpoints (the DiT carries attn1.to_gate_compress) run VSA by default, at FastVideo's sparsity for
+# FastWan: 0.9 for the 14B width (5120), 0.8 below; 4 x 4 x 4-token cubes as trained
+VSA_TILE = (4, 4, 4)
+
+
+def trained_vsa_sparsity(inner_dim: int) -> float:
+    return 0.9 if inner_dim >= 5120 else 0.8
+
+
 # tiny checkpoints: the same kinds of models at sizes a 2-core CPU makes in seconds
 TINY_PRESETS = {
     "wan2.1": Preset(128, 128, 17, 8, 5.0, None, 8),
@@ -68,6 +84,7 @@ WAN_NEGATIVE_PROMPT = (
 
 REQUIRED = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B)
+DMD_PIPELINE = "WanDMDPipeline"  # FastVideo's DMD-distilled text-to-video (FastWan): the Wan layout, DMD sampling
 I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
@@ -88,6 +105,8 @@ class Checkpoint:
     boundary_ratio: float | None
     expand_timesteps: bool
     image_encoder: bool = False  # a CLIP image encoder (image_encoder/, image_processor/) to load
+    distilled: bool = False  # DMD-distilled (FastWan): the preset samples with "dmd"
+    vsa_gates: bool = False  # the DiT was trained with VSA (it carries attn1.to_gate_compress)
 
     @property
     def needs_image(self) -> bool:
@@ -107,6 +126,7 @@ class PipelineIndex:
     expand_timesteps: bool
     image_to_video: bool = False
     image_encoder: bool = False
+    distilled: bool = False
 
 
 def _download(model_id: str, patterns: list[str], revision: str | None = None) -> Path:
@@ -165,7 +185,7 @@ def _locate(name: str) -> tuple[Path, str | None, bool]:
 def _check_pipeline_class(index: dict, path: Path) -> None:
     """Rule: ``_class_name`` is the Wan text-to-video or image-to-video pipeline class."""
     cls = index.get("_class_name")
-    if cls in (T2V_PIPELINE, I2V_PIPELINE):
+    if cls in (T2V_PIPELINE, I2V_PIPELINE, DMD_PIPELINE):
         return
     if not (isinstance(cls, str) and cls.startswith("Wan")):
         raise CheckpointError(
@@ -176,8 +196,8 @@ def _check_pipeline_class(index: dict, path: Path) -> None:
     task = next((t for word, t in OTHER_TASKS if word in cls), "this pipeline's task")
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
-        f"(\"{T2V_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\") checkpoints, and {task} is not supported "
-        "yet. Use a text- or image-to-video checkpoint."
+        f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\") checkpoints, and "
+        f"{task} is not supported yet. Use a text- or image-to-video checkpoint."
     )
 
 
@@ -265,7 +285,7 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
     experts = _index_experts(index, path)
     i2v = index.get("_class_name") == I2V_PIPELINE
     return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path), i2v,
-                         i2v and _index_image_encoder(index, path))
+                         i2v and _index_image_encoder(index, path), index.get("_class_name") == DMD_PIPELINE)
 
 
 def _check_components(root: Path, index_path: Path, meta: PipelineIndex) -> None:
@@ -346,11 +366,35 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
     if tiny_variant:
         preset = TINY_PRESETS[variant]
+    elif meta.distilled:
+        preset = DISTILLED.get(variant, replace(PRESETS[variant], **_dmd_sampling()))
     else:
         named_720p = variant == "wan2.1-i2v" and "720p" in f"{name} {root}".lower()
         preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
+    if meta.distilled and tiny_variant:
+        preset = replace(preset, num_inference_steps=3, guidance_scale=1.0, **_dmd_sampling())
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
-                      meta.image_encoder)
+                      meta.image_encoder, meta.distilled, _has_vsa_gates(root / meta.experts[0], allow_pickle))
+
+
+def _dmd_sampling() -> dict:
+    """The DMD sampling of FastVideo's FastWan models (see DISTILLED)."""
+    return {"sampler": "dmd", "timesteps": (1000.0, 757.0, 522.0), "flow_shift": 8.0}
+
+
+def _has_vsa_gates(folder: Path, allow_pickle: bool) -> bool:
+    """Whether a DiT's weights carry VSA's gate projections (read from the safetensors headers only; pickle
+    weights are not opened here: False)."""
+    from safetensors import safe_open
+
+    files = weight_files(folder, allow_pickle=allow_pickle)
+    if not files or files[0].suffix != ".safetensors":
+        return False
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            if any(k.endswith("attn1.to_gate_compress.weight") for k in h.keys()):
+                return True
+    return False
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

@@ -34,7 +34,14 @@ from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, va
 from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
-from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT, Checkpoint, resolve, with_overrides
+from fastwan.pipelines.checkpoint import (
+    VSA_TILE,
+    WAN_NEGATIVE_PROMPT,
+    Checkpoint,
+    resolve,
+    trained_vsa_sparsity,
+    with_overrides,
+)
 from fastwan.pipelines.denoise import denoise
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
@@ -171,6 +178,7 @@ class VideoGenerator:
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         check_chunk(vae_chunk_frames)
+        attention_backend, config = _trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
@@ -419,6 +427,23 @@ def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch
         logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
                     "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
     return kwargs
+
+
+def _trained_attention(ckpt: Checkpoint, requested, config: dict | None):
+    """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument or the environment names
+    another backend, with its trained tile and FastVideo's sparsity wherever ``attention_config`` leaves them
+    unset -> (backend request, backend config)."""
+    if not ckpt.vsa_gates:
+        return requested, config
+    name = requested if requested is not None else envs.attention_backend()
+    if name is None:
+        requested = name = "VIDEO_SPARSE_ATTN"
+        logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "
+                    "VIDEO_SPARSE_ATTN is the default", ckpt.root)
+    if isinstance(name, str) and name.upper() == "VIDEO_SPARSE_ATTN":
+        trained = {"sparsity": trained_vsa_sparsity(ckpt.transformer_config.inner_dim), "tile": list(VSA_TILE)}
+        config = {**trained, **(config or {})}
+    return requested, config
 
 
 def _attention_config(value) -> dict | None:

@@ -1,5 +1,6 @@
 """LoRA files (fastwan.lora) on tiny checkpoints, fp32 on the CPU: merged LoRAs give diffusers' frames
-(``load_lora_weights``, within 1) in the diffusers and the original-Wan key formats; A14B per expert; unloading
+(``load_lora_weights``, within 1) in the diffusers, original-Wan and kohya / musubi-tuner key formats (the last
+on the Wan2.1 I2V checkpoint too, image cross-attention included); A14B per expert; unloading
 restores the weights bit for bit; the fast build with a LoRA equals the reference build with it; bad files and
 arguments raise before any weight changes."""
 from __future__ import annotations
@@ -21,21 +22,29 @@ BLOCK_MODULES = [("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"), (
                  ("attn1.to_out.0", "self_attn.o"), ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"),
                  ("attn2.to_v", "cross_attn.v"), ("attn2.to_out.0", "cross_attn.o"), ("ffn.net.0.proj", "ffn.0"),
                  ("ffn.net.2", "ffn.2")]
+IMAGE_MODULES = [("attn2.add_k_proj", "cross_attn.k_img"), ("attn2.add_v_proj", "cross_attn.v_img")]  # CLIP I2V
 
 
 def random_lora(model, fmt: str, rank: int = 4, seed: int = 0, alpha: float | None = None) -> dict:
-    """A LoRA on every block linear of ``model`` (a diffusers or fastwan DiT with diffusers names)."""
+    """A LoRA on every block linear of ``model`` (a diffusers or fastwan DiT with diffusers names) in ``fmt``:
+    diffusers, wan (``diffusion_model.`` original names) or kohya (``lora_unet_`` underscored original names, an
+    alpha per module as musubi-tuner writes, ``alpha`` x 1.0 ... 1.x so each module's own alpha counts)."""
     g = torch.Generator().manual_seed(seed)
     mods = dict(model.named_modules())
     out = {}
     for i in range(len(model.blocks)):
-        for diff_name, wan_name in BLOCK_MODULES:
+        block = BLOCK_MODULES + [m for m in IMAGE_MODULES if f"blocks.{i}.{m[0]}" in mods]
+        for j, (diff_name, wan_name) in enumerate(block):
             w = mods[f"blocks.{i}.{diff_name}"].weight
             a = torch.randn(rank, w.shape[1], generator=g) * 0.3
             b = torch.randn(w.shape[0], rank, generator=g) * 0.3
             if fmt == "diffusers":
                 out[f"transformer.blocks.{i}.{diff_name}.lora_A.weight"] = a
                 out[f"transformer.blocks.{i}.{diff_name}.lora_B.weight"] = b
+            elif fmt == "kohya":
+                key = f"lora_unet_blocks_{i}_{wan_name.replace('.', '_')}"
+                out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = a, b
+                out[f"{key}.alpha"] = torch.tensor(alpha * (1 + j / 10))
             else:
                 key = f"diffusion_model.blocks.{i}.{wan_name}"
                 out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = a, b
@@ -46,16 +55,17 @@ def random_lora(model, fmt: str, rank: int = 4, seed: int = 0, alpha: float | No
     return out
 
 
-def diffusers_frames(variant, lora_path, scale=1.0, **load):
-    from diffusers import WanPipeline
+def diffusers_frames(variant, lora_path, scale=1.0, image=None, **load):
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    pipe = WanPipeline.from_pretrained(tiny_checkpoint(variant), torch_dtype=torch.float32)
+    cls, extra = (WanPipeline, {}) if image is None else (WanImageToVideoPipeline, {"image": image})
+    pipe = cls.from_pretrained(tiny_checkpoint(variant), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(lora_path), adapter_name="x", low_cpu_mem_usage=False, **load)
     if scale != 1.0:
         pipe.set_adapters(["x"], [scale])
-    out = pipe(PROMPT, negative_prompt=NEG, output_type="np", generator=torch.Generator().manual_seed(3),
-               **SIZE).frames[0]
+    out = pipe(prompt=PROMPT, negative_prompt=NEG, output_type="np", generator=torch.Generator().manual_seed(3),
+               **extra, **SIZE).frames[0]
     return (out * 255).round().astype(np.uint8)
 
 
@@ -72,7 +82,8 @@ def gen():
     return VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("fmt,alpha,scale", [("diffusers", None, 1.0), ("wan", 2.0, 1.0), ("wan", None, 0.5)])
+@pytest.mark.parametrize("fmt,alpha,scale", [("diffusers", None, 1.0), ("wan", 2.0, 1.0), ("wan", None, 0.5),
+                                               ("kohya", 2.0, 1.0), ("kohya", 6.0, 0.5)])
 def test_merged_lora_gives_diffusers_frames(gen, tmp_path, fmt, alpha, scale):
     path = tmp_path / f"{fmt}.safetensors"
     save_file(random_lora(gen.transformers[0], fmt, alpha=alpha), str(path))
@@ -86,6 +97,32 @@ def test_merged_lora_gives_diffusers_frames(gen, tmp_path, fmt, alpha, scale):
     assert max_diff(got, base) > 10  # the LoRA changes the video
     assert max_diff(got, want) <= 1
     assert np.array_equal(ours(gen), base)  # unloaded
+
+
+def test_kohya_lora_on_i2v_gives_diffusers_frames(tmp_path):
+    """A kohya / musubi-tuner LoRA on the Wan2.1 I2V checkpoint, its image cross-attention (k_img, v_img) too."""
+    from PIL import Image
+
+    from fastwan.lora import lora_updates
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    g = VideoGenerator.from_pretrained("tiny-wan2.1-i2v", device="cpu", dtype=torch.float32)
+    model = g.transformers[0]
+    lora = random_lora(model, "kohya", alpha=3.0)
+    updates = lora_updates(lora, model)
+    n = len(model.blocks)
+    assert len(updates) == n * (len(BLOCK_MODULES) + len(IMAGE_MODULES))
+    assert all(set(updates[f"blocks.{i}.attn2.{p}"]) == {"A", "B", "alpha"} for i in range(n)
+               for p in ("add_k_proj", "add_v_proj"))
+    path = tmp_path / "i2v.safetensors"
+    save_file(lora, str(path))
+    kw = dict(image=image, negative_prompt=NEG, seed=3, save_video=False, **SIZE)
+    base = g.generate_video(PROMPT, **kw).frames
+    g.load_lora(path)
+    got = g.generate_video(PROMPT, **kw).frames
+    want = diffusers_frames("wan2.1-i2v", path, image=image)
+    assert max_diff(got, base) > 10
+    assert max_diff(got, want) <= 1
 
 
 def test_unload_restores_weights_bit_for_bit(gen, tmp_path):
@@ -148,6 +185,13 @@ def test_bad_loras_raise_before_any_change(gen, tmp_path):
                "unet.down_blocks.0.proj.lora_B.weight": torch.zeros(3, 2)}, str(other))
     with pytest.raises(InvalidArgument, match="none of its 2 keys.*unet.down_blocks.*blocks.0"):
         gen.load_lora(other)
+    kohya = tmp_path / "kohya.safetensors"  # names of no module of this model: a typo, a block it lacks
+    save_file({"lora_unet_blocks_0_self_attn_qk.lora_down.weight": torch.zeros(2, 24),
+               "lora_unet_blocks_0_self_attn_qk.lora_up.weight": torch.zeros(24, 2),
+               "lora_unet_blocks_99_ffn_0.alpha": torch.tensor(2.0)}, str(kohya))
+    with pytest.raises(InvalidArgument, match=r"none of its 3 keys.*lora_unet_blocks_0_self_attn_qk\.lora_down"
+                                              r".*blocks\.0\..*'lora_unet_'"):
+        gen.load_lora(kohya)
     bad_shape = tmp_path / "shape.safetensors"
     lora = random_lora(gen.transformers[0], "diffusers")
     lora["transformer.blocks.1.attn1.to_q.lora_A.weight"] = torch.zeros(4, 7)

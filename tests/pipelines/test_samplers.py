@@ -1,0 +1,204 @@
+"""Few-step samplers (euler, dmd) and distilled checkpoints (FastWan) against an independent reference.
+
+The reference is diffusers' WanPipeline (its own text encoding, expert switch and decode) driven by a scheduler
+written here from the published update rules, computed in float64:
+
+- Euler, as lightx2v's step-distill scheduler: sigma_i = shift * s / (1 + (shift - 1) * s), s = t_i / 1000; the
+  model sees 1000 * sigma_i; x <- x + (sigma_{i+1} - sigma_i) * v, sigma_N = 0.
+- DMD, as FastVideo's DMD stage: the model sees t_i; sigma_i is the shifted 1000-step grid's sigma nearest t_i;
+  x0 = x - sigma_i * v; x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise, noise drawn from the request's
+  generator after the initial latents; the last step gives x0.
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from fastwan import VideoGenerator
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.tiny import write_tiny_checkpoint
+
+SIZE = dict(height=64, width=64, num_frames=9)
+PROMPT = "a red fox runs through snow"
+
+
+class ReferenceSampler:
+    """A diffusers-scheduler stand-in for WanPipeline that applies one rule in float64."""
+
+    order = 1
+
+    def __init__(self, rule: str, timesteps, shift: float, generator: torch.Generator):
+        self.rule, self.ts, self.shift, self.generator = rule, [float(t) for t in timesteps], shift, generator
+        self.config = SimpleNamespace(num_train_timesteps=1000)
+
+    def set_timesteps(self, n, device=None):
+        assert n == len(self.ts)
+        shift = self.shift
+        if self.rule == "euler":
+            sig = [shift * (t / 1000) / (1 + (shift - 1) * (t / 1000)) for t in self.ts]
+            model_t = [1000 * s for s in sig]
+        else:
+            grid = [shift * (k / 1000) / (1 + (shift - 1) * (k / 1000)) for k in range(1, 1001)]
+            sig = [min(grid, key=lambda g: abs(1000 * g - t)) for t in self.ts]
+            model_t = self.ts
+        self.sigmas = torch.tensor(sig + [0.0], dtype=torch.float64)
+        self.timesteps = torch.tensor(model_t, dtype=torch.float32, device=device)
+        self.i = 0
+
+    def set_begin_index(self, i=0):
+        pass
+
+    def step(self, pred, t, latents, return_dict=False):
+        i, self.i = self.i, self.i + 1
+        s, nxt = self.sigmas[i].item(), self.sigmas[i + 1].item()
+        v, x = pred.double(), latents.double()
+        if self.rule == "euler":
+            out = x + (nxt - s) * v
+        else:
+            x0 = x - s * v
+            if i == len(self.ts) - 1:
+                out = x0
+            else:
+                noise = torch.randn(latents.shape, generator=self.generator, dtype=torch.float32).double()
+                out = (1 - nxt) * x0 + nxt * noise
+        return (out.to(latents.dtype),)
+
+
+def reference_frames(path, rule, timesteps, shift, seed, **kw):
+    pipe = WanPipeline.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator("cpu").manual_seed(seed)
+    pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                       transformer=pipe.transformer, transformer_2=pipe.transformer_2,
+                       scheduler=ReferenceSampler(rule, timesteps, shift, g),
+                       boundary_ratio=pipe.config.boundary_ratio)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(PROMPT, generator=g, output_type="np", num_inference_steps=len(timesteps), **SIZE, **kw).frames[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+def close(frames, want):
+    assert frames.shape == want.shape and want.std() > 5
+    return np.abs(frames.astype(int) - want.astype(int)).max() <= 1
+
+
+CASES = [  # variant, sampler, timesteps (None: the sampler's own), flow_shift (None: the scheduler's), guidance
+    ("wan2.1", "euler", [1000, 750, 500, 250], 5.0, 1.0),
+    ("wan2.1", "euler", None, None, 1.0),  # 3 evenly spaced steps at the checkpoint's shift (3.0)
+    ("wan2.1", "dmd", [1000, 757, 522], 8.0, 1.0),
+    ("wan2.1", "dmd", [999, 600, 300, 100], None, 3.0),  # with CFG, at the scheduler's shift
+    ("wan2.2-a14b", "euler", [1000, 900, 750, 500], 5.0, 1.0),  # crosses the expert boundary (875)
+]
+
+
+@pytest.mark.parametrize("variant,sampler,timesteps,shift,guidance", CASES)
+def test_sampler_matches_float64_reference(tiny_ckpts, variant, sampler, timesteps, shift, guidance):
+    path = tiny_ckpts[variant]
+    gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    kw = {} if timesteps is not None else {"num_inference_steps": 3}
+    res = gen.generate_video(PROMPT, sampler=sampler, timesteps=timesteps, flow_shift=shift, seed=5,
+                             guidance_scale=guidance, save_video=False, **SIZE, **kw)
+    ts = timesteps or [1000, 1000 * 2 / 3, 1000 / 3]
+    want = reference_frames(path, sampler, ts, 3.0 if shift is None else shift, 5, guidance_scale=guidance,
+                            **({"guidance_scale_2": guidance} if variant == "wan2.2-a14b" else {}))
+    assert res.settings["sampler"] == sampler and res.settings["num_inference_steps"] == len(ts)
+    assert res.num_transformer_forwards == len(ts) * (2 if guidance > 1 else 1)
+    assert close(res.frames, want)
+
+
+@pytest.fixture(scope="module")
+def fastwan_ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fw") / "fastwan", "fastwan2.1", seed=3)
+
+
+def test_fastwan_checkpoint_gets_fastvideo_settings(fastwan_ckpt):
+    """A WanDMDPipeline checkpoint whose DiT carries VSA gates: DMD at 1000/757/522 (shift 8), no CFG (no
+    negative prompt encoded), VSA at 0.8 with 4x4x4 tiles, the gates loaded."""
+    from safetensors.torch import load_file
+
+    gen = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32)
+    p = gen.preset
+    assert (p.sampler, p.timesteps, p.flow_shift, p.num_inference_steps, p.guidance_scale) == (
+        "dmd", (1000.0, 757.0, 522.0), 8.0, 3, 1.0)
+    vsa = gen.attention.self_backend
+    assert vsa.name == "VIDEO_SPARSE_ATTN" and vsa.sparsity == 0.8 and tuple(vsa.tile) == (4, 4, 4)
+    state = load_file(str(fastwan_ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
+    gate = gen.transformers[0].blocks[1].attn1.to_gate_compress
+    assert torch.equal(gate.weight, state["blocks.1.attn1.to_gate_compress.weight"])
+    encoded = []
+    real = gen.text_encoder.forward
+    gen.text_encoder.forward = lambda *a, **k: encoded.append(a[0].shape if a else k["input_ids"].shape) or real(*a,
+                                                                                                              **k)
+    res = gen.generate_video(PROMPT, seed=1, save_video=False, **SIZE)
+    assert res.num_transformer_forwards == 3 and encoded[0][0] == 1  # the prompt only
+
+    # the user overrides each setting
+    over = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,
+                                          attention_config={"sparsity": 0.5})
+    assert over.attention.self_backend.sparsity == 0.5 and tuple(over.attention.self_backend.tile) == (4, 4, 4)
+    dense = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,
+                                           attention_backend="TORCH_SDPA")
+    assert dense.attention.self_backend.name == "TORCH_SDPA"
+    res4 = dense.generate_video(PROMPT, seed=1, save_video=False, num_inference_steps=4, **SIZE)
+    assert res4.settings["timesteps"] is None and res4.num_transformer_forwards == 4  # evenly spaced
+
+
+def test_fastwan_dense_matches_reference(fastwan_ckpt):
+    """With dense attention the FastWan layout samples exactly as the DMD reference (gates unused)."""
+    gen = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,
+                                         attention_backend="TORCH_SDPA")
+    res = gen.generate_video(PROMPT, seed=9, save_video=False, **SIZE)
+    assert close(res.frames, reference_frames(fastwan_ckpt, "dmd", [1000, 757, 522], 8.0, 9, guidance_scale=1.0))
+
+
+def test_vsa_gates_change_the_output(fastwan_ckpt):
+    """Under VSA the checkpoint's gates weigh the coarse branch: zeroing them changes the video."""
+    gen = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32)
+    a = gen.generate_video(PROMPT, seed=2, save_video=False, **SIZE).frames
+    for blk in gen.transformers[0].blocks:
+        blk.attn1.to_gate_compress.weight.zero_()
+        blk.attn1.to_gate_compress.bias.zero_()
+    b = gen.generate_video(PROMPT, seed=2, save_video=False, **SIZE).frames
+    assert np.abs(a.astype(int) - b.astype(int)).max() > 2
+
+
+BAD = [
+    (dict(sampler="lcm"), InvalidArgument, "sampler='lcm' is not one of"),
+    (dict(sampler=3), InvalidArgument, "sampler=3"),
+    (dict(sampler="dmd", timesteps=[1000, 1000, 500]), InvalidArgument, "strictly decreasing"),
+    (dict(sampler="euler", timesteps=[500, 750]), InvalidArgument, "strictly decreasing"),
+    (dict(sampler="dmd", timesteps=[1200, 500]), InvalidArgument, "1200.0 is outside (0, 1000]"),
+    (dict(sampler="dmd", timesteps=[500, 0]), InvalidArgument, "outside (0, 1000]"),
+    (dict(sampler="dmd", timesteps=[]), InvalidArgumentType, "non-empty"),
+    (dict(sampler="dmd", timesteps="1000,500"), InvalidArgumentType, "list of numbers"),
+    (dict(sampler="dmd", timesteps=[1000, float("nan")]), InvalidArgument, "outside"),
+    (dict(timesteps=[1000, 500]), InvalidArgument, "need sampler='euler' or 'dmd'"),
+    (dict(sampler="euler", timesteps=[1000, 500], num_inference_steps=3), InvalidArgument, "disagrees"),
+    (dict(sampler="euler", flow_shift=0), InvalidArgument, "flow_shift=0"),
+    (dict(sampler="euler", flow_shift=True), InvalidArgument, "flow_shift=True"),
+    (dict(num_inference_steps=0, sampler="dmd"), InvalidArgument, "num_inference_steps=0"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", BAD)
+def test_bad_sampling_raises_before_compute(no_compute, kw, exc, msg):
+    with pytest.raises(exc) as e:
+        no_compute.generate_video(PROMPT, seed=0, save_video=False, **kw)
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("rule,shift", [("dmd", 8.0), ("dmd", 3.0), ("euler", 5.0)])
+def test_schedule_sigmas_match_the_rule(rule, shift):
+    """The sigmas themselves (the DMD grid snap is below a uint8 step on the frames): near 0 the shift-8 grid is
+    coarse, so t = 13 maps to the grid's 0.0158, not 0.013."""
+    from fastwan.pipelines.sampling import Sampling, Schedule
+
+    ts = [1000, 757, 522, 13]
+    ref = ReferenceSampler(rule, ts, shift, None)
+    ref.set_timesteps(len(ts))
+    sched = Schedule(Sampling(rule, len(ts), tuple(float(t) for t in ts), shift), None, torch.device("cpu"))
+    assert torch.allclose(torch.tensor(sched.sigmas, dtype=torch.float64), ref.sigmas, rtol=0, atol=1e-12)
+    assert torch.allclose(sched.timesteps, ref.timesteps)
+    if rule == "dmd" and shift == 8.0:
+        assert abs(sched.sigmas[3] - 0.013) > 2e-3
