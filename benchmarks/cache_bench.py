@@ -4,7 +4,8 @@ With random weights a method's own skip decisions say nothing about real ones, s
 its run at a common threshold (with the steps it computed), and its mechanism on a fixed schedule that skips half
 of the steps (every odd step: 25 of 50), the figure that carries over to real weights. Then the same half schedule
 with CFG gating 0.5 and VSA at 85% sparsity. Every video is compared (PSNR/SSIM) with the uncached dense one of the
-same seed. One generator per setup (dense; VSA + gating), every variant timed after one untimed warm-up per setup.
+same seed. One generator per setup (dense; VSA + gating); each variant gets an untimed 2-step warm-up with its own
+cache (a cache's code paths compile on first use), then --repeats timed runs (the median is reported).
 
   python -m benchmarks.cache_bench --ckpt /tmp/wan13b [--steps 50] [--variants ...]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--variants", default=None, help="comma-separated labels (default: all, in order)")
     p.add_argument("--out", default="cache_bench.json")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median reported)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--video", default=f"{H}x{W}x{F}", metavar="HxWxF")
     a = p.parse_args(argv)
@@ -91,31 +94,39 @@ def main(argv=None) -> int:
                 del gens[other]
             release(True, a.device)
             gens[setup] = build(Path(a.ckpt), setup, a.device)
-            t0 = time.perf_counter()
-            gens[setup].generate_video(PROMPT, **{**kw, "num_inference_steps": 2})
-            res[f"warmup[{setup}]_s"] = time.perf_counter() - t0
         if callable(cache):
             cache = cache(res)
-        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-        sync()
+        cache_arg = cache if cache is not None else "none"
         t0 = time.perf_counter()
-        r = gens[setup].generate_video(PROMPT, **kw, cache=cache if cache is not None else "none")
-        sync()
-        e2e = time.perf_counter() - t0
+        gens[setup].generate_video(PROMPT, **{**kw, "num_inference_steps": 2}, cache=cache_arg)
+        warmup = time.perf_counter() - t0
+        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+        runs = []
+        for _ in range(a.repeats):
+            sync()
+            t0 = time.perf_counter()
+            r = gens[setup].generate_video(PROMPT, **kw, cache=cache_arg)
+            sync()
+            runs.append(time.perf_counter() - t0)
+        e2e = statistics.median(runs)
         if label == "none":
             np.save(reference, r.frames)
         computed = None if r.cache is None else {k: len(v) for k, v in r.cache["computed"].items()}
-        res[label] = {"seconds": e2e, "timings": r.timings, "forwards": r.num_transformer_forwards,
+        res[label] = {"seconds": e2e, "runs": runs, "warmup_s": warmup, "timings": r.timings,
+                      "forwards": r.num_transformer_forwards,
                       "computed": computed, "cache": r.cache, "config": repr(cache),
                       "peak_gib": r.peak_memory and r.peak_memory / 2**30, "vs_uncached": compare(r.frames, reference)}
-        log(f"{label}: {e2e:.2f} s, computed {computed}, vs uncached {res[label]['vs_uncached']}")
+        log(f"{label}: median {e2e:.2f} s of {[round(x, 2) for x in runs]}, computed {computed}, "
+            f"vs uncached {res[label]['vs_uncached']}")
         Path(a.out).write_text(json.dumps(res, indent=1))
     base = res.get("none", {}).get("seconds")
-    log(f"\n| variant | e2e s | x vs none | steps computed (cond/uncond of {a.steps}) | PSNR dB | SSIM |")
+    log(f"\n| variant | e2e s (median of {a.repeats}) | spread s | x vs none | "
+        f"steps computed (cond/uncond of {a.steps}) | PSNR dB | SSIM |")
     for label in labels:
         e = res[label]
         cmp = e["vs_uncached"] or {}
-        log(f"| {label} | {e['seconds']:.2f} | {base / e['seconds'] if base else float('nan'):.2f} | "
+        speedup = base / e["seconds"] if base else float("nan")
+        log(f"| {label} | {e['seconds']:.2f} | {max(e['runs']) - min(e['runs']):.2f} | {speedup:.2f} | "
             f"{e['computed']} | {cmp.get('psnr_db', float('nan')):.1f} | {cmp.get('ssim', float('nan')):.4f} |")
     return 0
 

@@ -180,11 +180,13 @@ CLIP_VIT_H = MappingProxyType(dict(  # the Wan2.1 I2V image encoder's shape (ViT
     patch_size=14, projection_dim=1024, hidden_act="gelu"))
 
 
-def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.device | str = "cuda") -> None:
+def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.device | str = "cuda",
+                    text_encoder_from: Path | None = None) -> None:
     """Random weights at the real shapes of a Wan2.1 ``size`` and ``task`` (:data:`TASKS`), saved as a
     Diffusers-format folder: bf16 DiT and UMT5-XXL, fp32 VAE; "i2v" adds a ViT-H CLIP vision encoder (fp32) and
     its image processor; "i2v-a14b" links ``transformer_2`` to ``transformer`` (the experts load as separate
-    tensors, so time and memory are those of two experts)."""
+    tensors, so time and memory are those of two experts). ``text_encoder_from``: another such checkpoint whose
+    UMT5-XXL this one links to (saves 11 GB of disk)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -205,9 +207,13 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
                          feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
                          relative_attention_max_distance=128, dense_act_fn="gelu_new", is_gated_act=True,
                          tie_word_embeddings=False)
-        te = UMT5EncoderModel(cfg).to(torch.bfloat16)
-        te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
-        del te
+        if text_encoder_from is not None:
+            (root / "text_encoder").symlink_to(Path(text_encoder_from).resolve() / "text_encoder",
+                                               target_is_directory=True)
+        else:
+            te = UMT5EncoderModel(cfg).to(torch.bfloat16)
+            te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
+            del te
         AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
         if task == "i2v":
             from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
@@ -235,6 +241,66 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
     (root / "model_index.json").write_text(json.dumps(index))
     log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
+
+
+def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
+    """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
+    text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
+    folder links its weight files and adds ``gates.safetensors`` (random bf16 ``attn1.to_gate_compress``), listed
+    in its shard index when it has one."""
+    from safetensors.torch import save_file
+
+    plain, root = Path(plain).resolve(), Path(root)
+    if (root / "model_index.json").exists():
+        log(f"checkpoint exists at {root}")
+        return
+    root.mkdir(parents=True)
+    for comp in plain.iterdir():
+        if comp.name not in ("transformer", "model_index.json"):
+            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
+    src, dst = plain / "transformer", root / "transformer"
+    dst.mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith(".index.json"):
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    g = torch.Generator().manual_seed(seed)
+    gates = {}
+    for i in range(cfg["num_layers"]):
+        gates[f"blocks.{i}.attn1.to_gate_compress.weight"] = (torch.randn(dim, dim, generator=g) * dim ** -0.5).to(
+            torch.bfloat16)
+        gates[f"blocks.{i}.attn1.to_gate_compress.bias"] = torch.zeros(dim, dtype=torch.bfloat16)
+    save_file(gates, str(dst / "gates.safetensors"))
+    for index in src.glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "gates.safetensors" for k in gates})
+        (dst / index.name).write_text(json.dumps(data))
+    model_index = json.loads((plain / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**model_index, "_class_name": "WanDMDPipeline"}))
+    log(f"derived FastWan-layout checkpoint {root} from {plain}")
+
+
+def write_lora(path: Path, size: str, rank: int = 64, seed: int = 0) -> None:
+    """A random rank-``rank`` LoRA in the original-Wan (lightx2v) layout on every attention and FFN linear of a
+    Wan2.1 ``size`` DiT: ``diffusion_model.blocks.N.<module>.lora_down/lora_up.weight`` and ``.alpha``, bf16."""
+    from safetensors.torch import save_file
+
+    kw = dit_kwargs(size)
+    dim, ffn = kw["num_attention_heads"] * kw["attention_head_dim"], kw["ffn_dim"]
+    shapes = {f"{a}.{p}": (dim, dim) for a in ("self_attn", "cross_attn") for p in "qkvo"}
+    shapes.update({"ffn.0": (ffn, dim), "ffn.2": (dim, ffn)})
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(kw["num_layers"]):
+        for name, (o, n) in shapes.items():
+            key = f"diffusion_model.blocks.{i}.{name}"
+            out[f"{key}.lora_down.weight"] = (torch.randn(rank, n, generator=g) * n ** -0.5).to(torch.bfloat16)
+            out[f"{key}.lora_up.weight"] = (torch.randn(o, rank, generator=g) * 1e-3).to(torch.bfloat16)
+            out[f"{key}.alpha"] = torch.tensor(float(rank))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path))
+    log(f"wrote random rank-{rank} {size} LoRA to {path}")
 
 
 # ---- DiT variants ------------------------------------------------------------------------------------------
