@@ -260,7 +260,8 @@ def test_blockplan_takes_precomputed_tables():
 
 
 def test_select_on_cpu_is_the_torch_path():
-    """Off CUDA, select() is coarse() + torch.topk(sorted=False) + BlockPlan(selected=...), bit for bit."""
+    """Off CUDA, select() is coarse() + the top-k by a stable descending sort (ties to the lower tile index) +
+    BlockPlan(selected=...), bit for bit."""
     b = VideoSparseBackend(tile=[2, 4, 4], sparsity=0.7)
     layout = b.layout((5, 7, 9), "cpu")
     g = torch.Generator().manual_seed(3)
@@ -268,7 +269,8 @@ def test_select_on_cpu_is_the_torch_path():
     for with_output in (False, True):
         plan, coarse = b.select(q, k, v, layout, 0.25, 0.7, with_output=with_output)
         scores, coarse_ref = b.coarse(q, k, v, layout, 0.25, with_output=with_output)
-        sel = scores.topk(topk_count(0.7, layout.num_tiles), dim=-1, sorted=False).indices
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        sel = order[..., :topk_count(0.7, layout.num_tiles)]
         assert torch.equal(plan._selected, sel) and "compact" not in plan._cache
         assert (coarse is None) == (not with_output)
         if with_output:
@@ -299,3 +301,26 @@ def test_ops_trace_under_torch_compile():
     want = coarse_tables(q, k)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(graphs) == 1 and "fastwan.vsa_pool" in graphs[0] and "fastwan.vsa_topk_tables" in graphs[0]
+
+
+def test_low_precision_ranking_follows_fastvideo():
+    """bf16 inputs rank tiles as FastVideo's video_sparse_attn: bf16 tile means, their bf16 product divided by
+    sqrt(D), the top-k with ties to the lower index -- written here from that rule and compared tile by tile."""
+    b = VideoSparseBackend(tile=[2, 2, 2], sparsity=0.75)
+    layout = b.layout((4, 4, 6), "cpu")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, layout.padded_tokens, 2, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    bs = layout.block_size
+    k[:, :bs] = k[:, bs:2 * bs]  # key tiles 0 and 1 identical: an exact tie in every row's scores
+    plan, _ = b.select(q, k, v, layout, 16 ** -0.5, 0.75)
+    kk = topk_count(0.75, layout.num_tiles)
+    qc, kc = (tile_pool(t, layout).transpose(1, 2).to(torch.bfloat16) for t in (q, k))
+    scores = (qc @ kc.transpose(-1, -2)) / 16 ** 0.5
+    used = b.coarse(q, k, v, layout, 16 ** -0.5, with_output=False)[0]
+    assert used.dtype == torch.bfloat16 and torch.equal(used, scores)
+    want = []
+    for row in scores.float().reshape(-1, layout.num_tiles).tolist():  # lower index first among equal scores
+        want.append(sorted(range(len(row)), key=lambda i: (-row[i], i))[:kk])
+    got = plan._selected.reshape(-1, kk)
+    assert [sorted(r) for r in got.tolist()] == [sorted(r) for r in want]
+    assert any((0 in r) != (1 in r) for r in want)  # the tie decides some rows

@@ -95,7 +95,7 @@ class SparseVideoBackend(AttentionBackend):
 
     def _fa4_ok(self, plan: BlockPlan | None, device, dtype) -> bool:
         if plan is not None and ((plan.token_pred is not None and plan.fa4_mask is None)
-                                 or plan.layout.block_size % 128):
+                                 or plan.layout.block_size % fa4.fa4_block_multiple()):
             return False
         return not fa4.fa4_reasons(device, dtype)
 
@@ -120,7 +120,8 @@ class SparseVideoBackend(AttentionBackend):
             return f"kernel={self.kernel}"
         dev = torch.device(device)
         if self.kernel == "auto" and dev.type == "cuda" and self._fa4_ok(None, dev, torch.bfloat16):
-            return f"{_KERNEL_NAMES['fa4']} for 128-slot tiles, else {_KERNEL_NAMES['flex-compiled']}"
+            return (f"{_KERNEL_NAMES['fa4']} for {fa4.fa4_block_multiple()}-slot tiles, else "
+                    f"{_KERNEL_NAMES['flex-compiled']}")
         return _KERNEL_NAMES[self.resolve_kernel(dev)]
 
     def run_plan(self, plan: BlockPlan, q, k, v, scale: float | None) -> torch.Tensor:
@@ -131,8 +132,8 @@ class SparseVideoBackend(AttentionBackend):
                              f"batch {B} / heads {H}")
         scale = D ** -0.5 if scale is None else scale
         kind = self.resolve_kernel(q.device, q.dtype, plan)
-        if kind in ("flex-compiled", "fa4") and plan.layout.block_size % (16 if kind != "fa4" else 128):
-            need = 16 if kind != "fa4" else 128
+        need = 16 if kind != "fa4" else fa4.fa4_block_multiple()
+        if kind in ("flex-compiled", "fa4") and plan.layout.block_size % need:
             raise InvalidArgument(
                 f"{self.name}: block_size={plan.layout.block_size} (tile {list(plan.layout.tile)}) is not a "
                 f"multiple of {need}, which the {_KERNEL_NAMES[kind]} kernel needs; set block_size to a "

@@ -98,6 +98,17 @@ def _fa4_mask_mod(kind: str, consts: tuple):
     raise ValueError(f"unknown FA4 mask kind {kind!r}")
 
 
+def fa4_block_multiple() -> int:
+    """The sparse block sizes FA4 runs: multiples of 128 (its sm90 tile), or of 64 where the installed
+    flash_attn.cute takes explicit block sizes (``BlockSparseTensorsTorch.block_size``; it then shrinks its tile
+    to 64 x 64 for 64-slot blocks)."""
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except ImportError:
+        return 128
+    return 64 if "block_size" in BlockSparseTensorsTorch._fields else 128
+
+
 def fa4_mask_reference(tensors: dict, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
     """PyTorch evaluation of the FA4 partial-block rule of ``tensors`` (True = attend), broadcasting."""
     kind, consts, aux = tensors["mask"]

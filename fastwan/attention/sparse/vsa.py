@@ -47,8 +47,23 @@ from fastwan.attention.sparse.plan import BlockPlan
 
 
 def topk_count(sparsity: float, num_tiles: int) -> int:
-    """k = ceil((1 - sparsity) * num_tiles), at least 1 (a 1e-9 slack absorbs float error: 0.85 of 100 -> 15)."""
-    return max(1, min(num_tiles, math.ceil((1.0 - sparsity) * num_tiles - 1e-9)))
+    """k = ceil((1 - sparsity) * num_tiles) in float arithmetic, clamped to [1, num_tiles]: FastVideo's rule, float
+    error included (0.85 of 100 tiles -> 16), so VSA-trained checkpoints keep as many tiles as there."""
+    return max(1, min(num_tiles, math.ceil((1.0 - sparsity) * num_tiles)))
+
+
+def rank_scores(qc: torch.Tensor, kc: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Tile scores: pooled q, k fp32 [B, H, n, D] -> [B, H, n, n] scaled, in ``dtype`` for bf16 / fp16 inputs and
+    fp32 otherwise.
+
+    In bf16 / fp16 the scores are rounded as FastVideo's ``video_sparse_attn`` rounds them -- tile means in the
+    input dtype, their product in that dtype, divided by sqrt(D) -- so the top-k (ties to the lower tile index)
+    selects what a VSA-trained checkpoint selected.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        return torch.matmul(qc, kc.transpose(-1, -2)) * scale
+    divisor = qc.shape[-1] ** 0.5 if scale == qc.shape[-1] ** -0.5 else 1.0 / scale
+    return torch.matmul(qc.to(dtype), kc.to(dtype).transpose(-1, -2)) / divisor
 
 
 def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
@@ -63,9 +78,9 @@ def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
 
 
 def coarse_output(scores: torch.Tensor, vc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Attention over tiles: scaled scores fp32 [B, H, n, n] and pooled values fp32 [B, n, H, D] -> [B, n, H, D]
-    in ``dtype``."""
-    return torch.matmul(torch.softmax(scores, dim=-1), vc.transpose(1, 2)).transpose(1, 2).to(dtype)
+    """Attention over tiles: scaled scores [B, H, n, n] (see :func:`rank_scores`) and pooled values fp32
+    [B, n, H, D] -> [B, n, H, D] in ``dtype``, computed in the scores' dtype."""
+    return torch.matmul(torch.softmax(scores, dim=-1), vc.transpose(1, 2).to(scores.dtype)).transpose(1, 2).to(dtype)
 
 
 class VideoSparseBackend(SparseVideoBackend):
@@ -91,7 +106,7 @@ class VideoSparseBackend(SparseVideoBackend):
         """Pooled attention over tiles: -> (scores fp32 [B, H, n, n], coarse output [B, n, H, D] in q.dtype or
         None when ``with_output`` is False -- the top-k needs the scores only)."""
         qc, kc = (tile_pool(t, layout).transpose(1, 2) for t in (q, k))  # fp32 [B, H, n, D]
-        scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+        scores = rank_scores(qc, kc, q.dtype, scale)
         if not with_output:
             return scores, None
         return scores, coarse_output(scores, tile_pool(v, layout), q.dtype)
@@ -101,10 +116,10 @@ class VideoSparseBackend(SparseVideoBackend):
         """Stages 1-2: q, k, v [B, P, H, D] (layout order) -> (BlockPlan of the selected key tiles, coarse output
         [B, n, H, D] in q.dtype, or None when ``with_output`` is False).
 
-        On CUDA with Triton (and no autograd): one pooling kernel for q, k (and v), the fp32 score matmul (left
-        unscaled when only the selection is needed: a positive scale does not change the order), and one top-k
-        kernel writing the plan's FA4 tables (rows of up to ``vsa_kernels.N_MAX`` tiles; longer rows use
-        ``torch.topk``). Elsewhere: :meth:`coarse`, ``torch.topk`` and the tables built from its indices.
+        On CUDA with Triton (and no autograd): one pooling kernel for q, k (and v), the score matmul
+        (:func:`rank_scores`), and one top-k kernel writing the plan's FA4 tables (rows of up to
+        ``vsa_kernels.N_MAX`` tiles; longer rows use a stable sort). Elsewhere: :meth:`coarse`, the sort and the
+        tables built from its indices.
         """
         kk = topk_count(sparsity, layout.num_tiles)
         if not vsa_kernels.pool_usable(q, k, v):
@@ -112,18 +127,17 @@ class VideoSparseBackend(SparseVideoBackend):
             return self.plan_from_scores(scores, layout, kk), coarse
         pooled = vsa_kernels.pool_tiles(q, k, v if with_output else None, layout)
         qc, kc = (t.transpose(1, 2) for t in pooled[:2])  # contiguous fp32 [B, H, n, D]
-        scores = torch.matmul(qc, kc.transpose(-1, -2))
-        coarse = None
-        if with_output:
-            coarse = coarse_output(scores.mul_(scale), pooled[2], q.dtype)
+        scores = rank_scores(qc, kc, q.dtype, scale)
+        coarse = coarse_output(scores, pooled[2], q.dtype) if with_output else None
         return self.plan_from_scores(scores, layout, kk), coarse
 
     def plan_from_scores(self, scores: torch.Tensor, layout: TokenLayout, kk: int) -> BlockPlan:
-        """Top-``kk`` key tiles of every row of ``scores`` fp32 [B, H, n, n] -> BlockPlan (the top-k kernel with
-        its tables where it runs, else ``torch.topk``)."""
+        """Top-``kk`` key tiles of every row of ``scores`` [B, H, n, n], ties to the lower tile index -> BlockPlan
+        (the top-k kernel with its tables where it runs, else a stable sort)."""
+        scores = scores.float()  # exact for bf16 / fp16 scores: the same order and ties
         if vsa_kernels.tables_usable(scores):
             return BlockPlan(layout, tables=vsa_kernels.topk_tables(scores, kk, layout), name="keys")
-        selected = scores.topk(kk, dim=-1, sorted=False).indices  # [B, H, n, kk]
+        selected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, H, n, kk]
         return BlockPlan(layout, selected=selected, name="keys")
 
     def forward(self, q, k, v, *, scale=None, meta: AttentionMetadata | None = None):
