@@ -50,11 +50,22 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.attention = attention
         self._rope_cache: dict = {}
+        self._sp = None  # fastwan.parallel.SequenceParallel once enable_sequence_parallel() ran
+        self._sp_sizes: tuple[int, ...] | None = None  # the current forward's shard sizes
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.prompts = PromptCache() if options.fast else None
 
     def set_attention(self, dispatch: AttentionDispatch) -> None:
-        self.attention = dispatch
+        self.attention = dispatch if self._sp is None else _ulysses(dispatch, self._sp)
+
+    def enable_sequence_parallel(self, sp) -> None:
+        """Split every forward's token sequence over the ranks of ``sp`` (:class:`fastwan.parallel.SequenceParallel`):
+        each rank runs its shard through the blocks, self-attention exchanges shards for heads (Ulysses), the
+        prediction is gathered on every rank. Raises if the heads do not divide over the ranks."""
+        sp.check_heads(self.config.num_attention_heads)
+        self._sp = sp
+        if self.attention is not None:
+            self.set_attention(getattr(self.attention, "inner", self.attention))
 
     def add_gate_compress(self) -> None:
         """Create the VSA ``to_gate_compress`` projections (checkpoints trained for VSA carry their weights)."""
@@ -158,6 +169,14 @@ class WanTransformer(nn.Module):
             rope = layout.permute(rope, dim=1)
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute(mod, dim=1)
+        if self._sp is not None:  # this rank's contiguous shard of the (layout-ordered) sequence
+            from fastwan.parallel import shard_sizes
+
+            sizes = self._sp_sizes = self.attention.sizes = shard_sizes(x.shape[1], self._sp.world)
+            x = self._sp.shard(x, sizes).contiguous()
+            rope = self._sp.shard(rope, sizes)
+            if mod.dim() == 4:
+                mod = self._sp.shard(mod, sizes)
         return x, rope, temb, mod, grid, layout
 
     def _meta(self, grid, layout, i: int, step_index, num_steps) -> AttentionMetadata | None:
@@ -168,6 +187,8 @@ class WanTransformer(nn.Module):
     def _head(self, r: Residual, temb: torch.Tensor, grid, layout) -> torch.Tensor:
         """The last block's stream (layout order) -> prediction [B, C_out, F, H, W]."""
         x = settle(r)
+        if self._sp is not None:
+            x = self._sp.gather(x, self._sp_sizes)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
         if temb.dim() == 3:  # per-token: [B, S, C]
@@ -201,6 +222,9 @@ class WanTransformer(nn.Module):
         x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
         contexts = self._contexts((text,), image=image)
         args = (contexts, mod, rope, grid, layout, step_index, num_steps)
+        if cache is not None and self._sp is not None:
+            raise InvalidArgument("step caches do not run with sequence parallelism yet (each rank would decide on "
+                                  "its own shard); pass cache=None.")
         if cache is None:
             r = self._blocks(0, Residual(x), *args)
         else:
@@ -286,6 +310,9 @@ class WanTransformer(nn.Module):
         video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
         attn = self.attention
         if caches is not None:
+            if self._sp is not None:
+                raise InvalidArgument("step caches do not run with sequence parallelism yet (each rank would decide "
+                                      "on its own shard); pass caches=None.")
             if batched or step_index is None:
                 raise InvalidArgument("forward_cfg(caches=...) runs the passes one after the other: pass "
                                       "batched=False and the step_index.")
@@ -331,3 +358,9 @@ class WanTransformer(nn.Module):
             ri = text_half(r._replace(x=r.x.clone()) if shared else r, h, ctx[i][0], mod, self.attention)
             outs.append(self._cached_rest(cache, ri, start, args[i]))
         return tuple(self._head(Residual(o), temb, grid, layout) for o in outs)
+
+
+def _ulysses(dispatch: AttentionDispatch, sp):
+    from fastwan.parallel import UlyssesDispatch
+
+    return UlyssesDispatch(dispatch, sp)

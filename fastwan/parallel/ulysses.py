@@ -1,0 +1,111 @@
+"""Ulysses sequence parallelism through ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
+
+Each rank of a group holds a contiguous shard of the DiT's token sequence (:func:`shard_sizes`: sizes differ by
+at most one unit, so no token count needs padding). Everything in a block but self-attention is per token and runs
+on the local shard; around self-attention one all-to-all turns sequence shards into head shards (every rank sees
+the whole sequence for ``heads / world`` heads, in sequence order, so dense and sparse backends run unchanged) and
+one all-to-all turns the output back. Uneven shards use ``all_to_all_single``'s split sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastwan.attention.base import AttentionMetadata
+from fastwan.errors import InvalidArgument
+
+
+def shard_sizes(n: int, world: int, unit: int = 1) -> tuple[int, ...]:
+    """Contiguous shard sizes of ``n`` tokens over ``world`` ranks: whole ``unit``s, as even as possible (earlier
+    ranks take the extra units), the last rank also the ``n % unit`` tokens left over."""
+    units, rest = divmod(n, unit)
+    base, extra = divmod(units, world)
+    sizes = [(base + (r < extra)) * unit for r in range(world)]
+    sizes[-1] += rest
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A process group over which the DiT's sequence is split (``world`` ranks, this one ``rank``)."""
+
+    group: object
+    world: int
+    rank: int
+
+    @classmethod
+    def from_group(cls, group=None) -> SequenceParallel:
+        if not dist.is_initialized():
+            raise InvalidArgument("sequence parallelism needs torch.distributed initialised (torchrun, or "
+                                  "dist.init_process_group) before the model is set up.")
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
+
+    def check_heads(self, heads: int) -> None:
+        if heads % self.world:
+            raise InvalidArgument(
+                f"sequence parallelism over {self.world} ranks splits the attention heads, but the DiT has {heads} "
+                f"heads, not a multiple of {self.world}; use a degree that divides {heads}.")
+
+    def shard(self, x: torch.Tensor, sizes: tuple[int, ...], dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous slice of ``x`` along ``dim``."""
+        start = sum(sizes[: self.rank])
+        return x.narrow(dim, start, sizes[self.rank])
+
+    def gather(self, x: torch.Tensor, sizes: tuple[int, ...], dim: int = 1) -> torch.Tensor:
+        """The shards of every rank concatenated along ``dim`` (in rank order)."""
+        longest = max(sizes)
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad)], dim) if pad[dim] else x
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
+
+    def seq_to_heads(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """[B, S_rank, H, D] -> [B, S, H / world, D]: this rank's head group over the whole sequence."""
+        B, s, H, D = x.shape
+        w = self.world
+        send = x.reshape(B, s, w, H // w, D).permute(2, 1, 0, 3, 4).contiguous()  # [w, s, B, H/w, D]
+        recv = x.new_empty((sum(sizes), B, H // w, D))
+        dist.all_to_all_single(recv, send.reshape(w * s, B, H // w, D), output_split_sizes=list(sizes),
+                               input_split_sizes=[s] * w, group=self.group)
+        return recv.permute(1, 0, 2, 3)
+
+    def heads_to_seq(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """[B, S, H / world, D] -> [B, S_rank, H, D]: the inverse of :meth:`seq_to_heads`."""
+        B, _, h, D = x.shape
+        w, s = self.world, sizes[self.rank]
+        recv = x.new_empty((w * s, B, h, D))
+        dist.all_to_all_single(recv, x.permute(1, 0, 2, 3).contiguous(), output_split_sizes=[s] * w,
+                               input_split_sizes=list(sizes), group=self.group)
+        return recv.reshape(w, s, B, h, D).permute(2, 1, 0, 3, 4).reshape(B, s, w * h, D)
+
+
+class UlyssesDispatch:
+    """An :class:`~fastwan.attention.AttentionDispatch` whose self-attention runs over the whole sequence for
+    this rank's heads; everything else is the wrapped dispatch's. ``sizes``: the current forward's shard sizes
+    (set by the DiT once per forward)."""
+
+    def __init__(self, inner, sp: SequenceParallel):
+        self.inner, self.sp = inner, sp
+        self.sizes: tuple[int, ...] | None = None
+        # collectives with per-forward split sizes run outside torch.compile graphs (one break per block)
+        self._call = torch.compiler.disable(self._exchange)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """q, k, v: this rank's tokens, [B, S_rank, H, D] -> [B, S_rank, H, D]."""
+        return self._call(q, k, v, meta)
+
+    def _exchange(self, q, k, v, meta):
+        sizes = self.sizes
+        q, k, v = (self.sp.seq_to_heads(t, sizes) for t in (q, k, v))
+        if meta is not None and meta.extra and "gate_compress" in meta.extra:  # VSA's gate is per token and head
+            gate = self.sp.seq_to_heads(meta.extra["gate_compress"], sizes)
+            meta = dataclasses.replace(meta, extra={**meta.extra, "gate_compress": gate})
+        return self.sp.heads_to_seq(self.inner.self_attention(q, k, v, meta), sizes)

@@ -1,0 +1,129 @@
+"""Ulysses sequence parallelism on the CPU: 2 and 4 gloo processes, fp32. Every rank's gathered prediction equals
+the single-process prediction of the same weights and inputs, at token counts the world size does not divide, with
+a per-token timestep (TI2V), a sparse backend, CFG's shared start and both DiT builds."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastwan.attention import AttentionDispatch
+from fastwan.errors import InvalidArgument
+from fastwan.models import WanConfig, WanTransformer
+from fastwan.options import DiTOptions
+from fastwan.parallel import SequenceParallel, shard_sizes
+
+HEADS, HEAD_DIM = 4, 8
+# latents 3 x 6 x 10 with patch (1, 2, 2): a 3 x 3 x 5 grid, 45 tokens (not divisible by 2 or 4)
+LATENT = (1, 4, 3, 6, 10)
+
+
+def model(options: str, backend: str, conf: dict | None) -> WanTransformer:
+    cfg = WanConfig(num_layers=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, ffn_dim=32, text_dim=8,
+                    freq_dim=16, in_channels=4, out_channels=4, cross_attn_norm=True,
+                    qk_norm="rms_norm_across_heads")
+    attn = AttentionDispatch.resolve(backend, device="cpu", dtype=torch.float32, head_dim=HEAD_DIM, config=conf)
+    torch.manual_seed(0)
+    m = WanTransformer(cfg, attn, DiTOptions(block=options))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return m.eval().requires_grad_(False)
+
+
+def inputs(per_token: bool):
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(LATENT, generator=g)
+    tokens = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)
+    timestep = torch.rand(1, tokens, generator=g) * 1000 if per_token else torch.tensor([700.0])
+    text = torch.randn(1, 7, 8, generator=g)
+    text_uncond = torch.randn(1, 7, 8, generator=g)
+    return latents, timestep, text, text_uncond
+
+
+def _worker(rank: int, world: int, port: int, case: dict, errors) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        ref = model(case["options"], case["backend"], case["conf"])
+        par = model(case["options"], case["backend"], case["conf"])
+        par.enable_sequence_parallel(SequenceParallel.from_group())
+        latents, timestep, text, text_uncond = inputs(case["per_token"])
+        with torch.no_grad():
+            want = ref(latents, timestep, text, step_index=0, num_steps=1)
+            got = par(latents, timestep, text, step_index=0, num_steps=1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if case["cfg"]:
+                for batched in (True, False):
+                    w = ref.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
+                    g = par.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
+                    for a, b in zip(g, w):
+                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        dist.barrier()
+    except BaseException as exc:  # reported to the parent with this rank named
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, **case) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(world, free_port(), case, errors), nprocs=world, start_method="spawn")
+    except mp.ProcessRaisedException:
+        pass
+    msgs = []
+    while not errors.empty():
+        msgs.append(errors.get())
+    assert not msgs, "\n".join(msgs)
+
+
+CASES = [
+    (2, dict(options="reference", backend="TORCH_SDPA", conf=None, per_token=False, cfg=True)),
+    (4, dict(options="reference", backend="TORCH_SDPA", conf=None, per_token=True, cfg=False)),
+    (2, dict(options="fast", backend="TORCH_SDPA", conf=None, per_token=False, cfg=True)),
+    (2, dict(options="reference", backend="SLIDING_TILE_ATTN", conf={"tile": [1, 2, 2], "window": 1},
+             per_token=True, cfg=False)),
+    (2, dict(options="reference", backend="VIDEO_SPARSE_ATTN", conf={"tile": [1, 2, 2], "sparsity": 0.5},
+             per_token=False, cfg=False)),
+]
+
+
+@pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c['options']}-{c['backend']}" for w, c in CASES])
+def test_sequence_parallel_matches_one_process(world, case):
+    run(world, **case)
+
+
+def test_shard_sizes():
+    assert shard_sizes(45, 2) == (23, 22) and shard_sizes(45, 4) == (12, 11, 11, 11)
+    assert shard_sizes(40, 4, unit=8) == (16, 8, 8, 8) and shard_sizes(43, 2, unit=8) == (24, 19)
+    assert sum(shard_sizes(3, 4)) == 3
+
+
+def test_heads_must_divide():
+    with pytest.raises(InvalidArgument, match="4 heads, not a multiple of 3"):
+        SequenceParallel(None, 3, 0).check_heads(4)
+
+
+def test_step_cache_refused_under_sequence_parallelism():
+    m = model("reference", "TORCH_SDPA", None)
+    m._sp = SequenceParallel(None, 1, 0)
+    from fastwan.cache import FirstBlockCache, PassCache
+
+    latents, timestep, text, _ = inputs(False)
+    with pytest.raises(InvalidArgument, match="sequence parallelism"):
+        m(latents, timestep, text, step_index=0, num_steps=1, cache=PassCache(FirstBlockCache(0.1), 1))
