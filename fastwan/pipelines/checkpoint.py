@@ -367,12 +367,13 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
     if tiny_variant:
         preset = TINY_PRESETS[variant]
     elif meta.distilled:
-        preset = DISTILLED.get(variant, replace(PRESETS[variant], **_dmd_sampling()))
+        preset = DISTILLED.get(variant) or replace(PRESETS[variant], num_inference_steps=3, guidance_scale=1.0,
+                                                   guidance_scale_2=None, **_dmd_sampling())
     else:
         named_720p = variant == "wan2.1-i2v" and "720p" in f"{name} {root}".lower()
         preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
     if meta.distilled and tiny_variant:
-        preset = replace(preset, num_inference_steps=3, guidance_scale=1.0, **_dmd_sampling())
+        preset = replace(preset, num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None, **_dmd_sampling())
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, _has_vsa_gates(root / meta.experts[0], allow_pickle))
 

@@ -202,3 +202,25 @@ def test_schedule_sigmas_match_the_rule(rule, shift):
     assert torch.allclose(sched.timesteps, ref.timesteps)
     if rule == "dmd" and shift == 8.0:
         assert abs(sched.sigmas[3] - 0.013) > 2e-3
+
+
+def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path):
+    """A WanDMDPipeline whose DiT is not FastWan's Wan2.1 layout (here the two A14B experts) still samples with
+    DMD: 3 steps at 1000/757/522, no CFG in either expert; no VSA gates, so dense attention."""
+    import json
+
+    from fastwan.pipelines.checkpoint import resolve
+
+    src = tiny_ckpts["wan2.2-a14b"]
+    dst = tmp_path / "a14b-dmd"
+    dst.mkdir()
+    for comp in src.iterdir():
+        if comp.name != "model_index.json":
+            (dst / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
+    index = json.loads((src / "model_index.json").read_text())
+    (dst / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanDMDPipeline"}))
+    ckpt = resolve(dst)
+    p = ckpt.preset
+    assert ckpt.distilled and not ckpt.vsa_gates
+    assert (p.sampler, p.timesteps, p.num_inference_steps, p.guidance_scale, p.guidance_scale_2) == (
+        "dmd", (1000.0, 757.0, 522.0), 3, 1.0, None)
