@@ -45,7 +45,7 @@ from fastwan.pipelines.checkpoint import (
 from fastwan.pipelines.denoise import denoise
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
-from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, with_sampling
+from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, scheduler_shift, with_sampling
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -253,6 +253,9 @@ class VideoGenerator:
         """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
         cfg = self.checkpoint.transformer_config
         scheduler = fresh_scheduler(self.scheduler, s.flow_shift) if s.sampler == "default" else None
+        if s.sampler != "default" and s.flow_shift is None and scheduler_shift(self.scheduler) is None:
+            raise InvalidArgument(f"sampler={s.sampler!r} needs a flow_shift: the checkpoint's "
+                                  f"{type(self.scheduler).__name__} has none; pass flow_shift (e.g. 5.0).")
         check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
                      scheduler=scheduler, max_grid=cfg.rope_max_seq_len)
 

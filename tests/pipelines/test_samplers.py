@@ -224,3 +224,13 @@ def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path
     assert ckpt.distilled and not ckpt.vsa_gates
     assert (p.sampler, p.timesteps, p.num_inference_steps, p.guidance_scale, p.guidance_scale_2) == (
         "dmd", (1000.0, 757.0, 522.0), 3, 1.0, None)
+
+
+def test_euler_without_any_flow_shift_raises_before_compute(no_compute, monkeypatch):
+    from diffusers import DDIMScheduler
+
+    monkeypatch.setattr(no_compute, "scheduler", DDIMScheduler())
+    with pytest.raises(InvalidArgument, match="needs a flow_shift"):
+        no_compute.generate_video(PROMPT, seed=0, save_video=False, sampler="euler")
+    with pytest.raises(InvalidArgument, match="has no flow shift"):
+        no_compute.generate_video(PROMPT, seed=0, save_video=False, flow_shift=3.0)
