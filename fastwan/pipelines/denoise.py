@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 
 from fastwan.cache import CacheRun
-from fastwan.pipelines.sampling import Schedule, Sampling
-
-
-def sampling_of(s) -> Sampling:
-    """The :class:`Sampling` of resolved settings ``s`` (a Preset whose sampling was checked)."""
-    return Sampling(s.sampler, s.num_inference_steps, s.timesteps, s.flow_shift)
+from fastwan.pipelines.sampling import Schedule
 
 
 def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
@@ -40,7 +35,7 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         keep[:, :, 0] = 0
         token_keep = keep[0, 0][:, ::cfg.patch_size[1], ::cfg.patch_size[2]].flatten()[None]
 
-    schedule = Schedule(sampling_of(s), gen.scheduler, dev, generator)  # fresh state per video
+    schedule = Schedule(s, gen.scheduler, dev, generator)  # fresh state per video
     timesteps = schedule.timesteps
     n = len(timesteps)
     boundary = None

@@ -45,7 +45,7 @@ from fastwan.pipelines.checkpoint import (
 from fastwan.pipelines.denoise import denoise
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
-from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, scheduler_shift, with_sampling
+from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -252,10 +252,11 @@ class VideoGenerator:
     def _check_inputs(self, prompt, negative_prompt, s, seed) -> None:
         """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
         cfg = self.checkpoint.transformer_config
-        scheduler = fresh_scheduler(self.scheduler, s.flow_shift) if s.sampler == "default" else None
-        if s.sampler != "default" and s.flow_shift is None and scheduler_shift(self.scheduler) is None:
-            raise InvalidArgument(f"sampler={s.sampler!r} needs a flow_shift: the checkpoint's "
-                                  f"{type(self.scheduler).__name__} has none; pass flow_shift (e.g. 5.0).")
+        scheduler = None  # fastwan's own samplers checked their timesteps already
+        if s.sampler == "default":
+            scheduler = fresh_scheduler(self.scheduler, s.flow_shift)
+        else:
+            sampler_shift(s, self.scheduler)
         check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
                      scheduler=scheduler, max_grid=cfg.rope_max_seq_len)
 
@@ -315,10 +316,9 @@ class VideoGenerator:
         if req is not None and height is None and width is None:
             multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
             height, width = default_size(req.first, self.preset.height * self.preset.width, multiple)
-        sampling = check_sampling(self.preset, sampler, timesteps, flow_shift, num_inference_steps)
-        s = with_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
-                                         guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
-                          sampling)
+        s = check_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
+                                          guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
+                           sampler, timesteps, flow_shift, num_inference_steps)
         self._check_inputs(prompt, negative_prompt, s, seed)
         cache = self.cache if cache is None else check_cache(cache)
         cfg = self.checkpoint.transformer_config

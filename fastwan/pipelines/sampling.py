@@ -20,7 +20,7 @@ that asks for another step count without timesteps gets evenly spaced ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -28,23 +28,15 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
+SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The resolved sampling of one request: sampler name, step count, timesteps (None: the sampler's own),
-    flow shift (None: the checkpoint scheduler's)."""
-
-    sampler: str
-    num_steps: int
-    timesteps: tuple[float, ...] | None
-    flow_shift: float | None
-
-
-def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_inference_steps=None) -> Sampling:
-    """The call's sampling from its arguments over the preset's (``None``: the preset's value); raises before any
-    compute on an unknown sampler, timesteps that are not strictly decreasing in (0, 1000], timesteps with the
-    default sampler, a step count that disagrees with the timesteps, or a flow shift that is not positive."""
+def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_inference_steps=None):
+    """``preset`` (a :class:`~fastwan.pipelines.checkpoint.Preset`) with the call's sampling settled from its
+    arguments (``None``: the preset's value): ``sampler``, ``num_inference_steps``, ``timesteps`` (None: the
+    sampler's own) and ``flow_shift`` (None: the checkpoint scheduler's). Raises before any compute on an unknown
+    sampler, timesteps that are not strictly decreasing in (0, 1000], timesteps with the default sampler, a step
+    count that disagrees with the timesteps, or a flow shift that is not positive."""
     name = preset.sampler if sampler is None else sampler
     if not isinstance(name, str) or name not in SAMPLERS:
         raise InvalidArgument(f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
@@ -72,7 +64,7 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
             raise InvalidArgument(f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, "
                                   "8.0 for FastWan).")
         shift = float(shift)
-    return Sampling(name, steps, ts, shift)
+    return replace(preset, sampler=name, num_inference_steps=steps, timesteps=ts, flow_shift=shift)
 
 
 def _check_timesteps(timesteps) -> tuple[float, ...]:
@@ -108,13 +100,17 @@ def grid_sigma(t: float, shift: float) -> float:
     return float(grid[torch.argmin((grid * TRAIN_TIMESTEPS - t).abs())])
 
 
-def scheduler_shift(scheduler) -> float | None:
-    """The flow shift of a diffusers scheduler (UniPC: ``flow_shift``; FlowMatchEuler: ``shift``), else None."""
+def sampler_shift(s, scheduler) -> float:
+    """The flow shift an euler / dmd request ``s`` samples with: its own, else the checkpoint scheduler's; raises
+    when neither has one."""
+    if s.flow_shift is not None:
+        return s.flow_shift
     cfg = scheduler.config
-    for key in ("flow_shift", "shift"):
-        if key in cfg and cfg[key] is not None:
+    for key in SHIFT_KEYS:
+        if cfg.get(key) is not None:
             return float(cfg[key])
-    return None
+    raise InvalidArgument(f"sampler={s.sampler!r} needs a flow_shift: the checkpoint's {type(scheduler).__name__} "
+                          "has none; pass flow_shift (e.g. 5.0).")
 
 
 def fresh_scheduler(scheduler, flow_shift: float | None = None):
@@ -122,7 +118,7 @@ def fresh_scheduler(scheduler, flow_shift: float | None = None):
     given; raises if that scheduler has no flow shift."""
     kw = {}
     if flow_shift is not None:
-        key = next((k for k in ("flow_shift", "shift") if k in scheduler.config), None)
+        key = next((k for k in SHIFT_KEYS if k in scheduler.config), None)
         if key is None:
             raise InvalidArgument(f"flow_shift={flow_shift} cannot be set on the checkpoint's "
                                   f"{type(scheduler).__name__}, which has no flow shift; use sampler='euler'.")
@@ -131,23 +127,20 @@ def fresh_scheduler(scheduler, flow_shift: float | None = None):
 
 
 class Schedule:
-    """One request's steps: ``timesteps`` [n] (what the model sees, fp32 on the device) and :meth:`step`."""
+    """One request's steps: ``timesteps`` [n] (what the model sees, fp32 on the device) and :meth:`step`.
+    ``s``: the request's settings, sampling settled by :func:`check_sampling`."""
 
-    def __init__(self, sampling: Sampling, scheduler, device: torch.device, generator: torch.Generator | None = None):
-        self.sampling, self.generator = sampling, generator
+    def __init__(self, s, scheduler, device: torch.device, generator: torch.Generator | None = None):
+        self.sampler, self.generator = s.sampler, generator
         self.scheduler = None
-        name = sampling.sampler
-        if name == "default":
-            self.scheduler = fresh_scheduler(scheduler, sampling.flow_shift)
-            self.scheduler.set_timesteps(sampling.num_steps, device=device)
+        if s.sampler == "default":
+            self.scheduler = fresh_scheduler(scheduler, s.flow_shift)
+            self.scheduler.set_timesteps(s.num_inference_steps, device=device)
             self.timesteps = self.scheduler.timesteps
             return
-        shift = sampling.flow_shift if sampling.flow_shift is not None else scheduler_shift(scheduler)
-        if shift is None:
-            raise InvalidArgument(f"sampler={name!r} needs a flow_shift: the checkpoint's {type(scheduler).__name__} "
-                                  "has none; pass flow_shift (e.g. 5.0).")
-        ts = sampling.timesteps or evenly_spaced(sampling.num_steps)
-        if name == "euler":
+        shift = sampler_shift(s, scheduler)
+        ts = s.timesteps or evenly_spaced(s.num_inference_steps)
+        if s.sampler == "euler":
             sig = shifted(torch.tensor(ts, dtype=torch.float64) / TRAIN_TIMESTEPS, shift)
             self.sigmas = sig.tolist() + [0.0]
             self.timesteps = (sig * TRAIN_TIMESTEPS).to(torch.float32).to(device)
@@ -161,7 +154,7 @@ class Schedule:
             return self.scheduler.step(pred, self.timesteps[i], latents, return_dict=False)[0]
         sigma, nxt = self.sigmas[i], self.sigmas[i + 1]
         v = pred.to(latents.dtype)
-        if self.sampling.sampler == "euler":
+        if self.sampler == "euler":
             return latents + (nxt - sigma) * v
         x0 = latents - sigma * v
         if nxt == 0.0:
@@ -169,8 +162,3 @@ class Schedule:
         noise = torch.randn(latents.shape, generator=self.generator, device=latents.device, dtype=latents.dtype)
         return (1 - nxt) * x0 + nxt * noise
 
-
-def with_sampling(preset, sampling: Sampling):
-    """The preset with the request's sampling settled (step count, sampler, timesteps, flow shift)."""
-    return replace(preset, num_inference_steps=sampling.num_steps, sampler=sampling.sampler,
-                   timesteps=sampling.timesteps, flow_shift=sampling.flow_shift)

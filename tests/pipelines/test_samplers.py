@@ -192,12 +192,14 @@ def test_bad_sampling_raises_before_compute(no_compute, kw, exc, msg):
 def test_schedule_sigmas_match_the_rule(rule, shift):
     """The sigmas themselves (the DMD grid snap is below a uint8 step on the frames): near 0 the shift-8 grid is
     coarse, so t = 13 maps to the grid's 0.0158, not 0.013."""
-    from fastwan.pipelines.sampling import Sampling, Schedule
+    from fastwan.pipelines.checkpoint import Preset
+    from fastwan.pipelines.sampling import Schedule
 
     ts = [1000, 757, 522, 13]
     ref = ReferenceSampler(rule, ts, shift, None)
     ref.set_timesteps(len(ts))
-    sched = Schedule(Sampling(rule, len(ts), tuple(float(t) for t in ts), shift), None, torch.device("cpu"))
+    s = Preset(64, 64, 9, len(ts), 1.0, None, 8, rule, tuple(float(t) for t in ts), shift)
+    sched = Schedule(s, None, torch.device("cpu"))
     assert torch.allclose(torch.tensor(sched.sigmas, dtype=torch.float64), ref.sigmas, rtol=0, atol=1e-12)
     assert torch.allclose(sched.timesteps, ref.timesteps)
     if rule == "dmd" and shift == 8.0:
