@@ -5,9 +5,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
 from fastwan.models.wan.config import WanConfig, check_text_to_video
+from fastwan.models.wan.loading import has_vsa_gates
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -50,11 +52,10 @@ PRESETS = {
 }
 # FastVideo's DMD-distilled FastWan checkpoints (model_index.json "_class_name": "WanDMDPipeline") sample as
 # FastVideo's DMD stage does: timesteps 1000, 757, 522 on its shift-8 grid, no CFG; the Wan2.1 ones at FastVideo's
-# 61 x 448 x 832 preset, the TI2V-5B one at the TI2V preset's size.
-DISTILLED = {
-    "wan2.1": Preset(448, 832, 61, 3, 1.0, None, 16, "dmd", (1000.0, 757.0, 522.0), 8.0),
-    "wan2.2-ti2v": Preset(704, 1280, 121, 3, 1.0, None, 24, "dmd", (1000.0, 757.0, 522.0), 8.0),
-}
+# 61 x 448 x 832 preset, any other kind (TI2V-5B) at its own preset's size.
+DMD_SETTINGS = MappingProxyType(dict(num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None,
+                                     sampler="dmd", timesteps=(1000.0, 757.0, 522.0), flow_shift=8.0))
+DISTILLED_SIZES = MappingProxyType({"wan2.1": MappingProxyType(dict(height=448, width=832, num_frames=61))})
 # VSA-trained checkpoints (the DiT carries attn1.to_gate_compress) run VSA by default, at FastVideo's sparsity for
 # FastWan: 0.9 for the 14B width (5120), 0.8 below; 4 x 4 x 4-token cubes as trained
 VSA_TILE = (4, 4, 4)
@@ -354,8 +355,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
                          revision=root.name if HUB_COMMIT.match(root.name) else None)
     _check_components(root, index_path, meta)
     configs = _expert_configs(root, meta)
-    for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ()):
-        weight_files(root / comp, allow_pickle=allow_pickle)
+    files = {comp: weight_files(root / comp, allow_pickle=allow_pickle)
+             for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())}
     read_json(root / "scheduler" / "scheduler_config.json", missing="the scheduler component needs it.")
 
     expand = meta.expand_timesteps
@@ -366,34 +367,25 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
     if tiny_variant:
         preset = TINY_PRESETS[variant]
-    elif meta.distilled:
-        preset = DISTILLED.get(variant) or replace(PRESETS[variant], num_inference_steps=3, guidance_scale=1.0,
-                                                   guidance_scale_2=None, **_dmd_sampling())
     else:
         named_720p = variant == "wan2.1-i2v" and "720p" in f"{name} {root}".lower()
         preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
-    if meta.distilled and tiny_variant:
-        preset = replace(preset, num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None, **_dmd_sampling())
+    if meta.distilled:
+        preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
-                      meta.image_encoder, meta.distilled, _has_vsa_gates(root / meta.experts[0], allow_pickle))
+                      meta.image_encoder, meta.distilled, _has_vsa_gates(files[meta.experts[0]]))
 
 
-def _dmd_sampling() -> dict:
-    """The DMD sampling of FastVideo's FastWan models (see DISTILLED)."""
-    return {"sampler": "dmd", "timesteps": (1000.0, 757.0, 522.0), "flow_shift": 8.0}
-
-
-def _has_vsa_gates(folder: Path, allow_pickle: bool) -> bool:
-    """Whether a DiT's weights carry VSA's gate projections (read from the safetensors headers only; pickle
-    weights are not opened here: False)."""
+def _has_vsa_gates(files: list[Path]) -> bool:
+    """Whether a DiT's weight ``files`` carry VSA's gate projections (read from the safetensors headers only;
+    pickle weights are not opened here: False)."""
     from safetensors import safe_open
 
-    files = weight_files(folder, allow_pickle=allow_pickle)
     if not files or files[0].suffix != ".safetensors":
         return False
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            if any(k.endswith("attn1.to_gate_compress.weight") for k in h.keys()):
+            if has_vsa_gates(h.keys()):
                 return True
     return False
 

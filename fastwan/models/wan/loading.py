@@ -12,6 +12,14 @@ from fastwan.models.wan.transformer import WanTransformer, keep_in_fp32
 from fastwan.options import DiTOptions
 
 
+VSA_GATE_KEY = "attn1.to_gate_compress.weight"  # the weight a VSA-trained DiT carries in every block
+
+
+def has_vsa_gates(keys) -> bool:
+    """Whether tensor names ``keys`` include VSA's gate projections (the DiT was trained with VSA)."""
+    return any(k.endswith(VSA_GATE_KEY) for k in keys)
+
+
 def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptions | None = None,
                      allow_pickle: bool = False) -> WanTransformer:
     """``folder``: a Diffusers ``transformer/`` (or ``transformer_2/``) folder (config.json + safetensors)
@@ -23,7 +31,7 @@ def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptio
     with torch.device("meta"):
         model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(device, dtype))
     state = CheckpointTensors(files)
-    if any(k.endswith("attn1.to_gate_compress.weight") for k in state.keys()):
+    if has_vsa_gates(state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()
     load_into(model, state, dtype=dtype, device=device, keep_fp32=keep_in_fp32, source=str(folder))
