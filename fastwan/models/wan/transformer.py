@@ -21,6 +21,7 @@ from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
 from fastwan.options import DiTOptions
+from fastwan.parallel import UlyssesDispatch, shard_sizes
 
 if TYPE_CHECKING:
     from fastwan.cache import PassCache
@@ -51,12 +52,11 @@ class WanTransformer(nn.Module):
         self.attention = attention
         self._rope_cache: dict = {}
         self._sp = None  # fastwan.parallel.SequenceParallel once enable_sequence_parallel() ran
-        self._sp_sizes: tuple[int, ...] | None = None  # the current forward's shard sizes
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.prompts = PromptCache() if options.fast else None
 
     def set_attention(self, dispatch: AttentionDispatch) -> None:
-        self.attention = dispatch if self._sp is None else _ulysses(dispatch, self._sp)
+        self.attention = dispatch if self._sp is None else UlyssesDispatch(dispatch, self._sp)
 
     def enable_sequence_parallel(self, sp) -> None:
         """Split every forward's token sequence over the ranks of ``sp`` (:class:`fastwan.parallel.SequenceParallel`):
@@ -170,9 +170,7 @@ class WanTransformer(nn.Module):
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute(mod, dim=1)
         if self._sp is not None:  # this rank's contiguous shard of the (layout-ordered) sequence
-            from fastwan.parallel import shard_sizes
-
-            sizes = self._sp_sizes = self.attention.sizes = shard_sizes(x.shape[1], self._sp.world)
+            sizes = self.attention.sizes = shard_sizes(x.shape[1], self._sp.world)
             x = self._sp.shard(x, sizes).contiguous()
             rope = self._sp.shard(rope, sizes)
             if mod.dim() == 4:
@@ -188,7 +186,7 @@ class WanTransformer(nn.Module):
         """The last block's stream (layout order) -> prediction [B, C_out, F, H, W]."""
         x = settle(r)
         if self._sp is not None:
-            x = self._sp.gather(x, self._sp_sizes)
+            x = self._sp.gather(x, self.attention.sizes)
         if layout is not None:
             x = layout.unpermute(x, dim=1)
         if temb.dim() == 3:  # per-token: [B, S, C]
@@ -358,9 +356,3 @@ class WanTransformer(nn.Module):
             ri = text_half(r._replace(x=r.x.clone()) if shared else r, h, ctx[i][0], mod, self.attention)
             outs.append(self._cached_rest(cache, ri, start, args[i]))
         return tuple(self._head(Residual(o), temb, grid, layout) for o in outs)
-
-
-def _ulysses(dispatch: AttentionDispatch, sp):
-    from fastwan.parallel import UlyssesDispatch
-
-    return UlyssesDispatch(dispatch, sp)
