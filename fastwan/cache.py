@@ -57,6 +57,11 @@ def _number(owner: str, name: str, value, *, lo: float = 0.0, hi: float = math.i
     return value
 
 
+def _flag(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentType(f"{owner}({name}={value!r}): must be True or False.")
+
+
 def _floats(owner: str, name: str, values, *, positive: bool = False) -> tuple[float, ...] | None:
     if values is None:
         return None
@@ -97,8 +102,7 @@ class TeaCache:
     def __post_init__(self):
         _number("TeaCache", "threshold", self.threshold)
         object.__setattr__(self, "coefficients", _floats("TeaCache", "coefficients", self.coefficients))
-        if not isinstance(self.use_ret_steps, bool):
-            raise InvalidArgumentType(f"TeaCache(use_ret_steps={self.use_ret_steps!r}): must be True or False.")
+        _flag("TeaCache", "use_ret_steps", self.use_ret_steps)
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,7 @@ class MagCache:
         _number("MagCache", "threshold", self.threshold)
         _number("MagCache", "max_skip_steps", self.max_skip_steps, lo=1, integer=True)
         _number("MagCache", "retention_ratio", self.retention_ratio, hi=1.0)
-        if not isinstance(self.calibrate, bool):
-            raise InvalidArgumentType(f"MagCache(calibrate={self.calibrate!r}): must be True or False.")
+        _flag("MagCache", "calibrate", self.calibrate)
         object.__setattr__(self, "mag_ratios", _floats("MagCache", "mag_ratios", self.mag_ratios, positive=True))
         if self.mag_ratios is None and not self.calibrate:
             raise InvalidArgument("MagCache(mag_ratios=None): the ratios are model-specific; pass the model's curve, "
@@ -134,8 +137,7 @@ class SkipSteps:
     name: ClassVar[str] = "skip_steps"
 
     def __post_init__(self):
-        if not isinstance(self.first_block, bool):
-            raise InvalidArgumentType(f"SkipSteps(first_block={self.first_block!r}): must be True or False.")
+        _flag("SkipSteps", "first_block", self.first_block)
         if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
             raise InvalidArgumentType(f"SkipSteps(steps={self.steps!r}): must be a list of step indices.")
         steps = tuple(self.steps)
