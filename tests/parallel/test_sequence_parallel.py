@@ -3,9 +3,6 @@ the single-process prediction of the same weights and inputs, at token counts th
 a per-token timestep (TI2V), a sparse backend, CFG's shared start and both DiT builds."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,10 +42,10 @@ def inputs(per_token: bool):
     return latents, timestep, text, text_uncond
 
 
-def _worker(rank: int, world: int, port: int, case: dict, errors) -> None:
+def _worker(rank: int, world: int, store: str, case: dict, errors) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # a file store: no TCP server whose process (rank 0) may exit while another rank still talks to it
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         torch.set_num_threads(1)
         ref = model(case["options"], case["backend"], case["conf"])
         par = model(case["options"], case["backend"], case["conf"])
@@ -73,17 +70,11 @@ def _worker(rank: int, world: int, port: int, case: dict, errors) -> None:
             dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(world: int, **case) -> None:
+def run(world: int, store: str, **case) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world, free_port(), case, errors), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, store, case, errors), nprocs=world, start_method="spawn")
     except mp.ProcessRaisedException:
         pass
     msgs = []
@@ -104,8 +95,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c['options']}-{c['backend']}" for w, c in CASES])
-def test_sequence_parallel_matches_one_process(world, case):
-    run(world, **case)
+def test_sequence_parallel_matches_one_process(world, case, tmp_path):
+    run(world, str(tmp_path / "store"), **case)
 
 
 def test_shard_sizes():
