@@ -11,8 +11,9 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
   the original module name with each dot written as an underscore (:func:`_kohya_name` reads it back).
 
 A module's update is ``W += scale * (alpha / rank) * B @ A`` (alpha defaults to the rank), ``W += scale * diff``,
-``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype. Merged weights cost nothing at
-run time; :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
+``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype; an FP8 layer's weight is
+dequantized, updated in fp32 and quantized again (new per-channel scales). Merged weights cost nothing at run time;
+:class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
 Deltas of norms (zeros in the files that carry them) are skipped.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
+from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
 
 logger = logging.getLogger("fastwan")
 
@@ -106,7 +108,7 @@ def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
 def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
     """{module name: {part: tensor}} for the model's linear layers; raises when no key names one of them (with
     examples of both sides) or a tensor's shape does not fit its module (naming the key)."""
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))}
     norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unmatched = []
@@ -176,7 +178,13 @@ class LoraState:
                 delta += (alpha / a.shape[0]) * (b @ a)
             if "diff" in parts:
                 delta += parts["diff"].to(w.device, torch.float32)
-            if "A" in parts or "diff" in parts:
+            if ("A" in parts or "diff" in parts) and isinstance(lin, Fp8Linear):  # requantized, new scales
+                self._keep(w)
+                self._keep(lin.weight_scale)
+                w8, w_scale = quantize_weight(dequantize_weight(w, lin.weight_scale) + scale * delta)
+                w.copy_(w8)
+                lin.weight_scale.copy_(w_scale)
+            elif "A" in parts or "diff" in parts:
                 self._keep(w)
                 w.copy_((w.float() + scale * delta).to(w.dtype))
             if "diff_b" in parts:

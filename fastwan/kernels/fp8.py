@@ -1,30 +1,32 @@
-"""FP8 (e4m3) weights for linear layers: per-output-channel weight quantization and ``fastwan::fp8_linear``.
+"""FP8 (e4m3) weights for linear layers: per-output-channel weight quantization, :func:`fp8_linear` and
+:class:`Fp8Linear`.
 
-Storage: a weight w [O, I] becomes ``w8`` float8_e4m3fn [O, I] and ``w_scale`` fp32 [O], with
-``w ~= w8.float() * w_scale[:, None]``. Rule: ``w_scale[o] = amax(|w[o, :]|) / 448`` (448: e4m3's largest finite
-value, so every row's largest magnitude lands on +-448), 1 for an all-zero row; ``w8 = e4m3(w / w_scale)``
-rounded to nearest (ties to even) after clamping to +-448. Error of one element: at most half an e4m3 ulp,
-``2^-4 * |w|`` for scaled values in e4m3's normal range (|w / w_scale| >= 2^-6) and ``2^-10 * w_scale`` below it
-(subnormal step 2^-9).
+Storage: a weight w [O, I] becomes ``weight`` float8_e4m3fn [O, I] and ``weight_scale`` fp32 [O], with
+``w ~= weight.float() * weight_scale[:, None]`` (the names of an :class:`Fp8Linear`'s tensors, and of the saved
+files). Rule: ``weight_scale[o] = amax(|w[o, :]|) / 448`` (448: e4m3's largest finite value, so every row's
+largest magnitude lands on +-448), 1 for an all-zero row; ``weight = e4m3(w / weight_scale)`` rounded to nearest
+(ties to even) after clamping to +-448. Error of one element: at most half an e4m3 ulp, ``2^-4 * |w|`` for scaled
+values in e4m3's normal range (|w / weight_scale| >= 2^-6) and ``2^-10 * weight_scale`` below it (subnormal step
+2^-9).
 
-``fastwan::fp8_linear(x, w8, w_scale, bias?, out_dtype?, route)``: x [..., I] -> [..., O] in ``out_dtype``
-(default x's dtype), one of two routes, chosen up front by :func:`choose_route` from :data:`ROUTES` (capabilities
-as data, :func:`route_reasons` lists why a route cannot run):
+``fp8_linear(x, weight, weight_scale, bias, route)``: x [..., I] -> [..., O] in x's dtype, by one of two routes,
+chosen when a layer is built (:func:`choose_route`, from :data:`ROUTES`: capabilities as data; :func:`route_reasons`
+lists why a route cannot run):
 
 * ``"scaled_mm"`` (CUDA, compute capability >= 8.9, bf16/fp16 x and output, I and O multiples of 16):
   x is quantized per token (:func:`quantize_activation`), then one ``torch._scaled_mm`` with row-wise scales
   (fp32 scale_a [M, 1], scale_b [1, O]), fp32 accumulation and bias in the epilogue. The arithmetic is
   :func:`fp8_linear_emulated` (any device, what the CPU tests check);
-* ``"dequant"`` (any device, fp16/bf16/fp32 x): ``F.linear(x, dequantize_weight(w8, w_scale, x.dtype), bias)``,
-  the PyTorch reference: FP8 storage only, the matmul in x's dtype.
+* ``"dequant"`` (any device, fp16/bf16/fp32 x): ``F.linear(x, dequantize_weight(weight, weight_scale, x.dtype),
+  bias)``, the PyTorch reference: FP8 storage only, the matmul in x's dtype.
 
-``route="auto"`` takes "scaled_mm" where it can run and "dequant" otherwise, logging the reasons once (logger
-"fastwan"); a route asked for by name that cannot run raises ValueError with its reasons. The op has no autograd
-(inference only) and a fake, so ``torch.compile(fullgraph=True)`` traces through it.
+``route="auto"`` takes "scaled_mm" where it can run and "dequant" otherwise (the caller logs the reasons); a
+route asked for by name that cannot run raises ValueError with its reasons. Both routes are plain PyTorch ops, so
+``torch.compile`` fuses the activation quantization (amax, scale, cast) into one pass with the ops before it;
+run eagerly, that quantization is several passes over x.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastwan.kernels import FLOATS, HALF
-
-logger = logging.getLogger("fastwan")
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -77,9 +77,9 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), x_scale
 
 
-def fp8_linear_emulated(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The "scaled_mm" route's arithmetic in fp32 on any device: x [..., I] -> [..., O] in ``out_dtype`` (x's).
+def fp8_linear_emulated(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The "scaled_mm" route's arithmetic in fp32 on any device: x [..., I] -> [..., O] in x's dtype.
 
     e4m3 x e4m3 products are exact in fp32 and summed in fp32; the epilogue is the kernel's: ``(acc * x_scale) *
     w_scale + bias`` in fp32, one rounding to the output dtype. Equal, up to fp32 rounding, to the fp32 matmul of
@@ -88,7 +88,7 @@ def fp8_linear_emulated(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor
     y = (x8.float() @ w8.float().t()) * x_scale * w_scale.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype or x.dtype)
+    return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- routes
@@ -97,29 +97,25 @@ class RouteCaps:
     """What a route of ``fp8_linear`` runs on. ``None``: no restriction."""
 
     device_types: tuple[str, ...] | None
-    dtypes: tuple[torch.dtype, ...]  # x's
-    out_dtypes: tuple[torch.dtype, ...]
+    dtypes: tuple[torch.dtype, ...]  # x's (the output's too)
     min_compute_capability: tuple[int, int] | None = None  # CUDA only
     feature_multiple: int | None = None  # in_features and out_features
     needs: str | None = None  # a torch function the route calls
 
 
-# torch._scaled_mm's row-wise FP8 GEMM (PyTorch main; the sm100+ routing is from Aug 2025, before 2.11): CUTLASS for
-# sm89 and sm90 (cuBLASLt >= 12.9 on sm90), CUTLASS for sm100 / sm110 / sm120 (cuBLAS has no row-wise scales there);
-# K and N multiples of 16; mat1 row-major, mat2 column-major; bias bf16 for a bf16 output, fp16 for fp16. Not yet run
-# by fastwan on a GPU.
+# torch._scaled_mm's row-wise FP8 GEMM: CUTLASS for sm89 and sm90 (cuBLASLt >= 12.9 on sm90), sm100 / sm110 / sm120;
+# K and N multiples of 16; mat1 row-major, mat2 column-major; bias in the output's dtype.
 ROUTES: dict[str, RouteCaps] = {
-    "scaled_mm": RouteCaps(("cuda",), HALF, HALF, min_compute_capability=(8, 9), feature_multiple=16,
-                           needs="_scaled_mm"),
-    "dequant": RouteCaps(None, FLOATS, FLOATS),
+    "scaled_mm": RouteCaps(("cuda",), HALF, min_compute_capability=(8, 9), feature_multiple=16, needs="_scaled_mm"),
+    "dequant": RouteCaps(None, FLOATS),
 }
 
 
 def route_reasons(route: str, *, device: torch.device | str, dtype: torch.dtype, in_features: int,
-                  out_features: int, out_dtype: torch.dtype | None = None) -> list[str]:
+                  out_features: int) -> list[str]:
     """Why ``route`` cannot run an fp8_linear of x (``dtype`` on ``device``) with a [out_features, in_features]
     weight; an empty list means it can. Each reason names the value, the rule and a fix."""
-    caps, device, out_dtype = ROUTES[route], torch.device(device), out_dtype or dtype
+    caps, device = ROUTES[route], torch.device(device)
     reasons = []
     if caps.needs and not hasattr(torch, caps.needs):
         reasons.append(f"torch {torch.__version__} has no torch.{caps.needs} (upgrade torch)")
@@ -131,12 +127,9 @@ def route_reasons(route: str, *, device: torch.device | str, dtype: torch.dtype,
         elif (cc := torch.cuda.get_device_capability(device)) < caps.min_compute_capability:
             need = caps.min_compute_capability
             reasons.append(f"compute capability sm{cc[0]}{cc[1]} is below sm{need[0]}{need[1]} (no FP8 tensor cores)")
-    ok = " or ".join(_name(d) for d in caps.dtypes)
     if dtype not in caps.dtypes:
-        reasons.append(f"activation dtype {_name(dtype)} is not supported (needs {ok}): cast x to torch.bfloat16")
-    if out_dtype not in caps.out_dtypes:
-        ok = " or ".join(_name(d) for d in caps.out_dtypes)
-        reasons.append(f"output dtype {_name(out_dtype)} is not supported (needs {ok}): pass out_dtype=torch.bfloat16")
+        ok = " or ".join(_name(d) for d in caps.dtypes)
+        reasons.append(f"activation dtype {_name(dtype)} is not supported (needs {ok}): use dtype=torch.bfloat16")
     m = caps.feature_multiple
     for what, n in (("in_features", in_features), ("out_features", out_features)):
         if m and n % m:
@@ -145,123 +138,127 @@ def route_reasons(route: str, *, device: torch.device | str, dtype: torch.dtype,
     return reasons
 
 
-_LOGGED: set[str] = set()
-
-
-def choose_route(route: str, x: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype | None = None) -> str:
-    """The route fp8_linear takes: ``route`` itself if it can run (ValueError with its reasons if not); for
-    "auto", "scaled_mm" where it can run, else "dequant" with the reasons logged once."""
+def choose_route(route: str, *, device: torch.device | str, dtype: torch.dtype, in_features: int,
+                 out_features: int) -> tuple[str, list[str]]:
+    """The route a layer takes, decided when it is built -> (route, why "scaled_mm" was passed over: [] unless
+    "auto" fell back). ``route`` itself if it can run (ValueError with its reasons if not); "auto": "scaled_mm"
+    where it can run, else "dequant"."""
     if route != "auto" and route not in ROUTES:
         raise ValueError(f"fp8_linear: route {route!r} is unknown; use 'auto', {', '.join(map(repr, ROUTES))}.")
-    facts = dict(device=x.device, dtype=x.dtype, in_features=w8.shape[1], out_features=w8.shape[0],
-                 out_dtype=out_dtype)
+    facts = dict(device=device, dtype=dtype, in_features=in_features, out_features=out_features)
     if route != "auto":
         if reasons := route_reasons(route, **facts):
             raise ValueError(f"fp8_linear: route {route!r} cannot run: {'; '.join(reasons)}.")
-        return route
+        return route, []
     fast = route_reasons("scaled_mm", **facts)
     if not fast:
-        return "scaled_mm"
+        return "scaled_mm", []
     if slow := route_reasons("dequant", **facts):
         raise ValueError(f"fp8_linear: no route can run: {'; '.join(fast + slow)}.")
-    msg = f"fp8_linear: using the 'dequant' route (bf16 matmul, FP8 storage only): 'scaled_mm' {'; '.join(fast)}"
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        (logger.warning if x.device.type == "cuda" else logger.info)(msg)
-    return "dequant"
+    return "dequant", fast
 
 
-def _check(x, w8, w_scale, bias) -> None:
+def _check(x, weight, weight_scale, bias) -> None:
     """Shape/dtype rules every route shares (ValueError naming the value and the rule)."""
-    if w8.dim() != 2 or w8.dtype != E4M3:
-        raise ValueError(f"fp8_linear: w8 has shape {tuple(w8.shape)} and dtype {_name(w8.dtype)}; it must be a "
-                         "float8_e4m3fn [out_features, in_features] matrix from quantize_weight.")
-    if x.dim() == 0 or x.shape[-1] != w8.shape[1]:
-        raise ValueError(f"fp8_linear: x of shape {tuple(x.shape)} does not end in in_features = {w8.shape[1]}.")
-    if w_scale.shape != (w8.shape[0],) or w_scale.dtype != torch.float32:
-        raise ValueError(f"fp8_linear: w_scale has shape {tuple(w_scale.shape)} and dtype {_name(w_scale.dtype)}; "
-                         f"it must be float32 [{w8.shape[0]}] (one scale per output channel).")
-    if bias is not None and bias.shape != (w8.shape[0],):
-        raise ValueError(f"fp8_linear: bias has shape {tuple(bias.shape)}; it must be [{w8.shape[0]}].")
+    if weight.dim() != 2 or weight.dtype != E4M3:
+        raise ValueError(f"fp8_linear: weight has shape {tuple(weight.shape)} and dtype {_name(weight.dtype)}; it "
+                         "must be a float8_e4m3fn [out_features, in_features] matrix from quantize_weight.")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x of shape {tuple(x.shape)} does not end in in_features = {weight.shape[1]}.")
+    if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_linear: weight_scale has shape {tuple(weight_scale.shape)} and dtype "
+                         f"{_name(weight_scale.dtype)}; it must be float32 [{weight.shape[0]}] (one scale per output "
+                         "channel).")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"fp8_linear: bias has shape {tuple(bias.shape)}; it must be [{weight.shape[0]}].")
 
 
-def _scaled_mm_route(x, w8, w_scale, bias, out_dtype) -> torch.Tensor:
+def _scaled_mm_route(x, weight, weight_scale, bias) -> torch.Tensor:
     x8, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]))  # row-major [M, I], scale_a fp32 [M, 1]
     y = torch._scaled_mm(
-        x8, w8.contiguous().t(),  # mat2 column-major: the transpose of a row-major [O, I]
-        scale_a=x_scale, scale_b=w_scale.contiguous().view(1, -1),  # scale_b fp32 [1, O], contiguous
-        bias=None if bias is None else bias.to(out_dtype).contiguous(),  # the kernel's rule: bias dtype == output's
-        out_dtype=out_dtype,
+        x8, weight.t(),  # mat2 column-major: the transpose of a row-major [O, I]
+        scale_a=x_scale, scale_b=weight_scale.view(1, -1),  # scale_b fp32 [1, O]
+        bias=None if bias is None else bias.to(x.dtype),  # the kernel's rule: bias dtype == output's
+        out_dtype=x.dtype,
     )
-    return y.view(*x.shape[:-1], w8.shape[0])
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _dequant_route(x, w8, w_scale, bias, out_dtype) -> torch.Tensor:
-    y = F.linear(x, dequantize_weight(w8, w_scale, x.dtype), None if bias is None else bias.to(x.dtype))
-    return y.to(out_dtype)
+def _dequant_route(x, weight, weight_scale, bias) -> torch.Tensor:
+    return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-@torch.library.custom_op("fastwan::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype | None = None, route: str = "auto") -> torch.Tensor:
-    """y = x @ (w8 * w_scale[:, None])^T + bias: x [..., I], w8 e4m3 [O, I], w_scale fp32 [O], bias [O] ->
-    [..., O] in ``out_dtype`` (default x's dtype), through ``choose_route(route, ...)``."""
-    _check(x, w8, w_scale, bias)
-    out_dtype = out_dtype or x.dtype
-    chosen = choose_route(route, x, w8, out_dtype)
-    return (_scaled_mm_route if chosen == "scaled_mm" else _dequant_route)(x, w8, w_scale, bias, out_dtype)
-
-
-@fp8_linear.register_fake
-def _(x, w8, w_scale, bias, out_dtype=None, route="auto"):
-    _check(x, w8, w_scale, bias)
-    choose_route(route, x, w8, out_dtype or x.dtype)  # an impossible route fails while tracing, not at run time
-    return x.new_empty((*x.shape[:-1], w8.shape[0]), dtype=out_dtype or x.dtype)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               route: str) -> torch.Tensor:
+    """y = x @ (weight * weight_scale[:, None])^T + bias: x [..., I], weight e4m3 [O, I], weight_scale fp32 [O],
+    bias [O] or None -> [..., O] in x's dtype, by ``route`` ("scaled_mm" or "dequant", from :func:`choose_route`)."""
+    _check(x, weight, weight_scale, bias)
+    if route == "scaled_mm":
+        return _scaled_mm_route(x, weight, weight_scale, bias)
+    if route == "dequant":
+        return _dequant_route(x, weight, weight_scale, bias)
+    raise ValueError(f"fp8_linear: route {route!r} is not a built route; use one of {', '.join(map(repr, ROUTES))} "
+                     "(choose_route turns 'auto' into one).")
 
 
 # ---------------------------------------------------------------------------------------------- module
 class Fp8Linear(nn.Module):
-    """An nn.Linear with an e4m3 weight: buffers ``w8`` float8_e4m3fn [O, I], ``w_scale`` fp32 [O] and ``bias``
-    [O] (activation dtype) or None. forward: x [..., I] -> [..., O] in x's dtype via ``fastwan::fp8_linear``.
+    """An nn.Linear with an e4m3 weight: buffers ``weight`` float8_e4m3fn [O, I], ``weight_scale`` fp32 [O] and
+    ``bias`` [O] (activation dtype) or None; ``route`` fixed at construction ("scaled_mm" or "dequant").
+    forward: x [..., I] -> [..., O] in x's dtype (:func:`fp8_linear`).
 
-    ``module.to(dtype)`` / ``.half()`` cast the bias only: w8 and w_scale keep their dtypes (see ``_apply``)."""
+    ``module.to(dtype)`` / ``.half()`` cast the bias only: weight and weight_scale keep their dtypes."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, route: str = "auto",
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, route: str = "dequant",
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
         super().__init__()
-        if route != "auto" and route not in ROUTES:
-            raise ValueError(f"Fp8Linear: route {route!r} is unknown; use 'auto', {', '.join(map(repr, ROUTES))}.")
+        if route not in ROUTES:
+            raise ValueError(f"Fp8Linear: route {route!r} is not one of {', '.join(map(repr, ROUTES))} (resolve "
+                             "'auto' with choose_route first).")
         self.in_features, self.out_features, self.route = in_features, out_features, route
-        self.register_buffer("w8", torch.zeros(out_features, in_features, dtype=E4M3, device=device))
-        self.register_buffer("w_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=E4M3, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, route: str = "auto", dtype: torch.dtype | None = None) -> Fp8Linear:
-        """Quantize ``linear`` (:func:`quantize_weight`); the bias is kept in ``dtype`` (default: the weight's)."""
+    def from_linear(cls, linear: nn.Linear, *, route: str = "dequant", dtype: torch.dtype | None = None) -> Fp8Linear:
+        """Quantize ``linear`` (:func:`quantize_weight`, on the weight's device); the bias is kept in ``dtype``
+        (default: the weight's)."""
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, route=route,
                 dtype=dtype or w.dtype, device=w.device)
-        m.w8, m.w_scale = quantize_weight(w)
+        m.weight, m.weight_scale = quantize_weight(w)
         if linear.bias is not None:
             m.bias = linear.bias.detach().to(dtype or w.dtype).clone()
         return m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fastwan.fp8_linear(x, self.w8, self.w_scale, self.bias, None, self.route)
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias if with_bias else None, self.route)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [O, I] in ``dtype``."""
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
 
     def _apply(self, fn, recurse=True):
-        scale = self.w_scale
+        scale = self.weight_scale
         super()._apply(fn, recurse)
         # module.to(dtype) casts every floating buffer; e4m3 values are exact in any float dtype (casting back
         # restores them), and the fp32 scales are re-moved from the saved originals.
-        self.w8 = self.w8.to(E4M3)
-        self.w_scale = scale.to(self.w8.device)
+        self.weight = self.weight.to(E4M3)
+        self.weight_scale = scale.to(self.weight.device)
         return self
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"route={self.route!r}")
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An nn.Linear's or Fp8Linear's weight as a dense [O, I] matrix (``dtype`` default: the bias's, else bf16
+    for FP8 and the weight's own for nn.Linear)."""
+    if isinstance(linear, Fp8Linear):
+        return linear.dense_weight(dtype or (linear.bias.dtype if linear.bias is not None else torch.bfloat16))
+    return linear.weight if dtype is None else linear.weight.to(dtype)
 
 
 def fp8_state(module: nn.Module) -> dict[str, torch.Tensor]:

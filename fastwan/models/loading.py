@@ -13,6 +13,7 @@ from fastwan.errors import CheckpointError, MissingFileError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")  # 'owner/name' on the Hub
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # stored as they are (their scales say what they mean)
 HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")  # a Hub revision as a commit hash (a cache snapshot folder's name)
 
 
@@ -237,7 +238,8 @@ def load_into(
     keep_fp32=lambda name: False,
     source: str = "checkpoint",
 ) -> None:
-    """Assign ``state`` to a meta-device ``model`` (``assign=True``), casting to ``dtype`` (fp32 where kept).
+    """Assign ``state`` to a meta-device ``model`` (``assign=True``), casting to ``dtype`` (fp32 where kept;
+    FP8 tensors, which must fill FP8 slots of the model, as they are).
 
     Names are checked against the model before any tensor is read; tensors are then streamed one by one.
     """
@@ -255,13 +257,17 @@ def load_into(
             + (f"unexpected {len(unexpected)} tensors [{show(unexpected)}]" if unexpected else "")
             + ". Check that config.json and the weights belong to the same checkpoint."
         )
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    slots = model.state_dict()
     cast = {}
     for k, v in state.items():
-        if v.shape != shapes[k]:
+        if v.shape != slots[k].shape:
             raise CheckpointError(
-                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(shapes[k])}."
+                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(slots[k].shape)}."
             )
-        target = torch.float32 if keep_fp32(k) else dtype
+        if (slots[k].dtype in FP8) != (v.dtype in FP8):
+            raise CheckpointError(f"{source}: tensor {k!r} is {str(v.dtype).replace('torch.', '')}, but the model "
+                                  f"holds it as {str(slots[k].dtype).replace('torch.', '')} (FP8 weights come only "
+                                  "with their scales); the checkpoint is inconsistent: re-download or re-quantize it.")
+        target = v.dtype if v.dtype in FP8 else torch.float32 if keep_fp32(k) else dtype
         cast[k] = v.to(device=device, dtype=target if v.is_floating_point() else v.dtype)
     model.load_state_dict(cast, strict=True, assign=True)

@@ -26,8 +26,10 @@ from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.kernels.fp8 import Fp8Linear
 from fastwan.lora import LoraState, apply_lora, check_loras, parse_lora_spec
 from fastwan.models import load_transformer
+from fastwan.models.wan.quantize import check_quantization
 from fastwan.options import DiTOptions
 from fastwan.vae.convs import fast_decoder_convs
 from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
@@ -77,6 +79,8 @@ class VideoGenerator:
         self.vae_chunk_frames = vae_chunk_frames
         self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
         self.preset = ckpt.preset
+        self.quantization = "fp8" if any(isinstance(m, Fp8Linear) for t in transformers for m in t.modules()) \
+            else None
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
         # decode feature cache, the DiT's text K/V cache), so one generator makes one video at a time
         self._lock = threading.Lock()
@@ -101,6 +105,7 @@ class VideoGenerator:
         vae_chunk_frames: int | str = "auto",
         cache: CacheConfig | str | None = None,
         lora=None,
+        quantization: str | None = None,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -134,6 +139,13 @@ class VideoGenerator:
 
         ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), or a list of them (see
         :meth:`load_lora`).
+
+        ``quantization``: None (the DiT in ``dtype``) or "fp8": every linear layer of the DiT's blocks holds an e4m3
+        weight with per-output-channel scales, quantized while loading (:mod:`fastwan.models.wan.quantize`): half
+        the DiT's weight memory; on sm89+ GPUs the GEMMs run in FP8 with per-token activation scales (a speed lever
+        with ``enable_torch_compile``, which fuses the activation quantization), elsewhere each weight is
+        dequantized for its matmul. LoRAs merge into the FP8 weights (requantized). A folder written by ``fastwan
+        quantize`` loads in FP8 without this argument.
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -170,6 +182,7 @@ class VideoGenerator:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = _attention_config(attention_config)
+        quantization = check_quantization(quantization)
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
         loras = parse_lora_spec(lora)
@@ -191,7 +204,7 @@ class VideoGenerator:
 
         transformers_ = [
             load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, options=dit_options,
-                             allow_pickle=allow_pickle)
+                             allow_pickle=allow_pickle, quantization=quantization)
             for e in ckpt.experts
         ]
         if enable_torch_compile:
@@ -265,6 +278,7 @@ class VideoGenerator:
         a = self.attention
         return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
+                "quantization": self.quantization,
                 "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
                 "loras": [state.loaded for state in self._loras]}
 

@@ -1,12 +1,11 @@
 """FP8 linear layers (fastwan.kernels.fp8) on the CPU: the weight quantizer's rule and error bound, both routes of
-``fastwan::fp8_linear`` against float64 formulas written here, their fidelity to the unquantized fp32 linear,
-route choice and its errors, torch.compile through the fake, and the safetensors round trip. The "scaled_mm"
+``fp8_linear`` against float64 formulas written here, their fidelity to the unquantized fp32 linear, route choice
+and its errors, torch.compile, and the safetensors round trip. The "scaled_mm"
 route's math is checked through :func:`fp8_linear_emulated`, and through ``torch._scaled_mm`` itself where this
 torch runs it on the CPU (tests/gpu holds the CUDA run)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch.nn as nn
 
 from fastwan.kernels import fp8
 
-ops = torch.ops.fastwan
 
 # Every finite, non-negative e4m3 value, from the raw bit patterns: code c (0..126) is the c-th value, ascending.
 E4M3_TABLE = torch.arange(127, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).double()
@@ -107,7 +105,7 @@ def test_dequant_route_matches_float64_of_the_dequantized_weight():
     lin = make_linear()
     m = fp8.Fp8Linear.from_linear(lin, route="dequant")
     x = tokens(2, 33, 256)
-    want = x.double() @ fp8.dequantize_weight(m.w8, m.w_scale, torch.float64).t() + lin.bias.double()
+    want = x.double() @ fp8.dequantize_weight(m.weight, m.weight_scale, torch.float64).t() + lin.bias.double()
     y = m(x)
     assert y.shape == (2, 33, 384) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)  # fp32 matmul of the same operands
@@ -116,7 +114,7 @@ def test_dequant_route_matches_float64_of_the_dequantized_weight():
     mb = fp8.Fp8Linear.from_linear(lin.to(torch.bfloat16), route="dequant")
     yb = mb(x.bfloat16())
     assert yb.dtype == torch.bfloat16 and mb.bias.dtype == torch.bfloat16
-    wb = fp8.dequantize_weight(mb.w8, mb.w_scale, torch.bfloat16).double()
+    wb = fp8.dequantize_weight(mb.weight, mb.weight_scale, torch.bfloat16).double()
     assert rel(yb, x.bfloat16().double() @ wb.t() + mb.bias.double()) < 1e-2
 
 
@@ -173,15 +171,16 @@ def test_emulated_scaled_mm_vs_the_fp32_linear():
 
 @needs_cpu_scaled_mm
 def test_scaled_mm_route_runs_torch_scaled_mm_with_the_emulated_math(monkeypatch):
-    # Let "scaled_mm" run on the CPU: the op picks it under "auto" and calls torch._scaled_mm with the row-wise
+    # Let "scaled_mm" run on the CPU: "auto" picks it and the layer calls torch._scaled_mm with the row-wise
     # argument layout (x8 [M, I] row-major, w8.t() column-major, scale_a fp32 [M, 1], scale_b fp32 [1, O], bf16
     # bias). Its fp32 accumulation order differs from ours: within one bf16 rounding.
     caps = dataclasses.replace(fp8.ROUTES["scaled_mm"], device_types=("cpu", "cuda"))
     monkeypatch.setitem(fp8.ROUTES, "scaled_mm", caps)
-    m = fp8.Fp8Linear.from_linear(make_linear(dtype=torch.bfloat16))
     x = tokens(2, 40, 256, dtype=torch.bfloat16)
-    assert fp8.choose_route("auto", x, m.w8) == "scaled_mm"
-    want = fp8.fp8_linear_emulated(x, m.w8, m.w_scale, m.bias).double()
+    route, _ = fp8.choose_route("auto", device="cpu", dtype=torch.bfloat16, in_features=256, out_features=384)
+    assert route == "scaled_mm"
+    m = fp8.Fp8Linear.from_linear(make_linear(dtype=torch.bfloat16), route=route)
+    want = fp8.fp8_linear_emulated(x, m.weight, m.weight_scale, m.bias).double()
     torch.testing.assert_close(m(x).double(), want, rtol=2 ** -7, atol=1e-3)
     assert rel(m(x), want) < 2e-3
 
@@ -193,20 +192,16 @@ def test_zero_weight_rows_give_the_bias_on_both_routes():
     m = fp8.Fp8Linear.from_linear(lin, route="dequant")
     x = tokens(7, 64)
     assert torch.equal(m(x)[:, 5], lin.bias[5].detach().expand(7))
-    y = fp8.fp8_linear_emulated(x, m.w8, m.w_scale, m.bias)
+    y = fp8.fp8_linear_emulated(x, m.weight, m.weight_scale, m.bias)
     assert torch.equal(y[:, 5], lin.bias[5].detach().expand(7)) and torch.isfinite(y).all()
 
 
 # ---------------------------------------------------------------------------------------------- routes, errors
-def test_auto_on_cpu_takes_dequant_and_says_why_once(caplog):
-    m = fp8.Fp8Linear.from_linear(make_linear(64, 48))
-    x = tokens(4, 64)
-    fp8._LOGGED.clear()
-    with caplog.at_level(logging.INFO, logger="fastwan"):
-        assert fp8.choose_route("auto", x, m.w8) == "dequant"
-        m(x), m(x)
-    logged = [r.getMessage() for r in caplog.records if "fp8_linear" in r.getMessage()]
-    assert len(logged) == 1 and "'dequant'" in logged[0] and "device type 'cpu'" in logged[0]
+def test_auto_on_cpu_takes_dequant_and_says_why():
+    route, why = fp8.choose_route("auto", device="cpu", dtype=torch.float32, in_features=64, out_features=48)
+    assert route == "dequant" and any("device type 'cpu'" in r for r in why)
+    assert fp8.choose_route("dequant", device="cpu", dtype=torch.float32, in_features=64, out_features=48) == \
+        ("dequant", [])
 
 
 def test_route_reasons_name_value_rule_and_fix(monkeypatch):
@@ -214,13 +209,10 @@ def test_route_reasons_name_value_rule_and_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     ok = dict(device="cuda", dtype=torch.bfloat16, in_features=1536, out_features=8960)
     assert fp8.route_reasons("scaled_mm", **ok) == []
-    act, out = fp8.route_reasons("scaled_mm", **{**ok, "dtype": torch.float32})  # the output follows x's dtype
-    assert "activation dtype float32" in act and "float16 or bfloat16" in act and "cast x to torch.bfloat16" in act
-    assert "output dtype float32" in out
+    (act,) = fp8.route_reasons("scaled_mm", **{**ok, "dtype": torch.float32})  # the output follows x's dtype
+    assert "activation dtype float32" in act and "float16 or bfloat16" in act and "dtype=torch.bfloat16" in act
     (r,) = fp8.route_reasons("scaled_mm", **{**ok, "in_features": 40})
     assert "in_features 40 is not a multiple of 16" in r and "pad it to 48" in r and "'dequant'" in r
-    (r,) = fp8.route_reasons("scaled_mm", **{**ok, "out_dtype": torch.float32})
-    assert "output dtype float32" in r and "out_dtype=torch.bfloat16" in r
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     (r,) = fp8.route_reasons("scaled_mm", **ok)
     assert "sm86 is below sm89" in r
@@ -230,15 +222,18 @@ def test_route_reasons_name_value_rule_and_fix(monkeypatch):
 
 
 def test_a_route_asked_for_that_cannot_run_raises_with_its_reasons():
-    m = fp8.Fp8Linear.from_linear(make_linear(40, 48), route="scaled_mm")
+    facts = dict(device="cpu", dtype=torch.float32, in_features=40, out_features=48)
     with pytest.raises(ValueError, match=r"route 'scaled_mm' cannot run: device type 'cpu'.*in_features 40 is not"):
-        m(tokens(3, 40))
+        fp8.choose_route("scaled_mm", **facts)
     with pytest.raises(ValueError, match="route 'fast' is unknown"):
-        ops.fp8_linear(tokens(3, 40), m.w8, m.w_scale, None, None, "fast")
-    with pytest.raises(ValueError, match="route 'fast' is unknown"):
-        fp8.Fp8Linear(16, 16, route="fast")
+        fp8.choose_route("fast", **facts)
+    with pytest.raises(ValueError, match="route 'auto' is not one of"):
+        fp8.Fp8Linear(16, 16, route="auto")
     with pytest.raises(ValueError, match="no route can run: .*activation dtype float64"):
-        ops.fp8_linear(tokens(3, 40).double(), m.w8, m.w_scale, None)
+        fp8.choose_route("auto", **{**facts, "dtype": torch.float64})
+    w8, s = fp8.quantize_weight(tokens(48, 40))
+    with pytest.raises(ValueError, match="route 'fast' is not a built route"):
+        fp8.fp8_linear(tokens(3, 40), w8, s, None, "fast")
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -250,32 +245,17 @@ def test_bad_inputs_raise_clear_errors():
         fp8.quantize_weight(tokens(4, 4).double())
     with pytest.raises(ValueError, match="NaN/inf"):
         fp8.quantize_weight(torch.tensor([[1.0, float("inf")]]))
-    with pytest.raises(ValueError, match="w8 has shape .* dtype bfloat16; it must be a float8_e4m3fn"):
-        ops.fp8_linear(x, w8.bfloat16(), s, None)
+    with pytest.raises(ValueError, match="weight has shape .* dtype bfloat16; it must be a float8_e4m3fn"):
+        fp8.fp8_linear(x, w8.bfloat16(), s, None, "dequant")
     with pytest.raises(ValueError, match=r"x of shape \(4, 24\) does not end in in_features = 32"):
-        ops.fp8_linear(tokens(4, 24), w8, s, None)
-    with pytest.raises(ValueError, match=r"w_scale .* must be float32 \[16\]"):
-        ops.fp8_linear(x, w8, s.bfloat16(), None)
+        fp8.fp8_linear(tokens(4, 24), w8, s, None, "dequant")
+    with pytest.raises(ValueError, match=r"weight_scale .* must be float32 \[16\]"):
+        fp8.fp8_linear(x, w8, s.bfloat16(), None, "dequant")
     with pytest.raises(ValueError, match=r"bias has shape \(15,\); it must be \[16\]"):
-        ops.fp8_linear(x, w8, s, torch.zeros(15))
+        fp8.fp8_linear(x, w8, s, torch.zeros(15), "dequant")
 
 
 # ---------------------------------------------------------------------------------------------- op, compile, module
-def test_opcheck_and_fake():
-    w8, s = fp8.quantize_weight(tokens(48, 64))
-    x, b = tokens(2, 5, 64, dtype=torch.bfloat16), tokens(48, dtype=torch.bfloat16)
-    # test_schema is left out: it compares inputs before/after with torch.allclose, which e4m3 lacks on the CPU
-    result = torch.library.opcheck(ops.fp8_linear.default, (x, w8, s, b, None, "dequant"),
-                                   test_utils=("test_faketensor", "test_aot_dispatch_static",
-                                               "test_aot_dispatch_dynamic"))
-    assert all(v == "SUCCESS" for v in result.values()), result
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode() as mode:
-        out = ops.fp8_linear(mode.from_tensor(x), mode.from_tensor(w8), mode.from_tensor(s), None, torch.float32)
-        assert out.shape == (2, 5, 48) and out.dtype == torch.float32
-
-
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compile_fullgraph_matches_eager(compiler):
     m = fp8.Fp8Linear.from_linear(make_linear(64, 48, dtype=torch.bfloat16)).eval()
@@ -288,18 +268,19 @@ def test_compile_fullgraph_matches_eager(compiler):
     with torch.no_grad():
         eager = f(x)
         out = torch.compile(f, fullgraph=True, backend=compiler)(x)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)  # the op runs its eager route inside the graph
+    torch.testing.assert_close(out, eager, rtol=2 ** -7, atol=1e-2)  # inductor may fuse differently: one bf16 step
 
 
 def test_module_to_dtype_casts_only_the_bias():
     m = fp8.Fp8Linear.from_linear(make_linear(64, 48))
-    w8, s = m.w8.clone(), m.w_scale.clone()
+    w8, s = m.weight.clone(), m.weight_scale.clone()
     m.to(torch.bfloat16)
-    assert m.bias.dtype == torch.bfloat16 and m.w_scale.dtype == torch.float32 and m.w8.dtype == torch.float8_e4m3fn
-    assert torch.equal(m.w8.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(m.w_scale, s)
+    assert m.bias.dtype == torch.bfloat16 and m.weight_scale.dtype == torch.float32
+    assert m.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(m.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(m.weight_scale, s)
     m.half()
-    assert m.bias.dtype == torch.float16 and torch.equal(m.w_scale, s)
-    assert "in_features=64, out_features=48, bias=True, route='auto'" in repr(m)
+    assert m.bias.dtype == torch.float16 and torch.equal(m.weight_scale, s)
+    assert "in_features=64, out_features=48, bias=True, route='dequant'" in repr(m)
 
 
 def test_safetensors_round_trip_is_bit_exact(tmp_path):
@@ -308,7 +289,7 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
     model = nn.Sequential(fp8.Fp8Linear.from_linear(make_linear(64, 48, dtype=torch.bfloat16)),
                           fp8.Fp8Linear.from_linear(nn.Linear(48, 32, bias=False)))
     state = fp8.fp8_state(model)
-    assert set(state) == {"0.w8", "0.w_scale", "0.bias", "1.w8", "1.w_scale"}
+    assert set(state) == {"0.weight", "0.weight_scale", "0.bias", "1.weight", "1.weight_scale"}
     save_file(state, tmp_path / "fp8.safetensors")
     loaded = load_file(tmp_path / "fp8.safetensors")
     fresh = nn.Sequential(fp8.Fp8Linear(64, 48), fp8.Fp8Linear(48, 32, bias=False))

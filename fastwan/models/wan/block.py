@@ -99,6 +99,11 @@ class WanBlock(nn.Module):
         return Residual((x.float() + self.ffn(h).float() * gate2).type_as(x))
 
 
+def _no_bias(lin: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """lin(a) without lin's bias (an nn.Linear or an Fp8Linear)."""
+    return F.linear(a, lin.weight) if isinstance(lin, nn.Linear) else lin(a, with_bias=False)
+
+
 class FastWanBlock(WanBlock):
     """The fast build: every norm is one pass of a ``fastwan::*norm_mod`` kernel that also adds what the stream
     has pending; where the modulation is one [C] vector for the batch, each output projection adds into x in place
@@ -123,11 +128,12 @@ class FastWanBlock(WanBlock):
         return r, ops.offset_norm_mod(r.x, r.offset, w, b, scale, shift, norm.eps)
 
     @staticmethod
-    def _add(r: Residual, a: torch.Tensor, lin: nn.Linear, gate, in_gemm: bool, bias: bool = True) -> Residual:
+    def _add(r: Residual, a: torch.Tensor, lin: nn.Module, gate, in_gemm: bool, bias: bool = True) -> Residual:
         """r + lin(a) [* gate] (gate: fp32 [1, 1, C] when ``in_gemm``, else any modulation view, or None; without
-        lin's bias if not ``bias``); a pending output ``y`` of r is added to, otherwise r has none."""
-        if not in_gemm:
-            y = lin(a) if bias else F.linear(a, lin.weight)
+        lin's bias if not ``bias``); a pending output ``y`` of r is added to, otherwise r has none. ``lin``: an
+        nn.Linear, or an Fp8Linear, whose output is always left pending."""
+        if not in_gemm or not isinstance(lin, nn.Linear):  # an FP8 layer's GEMM cannot add into x
+            y = lin(a) if bias else _no_bias(lin, a)
             return Residual(r.x, y=y if r.y is None else r.y + y, gate=gate)
         w = lin.weight if gate is None else (lin.weight.float() * gate.reshape(-1, 1)).to(lin.weight.dtype)
         torch.ops.fastwan.residual_linear_(r.x, a, w)
@@ -153,7 +159,7 @@ class FastWanBlock(WanBlock):
         else:  # folded: P @ u in one batched GEMM, plus to_out's bias
             q = self.attn2.to_q(h)
             p = self.attn2.probs(q, context)
-            if in_gemm:  # x += P @ u in place, the bias into the offset
+            if in_gemm and isinstance(out, nn.Linear):  # x += P @ u in place, the bias into the offset
                 torch.ops.fastwan.residual_bmm_(r.x, p, context.u)
                 bias = out.bias.float().view(1, 1, -1)
                 r = Residual(r.x, offset=bias if r.offset is None else r.offset + bias)

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fastwan.kernels.fp8 import dense_weight
+
 MAX_KEYS = 128  # collapse up to this many keys; from ~150 keys the kernel only ties FA4 over all 512
 FOLD_ALIGN = 8  # width rounds the key count up to this (P's rows stay 16-byte aligned for cuBLAS in fp16/bf16)
 FOLD_MAX_WIDTH = 0.5  # fold where width <= this fraction of the head dim: the GEMM's K at most half the projection's
@@ -134,7 +136,7 @@ class PromptCache:
             if width is None:
                 kvs.append(CrossKV(k, v, keys, None, k_img, v_img))
             else:
-                u = fold_values(v, keys, width, blk.attn2.to_out[0].weight)
+                u = fold_values(v, keys, width, dense_weight(blk.attn2.to_out[0], v.dtype))
                 torch._dynamo.maybe_mark_dynamic(u, 1)  # compiled blocks: one graph for every prompt width
                 kvs.append(CrossKV(k, None, keys, u, k_img, v_img))
         if cache:

@@ -84,9 +84,9 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
 def linear_gelu_tanh(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     """GELU(tanh)(x @ W^T + b), x: [..., in] -> [..., out], with the bias and GELU in the GEMM's epilogue on CUDA
     (cuBLASLt through ``torch._addmm_activation``, kept as one extern kernel by torch.compile), so the
-    [tokens, ffn_dim] activation is written once. Elsewhere (``_addmm_activation`` uses the erf GELU on CPU) the
-    plain linear + GELU(tanh)."""
-    if x.is_cuda and lin.bias is not None and x.dtype == lin.weight.dtype:
+    [tokens, ffn_dim] activation is written once. Elsewhere (``_addmm_activation`` uses the erf GELU on CPU; an
+    FP8 layer's GEMM has no GELU epilogue) the layer + GELU(tanh)."""
+    if x.is_cuda and isinstance(lin, nn.Linear) and lin.bias is not None and x.dtype == lin.weight.dtype:
         out = torch._addmm_activation(lin.bias, x.reshape(-1, x.shape[-1]), lin.weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], out.shape[-1])
     return F.gelu(lin(x), approximate="tanh")

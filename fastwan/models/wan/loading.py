@@ -1,5 +1,6 @@
 """Build a Wan DiT from a Diffusers ``transformer/`` folder: meta-device init, then the checkpoint's tensors
-assigned in place (safetensors; the modules Diffusers keeps in fp32 stay fp32)."""
+assigned in place (safetensors; the modules Diffusers keeps in fp32 stay fp32; FP8 layers as
+:mod:`fastwan.models.wan.quantize` rules)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,15 @@ import torch
 
 from fastwan.models.loading import CheckpointTensors, load_into, weight_files
 from fastwan.models.wan.config import WanConfig
+from fastwan.models.wan.quantize import (
+    SCALE_SUFFIX,
+    QuantizingTensors,
+    check_fp8_state,
+    check_quantization,
+    fp8_layer_names,
+    prequantized_layers,
+    use_fp8,
+)
 from fastwan.models.wan.transformer import WanTransformer, keep_in_fp32
 from fastwan.options import DiTOptions
 
@@ -21,18 +31,35 @@ def has_vsa_gates(keys) -> bool:
 
 
 def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptions | None = None,
-                     allow_pickle: bool = False) -> WanTransformer:
+                     allow_pickle: bool = False, quantization: str | None = None,
+                     compute_device: torch.device | str | None = None) -> WanTransformer:
     """``folder``: a Diffusers ``transformer/`` (or ``transformer_2/``) folder (config.json + safetensors)
     -> the :class:`WanTransformer` in eval mode without gradients, built as ``options`` (default
-    ``DiTOptions()``) resolve for ``device`` and ``dtype``."""
+    ``DiTOptions()``) resolve for the device it will run on, ``compute_device`` (default: ``device``, where the
+    weights are put; a model kept on the host for offloading runs on the GPU), and ``dtype``.
+
+    ``quantization="fp8"``: the block linears get e4m3 weights, quantized tensor by tensor while loading (on the
+    compute device; the FP8 route is chosen for activations of ``dtype`` there). A folder fastwan saved in FP8
+    loads as FP8 whatever ``quantization``."""
     folder = Path(folder)
+    quantization = check_quantization(quantization)
     cfg = WanConfig.from_file(folder / "config.json")
     files = weight_files(folder, allow_pickle=allow_pickle)
+    compute = torch.device(compute_device or device)
     with torch.device("meta"):
-        model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(device, dtype))
+        model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(compute, dtype))
     state = CheckpointTensors(files)
     if has_vsa_gates(state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()
-    load_into(model, state, dtype=dtype, device=device, keep_fp32=keep_in_fp32, source=str(folder))
+    layers = fp8_layer_names(model)
+    saved = prequantized_layers(state.keys())
+    if saved:
+        check_fp8_state(saved, layers, str(folder))
+    if saved or quantization == "fp8":
+        use_fp8(model, layers, device=compute, dtype=dtype)
+    if quantization == "fp8" and not saved:
+        state = QuantizingTensors(state, layers, compute)
+    load_into(model, state, dtype=dtype, device=device, source=str(folder),
+              keep_fp32=lambda name: keep_in_fp32(name) or name.endswith(SCALE_SUFFIX))
     return model.eval().requires_grad_(False)

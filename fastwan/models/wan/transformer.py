@@ -97,15 +97,19 @@ class WanTransformer(nn.Module):
 
     # -- text ---------------------------------------------------------------------------------------------
     def text_parameters(self):
-        """The weights the cross-attention inputs (text and image keys and values) are computed from."""
+        """The tensors the cross-attention inputs (text and image keys and values, the folded output projection) are
+        computed from."""
         yield from self.condition_embedder.text_embedder.parameters()
         if self.condition_embedder.image_embedder is not None:
             yield from self.condition_embedder.image_embedder.parameters()
         for blk in self.blocks:
             a = blk.attn2
-            yield from (a.to_k.weight, a.to_k.bias, a.to_v.weight, a.to_v.bias, a.norm_k.weight, a.to_out[0].weight)
+            parts = [a.to_k, a.to_v, a.norm_k, a.to_out[0]]
             if a.add_k_proj is not None:
-                yield from (*a.add_k_proj.parameters(), *a.add_v_proj.parameters(), *a.norm_added_k.parameters())
+                parts += [a.add_k_proj, a.add_v_proj, a.norm_added_k]
+            for part in parts:  # an FP8 layer's tensors are buffers
+                yield from part.parameters()
+                yield from part.buffers()
 
     def text_context(self, texts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The text embedder on the texts concatenated along the batch -> [sum B_i, L, C]."""
