@@ -64,8 +64,9 @@ def job_fastwan(root: Path, sizes: dict, repeats: int, **gen_kw) -> dict:
     """A fastwan generator from ``root`` (compiled, its defaults unless ``gen_kw``) over ``sizes``."""
     from fastwan import VideoGenerator
 
-    lora = gen_kw.pop("lora", None)
-    gen = VideoGenerator.from_pretrained(root, device="cuda", enable_torch_compile=True, lora=lora)
+    lora, quantization = gen_kw.pop("lora", None), gen_kw.pop("quantization", None)
+    gen = VideoGenerator.from_pretrained(root, device="cuda", enable_torch_compile=True, lora=lora,
+                                         quantization=quantization)
     out = {"attention": gen.attention.describe("cuda")}
     for label, (h, w, f) in sizes.items():
         kw = dict(height=h, width=w, num_frames=f, seed=0, save_video=False, return_frames=False, **gen_kw)
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--fastwan14", default="/tmp/fastwan14b")
     p.add_argument("--lora", default="/tmp/lora14b/lightx2v_4step_rank64.safetensors")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fastwan jobs: FP8 DiT weights (their results are stored as '<phase>_fp8')")
     p.add_argument("--out", default="distilled.json")
     a = p.parse_args(argv)
     phases = parse_phases(p, a.phase, PHASES)
@@ -127,6 +130,10 @@ def main(argv=None) -> int:
     res.setdefault("versions", versions())
     res.setdefault("commands", []).append(" ".join(["python -m benchmarks.distilled"] + sys.argv[1:]))
     c13, c14, f13, f14 = (Path(x) for x in (a.ckpt13, a.ckpt14, a.fastwan13, a.fastwan14))
+
+    def key(phase: str) -> str:
+        return phase if a.quantization is None else f"{phase}_{a.quantization}"
+
     for phase in phases:
         if phase == "make":
             make_checkpoint(c13, "1.3b")
@@ -136,11 +143,13 @@ def main(argv=None) -> int:
             if not Path(a.lora).exists():
                 write_lora(Path(a.lora), "14b")
         elif phase == "fastwan13b":
-            res[phase] = job_fastwan(f13, SIZES_13B, a.repeats)
+            res[key(phase)] = job_fastwan(f13, SIZES_13B, a.repeats, quantization=a.quantization)
         elif phase == "fastwan14b":
-            res[phase] = job_fastwan(f14, {"720x1280x81": (720, 1280, 81)}, a.repeats)
+            res[key(phase)] = job_fastwan(f14, {"720x1280x81": (720, 1280, 81)}, a.repeats,
+                                          quantization=a.quantization)
         elif phase == "lora14b":
-            res[phase] = job_fastwan(c14, {"480x832x81": (480, 832, 81)}, a.repeats, lora=a.lora, **LORA_JOB)
+            res[key(phase)] = job_fastwan(c14, {"480x832x81": (480, 832, 81)}, a.repeats, lora=a.lora,
+                                          quantization=a.quantization, **LORA_JOB)
         elif phase == "diffusers13b":
             res[phase] = job_diffusers(c13, SIZES_13B, 3, a.repeats)
         elif phase == "diffusers14b":
@@ -148,6 +157,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(res, indent=1))
     log("\n| job | size | e2e s (median) | text s | denoise s | decode s |")
     for phase in phases:
+        phase = phase if phase.startswith(("make", "diffusers")) else key(phase)
         for label, e in (res.get(phase) or {}).items():
             if isinstance(e, dict) and "e2e_s" in e:
                 t = e.get("timings", {})

@@ -3,8 +3,9 @@
 Random weights at the real 14B shapes are created once on the GPU (diffusers module); every fastwan variant is
 built on the meta device and assigned the very same tensors (no copy), so all run identical weights. A variant
 is data: '/'-joined parts, each an attention part (FLASH_ATTN's FA4 query tile: auto, t128, t192; nosplit: the
-query in one launch) or a DiT variant of :func:`benchmarks.harness.option_variants` (reference, fast),
-e.g. ``t128/reference``. The variants are timed in interleaved rounds.
+query in one launch), fp8 (the block linears quantized to FP8 from the shared weights) or a DiT variant of
+:func:`benchmarks.harness.option_variants` (reference, fast), e.g. ``t128/reference`` or ``auto/fp8``. The variants
+are timed in interleaved rounds.
 
   python -m benchmarks.forward_14b --backend FLASH_ATTN --compile [--variants auto,t128,reference] [--profile]
 """
@@ -41,7 +42,9 @@ def parse_variant(label: str, backend: str) -> tuple[dict | None, dict]:
     """'t128/reference' -> (attention config, DiTOptions overrides); ValueError for an unknown part."""
     tile, split, overrides = "auto", True, {}
     for part in label.split("/"):
-        if part in TILES:
+        if part == "fp8":  # FP8 block linears (fastwan.models.wan.quantize), quantized from the shared weights
+            overrides["fp8"] = True
+        elif part in TILES:
             tile = TILES[part]
         elif part == "nosplit":
             split = False
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
 
     from fastwan.attention import AttentionDispatch
     from fastwan.models import keep_in_fp32
+    from fastwan.models.wan.quantize import fp8_layer_names, use_fp8
 
     with torch.device("cuda"):
         torch.manual_seed(0)
@@ -150,7 +154,10 @@ def main(argv=None) -> int:
     models = {}
     for label, (conf, overrides) in variants.items():
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
-        model = build_dit(cfg, att, state, overrides)  # the same tensors as diffusers' model: no copy
+        options = {k: v for k, v in overrides.items() if k != "fp8"}
+        model = build_dit(cfg, att, state, options)  # the same tensors as diffusers' model: no copy
+        if overrides.get("fp8"):
+            use_fp8(model, fp8_layer_names(model), device="cuda", dtype=torch.bfloat16)
         if a.compile:
             model.compile_blocks(fullgraph=True)
         t0 = time.perf_counter()

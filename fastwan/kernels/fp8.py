@@ -20,7 +20,8 @@ lists why a route cannot run):
 * ``"dequant"`` (any device, fp16/bf16/fp32 x): ``F.linear(x, dequantize_weight(weight, weight_scale, x.dtype),
   bias)``, the PyTorch reference: FP8 storage only, the matmul in x's dtype.
 
-``route="auto"`` takes "scaled_mm" where it can run and "dequant" otherwise (the caller logs the reasons); a
+``route="auto"`` takes "scaled_mm" where it can run and pays (:data:`AUTO_MIN_OUT_FEATURES`) and "dequant"
+otherwise (the caller logs the reasons it could not run); a
 route asked for by name that cannot run raises ValueError with its reasons. Both routes are plain PyTorch ops, so
 ``torch.compile`` fuses the activation quantization (amax, scale, cast) into one pass with the ops before it;
 run eagerly, that quantization is several passes over x.
@@ -138,11 +139,18 @@ def route_reasons(route: str, *, device: torch.device | str, dtype: torch.dtype,
     return reasons
 
 
+# "auto" takes the FP8 GEMM from this many output features: the activation quantization reads x once per GEMM
+# (M * I bytes against 2 * M * I * O flops), so its share falls with O. H100, torch 2.11, compiled, tokens 32,760 /
+# 75,600 (benchmarks/fp8_bench.py): O = 1536 loses (465 vs 690 TFLOP/s at I = 1536, 639 vs 799 at I = 8960); O >=
+# 5120 wins (881-971 vs 673-734), O = 8960 too (899 vs 746).
+AUTO_MIN_OUT_FEATURES = 4096
+
+
 def choose_route(route: str, *, device: torch.device | str, dtype: torch.dtype, in_features: int,
                  out_features: int) -> tuple[str, list[str]]:
     """The route a layer takes, decided when it is built -> (route, why "scaled_mm" was passed over: [] unless
     "auto" fell back). ``route`` itself if it can run (ValueError with its reasons if not); "auto": "scaled_mm"
-    where it can run, else "dequant"."""
+    where it can run and ``out_features >= AUTO_MIN_OUT_FEATURES`` (where it pays), else "dequant"."""
     if route != "auto" and route not in ROUTES:
         raise ValueError(f"fp8_linear: route {route!r} is unknown; use 'auto', {', '.join(map(repr, ROUTES))}.")
     facts = dict(device=device, dtype=dtype, in_features=in_features, out_features=out_features)
@@ -151,8 +159,10 @@ def choose_route(route: str, *, device: torch.device | str, dtype: torch.dtype, 
             raise ValueError(f"fp8_linear: route {route!r} cannot run: {'; '.join(reasons)}.")
         return route, []
     fast = route_reasons("scaled_mm", **facts)
-    if not fast:
+    if not fast and out_features >= AUTO_MIN_OUT_FEATURES:
         return "scaled_mm", []
+    if not fast:
+        return "dequant", []  # it could run, but does not pay here
     if slow := route_reasons("dequant", **facts):
         raise ValueError(f"fp8_linear: no route can run: {'; '.join(fast + slow)}.")
     return "dequant", fast

@@ -177,8 +177,11 @@ def test_scaled_mm_route_runs_torch_scaled_mm_with_the_emulated_math(monkeypatch
     caps = dataclasses.replace(fp8.ROUTES["scaled_mm"], device_types=("cpu", "cuda"))
     monkeypatch.setitem(fp8.ROUTES, "scaled_mm", caps)
     x = tokens(2, 40, 256, dtype=torch.bfloat16)
-    route, _ = fp8.choose_route("auto", device="cpu", dtype=torch.bfloat16, in_features=256, out_features=384)
-    assert route == "scaled_mm"
+    facts = dict(device="cpu", dtype=torch.bfloat16, in_features=256)
+    # "auto" takes the FP8 GEMM only where it pays: from AUTO_MIN_OUT_FEATURES output features
+    assert fp8.choose_route("auto", **facts, out_features=fp8.AUTO_MIN_OUT_FEATURES) == ("scaled_mm", [])
+    assert fp8.choose_route("auto", **facts, out_features=fp8.AUTO_MIN_OUT_FEATURES - 16) == ("dequant", [])
+    route, _ = fp8.choose_route("scaled_mm", **facts, out_features=384)
     m = fp8.Fp8Linear.from_linear(make_linear(dtype=torch.bfloat16), route=route)
     want = fp8.fp8_linear_emulated(x, m.weight, m.weight_scale, m.bias).double()
     torch.testing.assert_close(m(x).double(), want, rtol=2 ** -7, atol=1e-3)
