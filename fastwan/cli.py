@@ -64,6 +64,8 @@ def _generate_parser(sub) -> None:
                         "(1 = diffusers' frame-by-frame decode; more = faster, more decode memory)")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: e4m3 DiT weights with per-channel scales (half the memory; FP8 GEMMs on sm89+)")
+    p.add_argument("--max-gpu-memory", default=None, metavar="SIZE",
+                   help="GPU memory budget, e.g. 24GiB: offload / streaming levers are planned to fit it (printed)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -131,8 +133,11 @@ def _run_generate(args) -> int:
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
-        lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization,
+        lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
     )
+    plan = getattr(gen, "memory_plan", None)
+    if plan is not None:
+        print(plan.describe())
     res = gen.generate_video(
         args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
         height=args.height, width=args.width,

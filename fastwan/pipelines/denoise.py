@@ -61,6 +61,8 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         expert = experts[i]
         if expert != current:
             current, delta = expert, None  # a new expert: its own guidance delta
+        if gen.placement is not None:
+            gen.placement.expert(expert)  # with experts swapped: only this one on the GPU
         model = gen.transformers[expert]
         gs = s.guidance_scale if expert == 0 else gs2
         if first_frame:

@@ -12,6 +12,7 @@ by :mod:`fastwan.pipelines.output` (automatic names, no overwrite unless asked, 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from fastwan.kernels.fp8 import Fp8Linear
 from fastwan.lora import LoraState, apply_lora, check_loras, parse_lora_spec
 from fastwan.models import load_transformer
 from fastwan.models.wan.quantize import check_quantization
+from fastwan.offload import parse_memory, plan_offload
 from fastwan.options import DiTOptions
 from fastwan.vae.convs import fast_decoder_convs
 from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
@@ -45,6 +47,7 @@ from fastwan.pipelines.checkpoint import (
     with_overrides,
 )
 from fastwan.pipelines.denoise import denoise
+from fastwan.pipelines.memory import Placement, check_fits, job_footprint
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
@@ -79,6 +82,7 @@ class VideoGenerator:
         self.vae_chunk_frames = vae_chunk_frames
         self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
         self.preset = ckpt.preset
+        self.memory_plan = self.max_gpu_memory = self.placement = None  # set by from_pretrained(max_gpu_memory=...)
         self.quantization = "fp8" if any(isinstance(m, Fp8Linear) for t in transformers for m in t.modules()) \
             else None
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
@@ -106,6 +110,7 @@ class VideoGenerator:
         cache: CacheConfig | str | None = None,
         lora=None,
         quantization: str | None = None,
+        max_gpu_memory: int | str | None = None,
         allow_pickle: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
@@ -147,6 +152,14 @@ class VideoGenerator:
         dequantized for its matmul. LoRAs merge into the FP8 weights (requantized). A folder written by ``fastwan
         quantize`` loads in FP8 without this argument.
 
+        ``max_gpu_memory``: a CUDA memory budget (bytes, or a string such as "24GiB"): the planner
+        (:mod:`fastwan.offload.plan`) picks the fewest levers that fit the preset's video in it -- the text encoder
+        on the GPU only while encoding (or streamed layer by layer), the A14B expert not in use in host memory, the
+        DiT in host memory while encoding and decoding, tiled VAE decoding, the DiT's last blocks streamed from
+        pinned host memory with the next block's copy overlapping the current block's compute
+        (:mod:`fastwan.pipelines.memory`). ``self.memory_plan`` describes the plan and its expected peak per phase; a
+        budget nothing fits raises before loading, and a video too large for the plan raises before compute.
+
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
         output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
@@ -183,6 +196,10 @@ class VideoGenerator:
             raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = _attention_config(attention_config)
         quantization = check_quantization(quantization)
+        budget = parse_memory(max_gpu_memory)
+        if budget is not None and device.type != "cuda":
+            raise InvalidArgument(f"max_gpu_memory={max_gpu_memory!r} budgets CUDA memory, but device={device}; "
+                                  "leave it unset off CUDA.")
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
         loras = parse_lora_spec(lora)
@@ -198,13 +215,22 @@ class VideoGenerator:
                                               config=config)
         compile_kwargs = _compile_kwargs(torch_compile_kwargs, attention) if enable_torch_compile else None
 
+        plan = None
+        if budget is not None:
+            batched = cfg_mode == "batched" or (cfg_mode == "auto" and device.type != "cuda")
+            cfg_batch = 2 if ckpt.preset.guidance_scale > 1.0 and batched else 1  # auto: two passes at these sizes
+            plan = plan_offload(job_footprint(ckpt, ckpt.preset, dtype, vae_dtype, quantization, cfg_batch,
+                                              vae_chunk_frames), budget)
+            logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
+        home = device if plan is None or not plan.levers() else torch.device("cpu")  # offloading loads to the host
+
         # ---- loading ----
         import diffusers
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         transformers_ = [
-            load_transformer(ckpt.folder(e), dtype=dtype, device=device, attention=attention, options=dit_options,
-                             allow_pickle=allow_pickle, quantization=quantization)
+            load_transformer(ckpt.folder(e), dtype=dtype, device=home, attention=attention, options=dit_options,
+                             allow_pickle=allow_pickle, quantization=quantization, compute_device=device)
             for e in ckpt.experts
         ]
         if enable_torch_compile:
@@ -213,7 +239,7 @@ class VideoGenerator:
         tokenizer = AutoTokenizer.from_pretrained(ckpt.folder("tokenizer"))
         text_encoder = UMT5EncoderModel.from_pretrained(
             ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
-        ).to(device).eval()
+        ).to(home).eval()
         vae = diffusers.AutoencoderKLWan.from_pretrained(
             ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=None if allow_pickle else True
         ).to(device).eval()
@@ -233,7 +259,7 @@ class VideoGenerator:
 
             image_encoder = CLIPVisionModel.from_pretrained(
                 ckpt.folder("image_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
-            ).to(device).eval()
+            ).to(home).eval()
             image_processor = CLIPImageProcessor.from_pretrained(ckpt.folder("image_processor"))
         gen = cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                   transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
@@ -242,6 +268,10 @@ class VideoGenerator:
                   cache=cache)
         for (path, scale), tensors in zip(loras, lora_files):
             apply_lora(gen.transformers, gen._loras, path, scale, tensors=tensors)
+        if plan is not None:
+            gen.memory_plan, gen.max_gpu_memory = plan, budget
+            gen.placement = Placement(plan, device, transformers=transformers_, text_encoder=text_encoder,
+                                      image_encoder=image_encoder, vae=vae)
         return gen
 
     def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None) -> None:
@@ -281,6 +311,22 @@ class VideoGenerator:
                 "quantization": self.quantization,
                 "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
                 "loras": [state.loaded for state in self._loras]}
+
+    def _check_budget(self, s) -> None:
+        """Under a memory budget: the request's expected peak with the plan's levers must fit it."""
+        if self.memory_plan is not None:
+            fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization,
+                               self._cfg_batch(s), self.vae_chunk_frames)
+            check_fits(self.memory_plan, self.max_gpu_memory, fp, s, self.preset)
+
+    def _cfg_batch(self, s) -> int:
+        """Samples per DiT forward for settings ``s`` (2: CFG as one batch)."""
+        if s.guidance_scale <= 1.0:
+            return 1
+        cfg = self.checkpoint.transformer_config
+        tokens = ((s.num_frames - 1) // 4 + 1) * (s.height // 8 // cfg.patch_size[1]) * (s.width // 8 //
+                                                                                          cfg.patch_size[2])
+        return 2 if self._cfg_batched(tokens) else 1
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -334,6 +380,7 @@ class VideoGenerator:
                                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
                            sampler, timesteps, flow_shift, num_inference_steps)
         self._check_inputs(prompt, negative_prompt, s, seed)
+        self._check_budget(s)
         cache = self.cache if cache is None else check_cache(cache)
         cfg = self.checkpoint.transformer_config
         coefficients = resolve_coefficients(cache, self.checkpoint.variant, cfg.inner_dim, s.height, s.width)
@@ -377,15 +424,17 @@ class VideoGenerator:
         t0 = time.perf_counter()
         do_cfg = s.guidance_scale > 1.0
         texts = [prompt, negative_prompt] if do_cfg else [prompt]
-        emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)
-        cond = None
-        if req is not None:
-            cond = encode_request(req, s.height, s.width, s.num_frames, self.vae, self.image_encoder,
-                                  self.image_processor, dev, self.dtype)
+        with self._phase("encoding"):
+            emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)
+            cond = None
+            if req is not None:
+                cond = encode_request(req, s.height, s.width, s.num_frames, self.vae, self.image_encoder,
+                                      self.image_processor, dev, self.dtype)
         _sync(dev)
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
-        latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run)
+        with self._phase("denoising"):
+            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents)
@@ -411,6 +460,11 @@ class VideoGenerator:
         logger.info("cfg_mode='auto': %s CFG (%d tokens per sample)", "batched" if batched else "sequential",
                     tokens)
         return batched
+
+    def _phase(self, name: str):
+        """Under a memory plan, the components of phase ``name`` ("encoding", "denoising") on the GPU for its
+        duration; otherwise nothing."""
+        return contextlib.nullcontext() if self.placement is None else getattr(self.placement, name)()
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""

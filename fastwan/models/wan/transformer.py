@@ -54,6 +54,9 @@ class WanTransformer(nn.Module):
         self._sp = None  # fastwan.parallel.SequenceParallel once enable_sequence_parallel() ran
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.prompts = PromptCache() if options.fast else None
+        # a fastwan.offload.BlockStreamer when blocks' weights stream from host memory (never block 0, whose halves
+        # forward_cfg calls outside the block loop)
+        self.streamer = None
 
     def set_attention(self, dispatch: AttentionDispatch) -> None:
         self.attention = dispatch if self._sp is None else UlyssesDispatch(dispatch, self._sp)
@@ -239,9 +242,14 @@ class WanTransformer(nn.Module):
                 stop: int | None = None) -> Residual:
         """Blocks ``start`` .. ``stop`` - 1 (default: the last) on the stream; ``contexts``: one cross-attention
         input per block."""
+        streamer = self.streamer
         for i in range(start, len(self.blocks) if stop is None else stop):
             meta = self._meta(grid, layout, i, step_index, num_steps)
+            if streamer is not None:
+                streamer.before(i)
             r = self.blocks[i](r, contexts[i], mod, rope, self.attention, meta)
+            if streamer is not None:
+                streamer.after(i)
         return r
 
     def _cached_blocks(self, cache: PassCache, x: torch.Tensor, temb: torch.Tensor, args: tuple) -> torch.Tensor:

@@ -1,0 +1,273 @@
+"""A GPU memory budget (``max_gpu_memory``): what a checkpoint and job need, and the plan carried out on a generator.
+
+:func:`estimate_footprint` sizes every component from its config on the meta device (no weights read) in the
+dtypes it will run in (FP8 block linears at one byte), and estimates the activation peaks of a job:
+
+* DiT forward: ``batch * S * (7 C + 2 F) * 2`` bytes (the stream, the norm output, q / k / v, the attention output,
+  a pending projection, the FFN's hidden state and its GELU) plus the per-prompt cross-attention keys and values
+  (``layers * 2 * prompts * 512 * C * 2``) and a fixed 512 MiB (RoPE tables, modulation, allocator slack);
+* VAE decode: 2.8 KB per output pixel per frame of a decoder call (measured on an H100: 9.42 GiB at 720x1280 with
+  4 frames per call; 6.08 GiB at 480x832 with 8), tiled: the same for a 256x256 tile at 1.5x, at least 1 GiB;
+* text encoding: 512 MiB.
+
+:class:`Placement` carries a :class:`fastwan.offload.OffloadPlan` out: an offloaded component keeps its tensors in
+pinned host memory and gets device copies only inside its phase (:meth:`Placement.encoding`,
+:meth:`Placement.denoising`, :meth:`Placement.expert`); the last ``streamed_blocks`` blocks of each DiT stream
+through a :class:`fastwan.offload.BlockStreamer` (the cross-attention key/value weights, which the prompt cache reads
+outside the block loop, stay with the rest of the DiT); the text encoder streams layer by layer through hooks.
+Between calls every offloaded tensor is at home on the host, so LoRA merges and the like change the host copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+from fastwan.errors import InvalidArgument
+from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
+from fastwan.offload.plan import gib, phase_peaks
+
+logger = logging.getLogger("fastwan")
+
+MiB = 2**20
+TEXT_TOKENS = 512
+CROSS_KV = ("attn2.to_k.", "attn2.to_v.", "attn2.norm_k.", "attn2.to_out.", "attn2.add_k_proj.", "attn2.add_v_proj.",
+            "attn2.norm_added_k.")  # what the prompt cache reads: resident whenever the DiT is
+VAE_BYTES_PER_PIXEL_FRAME = 2800
+
+
+def keep_cross(name: str) -> bool:
+    """The tensors of a streamed DiT block that stay with the resident DiT (names within the block)."""
+    return name.startswith(CROSS_KV)
+
+
+def _bytes(model: nn.Module, dtype: torch.dtype, fp32=lambda name: False) -> int:
+    """Bytes of ``model``'s tensors (a meta model) in the dtypes they run in: float8 as stored, ``fp32(name)``
+    tensors fp32, other floating tensors ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # a tied tensor counts once
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            total += t.numel()
+        elif fp32(name) or name.endswith(".weight_scale"):
+            total += 4 * t.numel()
+        else:
+            total += (size if t.is_floating_point() else t.element_size()) * t.numel()
+    return total
+
+
+def _dit_sizes(ckpt, dtype, quantization) -> tuple[tuple[int, ...], int, int]:
+    """(each expert's weight bytes, the largest block's streamable bytes, streamable blocks per expert: all but
+    block 0, whose two halves the CFG path calls outside the block loop)."""
+    from fastwan.models import WanConfig, WanTransformer, keep_in_fp32
+    from fastwan.models.wan.quantize import fp8_layer_names, use_fp8
+
+    sizes, block = [], 0
+    for e in ckpt.experts:
+        with torch.device("meta"):
+            model = WanTransformer(WanConfig.from_file(ckpt.folder(e) / "config.json"))
+            if ckpt.vsa_gates:
+                model.add_gate_compress()
+        if quantization == "fp8":
+            use_fp8(model, fp8_layer_names(model), device="meta", dtype=dtype, route="dequant")
+        sizes.append(_bytes(model, dtype, keep_in_fp32))
+        blk = model.blocks[0]
+        streamable = {k: v for k, v in blk.state_dict().items() if not keep_cross(k)}
+        holder = nn.Module()
+        for i, (k, v) in enumerate(streamable.items()):
+            holder.register_buffer(f"t{i}_{k.replace('.', '_')}", v)
+        block = max(block, _bytes(holder, dtype, lambda n: any(p in n for p in ("norm", "scale_shift"))))
+    return tuple(sizes), block, len(model.blocks) - 1
+
+
+def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quantization: str | None,
+                       height: int, width: int, num_frames: int, cfg_batch: int, prompts: int, vae_chunk: int,
+                       vae_tiled_px: int = 256) -> Footprint:
+    """The :class:`~fastwan.offload.Footprint` of ``ckpt`` for one video of ``height`` x ``width`` x
+    ``num_frames`` with ``cfg_batch`` samples per DiT forward, ``prompts`` encoded prompts and ``vae_chunk``
+    latent frames per decoder call."""
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoConfig, UMT5EncoderModel
+
+    dit, block, blocks = _dit_sizes(ckpt, dtype, quantization)
+    with torch.device("meta"):
+        te = UMT5EncoderModel(AutoConfig.from_pretrained(ckpt.folder("text_encoder")))
+        vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(ckpt.folder("vae")))
+        clip = 0
+        if ckpt.image_encoder:
+            from transformers import CLIPVisionModel
+
+            clip = _bytes(CLIPVisionModel(AutoConfig.from_pretrained(ckpt.folder("image_encoder"))), dtype)
+    layers = te.encoder.block
+    cfg = ckpt.transformer_config
+    t_factor, s_factor = 4, 8  # Wan's VAE
+    pt, ph, pw = cfg.patch_size
+    tokens = ((num_frames - 1) // t_factor + 1) // pt * (height // s_factor // ph) * (width // s_factor // pw)
+    size = torch.empty((), dtype=dtype).element_size()
+    acts = cfg_batch * tokens * (7 * cfg.inner_dim + 2 * cfg.ffn_dim) * size
+    acts += cfg.num_layers * 2 * prompts * TEXT_TOKENS * cfg.inner_dim * size + 512 * MiB
+    frames_per_call = t_factor * vae_chunk
+    decode = VAE_BYTES_PER_PIXEL_FRAME * height * width * frames_per_call
+    tiled = max(int(1.5 * VAE_BYTES_PER_PIXEL_FRAME * vae_tiled_px**2 * frames_per_call), 1024 * MiB)
+    return Footprint(text_encoder=_bytes(te, dtype), text_encoder_layer=max(_bytes(b, dtype) for b in layers),
+                     text_encoder_layers=len(layers), text_activations=512 * MiB, image_encoder=clip,
+                     vae=_bytes(vae, vae_dtype), dit=dit, dit_block=block, dit_blocks=blocks,
+                     dit_activations=acts, vae_decode=decode, vae_decode_tiled=min(tiled, decode))
+
+
+def job_footprint(ckpt, s, dtype, vae_dtype, quantization, cfg_batch: int, vae_chunk) -> Footprint:
+    """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) with
+    ``cfg_batch`` samples per DiT forward and ``vae_chunk`` ("auto" or latent frames per decoder call)."""
+    from fastwan.vae.decode import AUTO_CHUNK_PIXEL_FRAMES
+
+    chunk = max(1, AUTO_CHUNK_PIXEL_FRAMES // (4 * s.height * s.width)) if vae_chunk == "auto" else vae_chunk
+    return estimate_footprint(ckpt, dtype=dtype, vae_dtype=vae_dtype, quantization=quantization, height=s.height,
+                              width=s.width, num_frames=s.num_frames, cfg_batch=cfg_batch,
+                              prompts=2 if s.guidance_scale > 1.0 else 1, vae_chunk=chunk)
+
+
+def check_fits(plan: OffloadPlan, budget: int, fp: Footprint, s, preset) -> None:
+    """InvalidArgument unless the video of ``s`` (footprint ``fp``) fits ``budget`` with ``plan``'s levers."""
+    peaks = phase_peaks(fp, plan.text_encoder, plan.experts, plan.dit_offload, plan.vae_tiling, plan.streamed_blocks)
+    phase = max(peaks, key=peaks.get)
+    if peaks[phase] > budget:
+        levers = ", ".join(plan.levers()) or "no levers"
+        raise InvalidArgument(
+            f"a {s.height}x{s.width}x{s.num_frames} video needs about {gib(peaks[phase])} while {phase}, over "
+            f"max_gpu_memory={gib(budget)} with the plan chosen at load ({levers}, for the preset's "
+            f"{preset.height}x{preset.width}x{preset.num_frames}); make the video smaller, or load again with a "
+            "larger budget.")
+
+
+class Offloaded:
+    """A module whose tensors (all but ``skip``, by id) live in (pinned) host memory, with device copies made by
+    :meth:`to_device` and dropped by :meth:`to_host`."""
+
+    def __init__(self, module: nn.Module, device: torch.device, skip: set[int] = frozenset()):
+        self.device = device
+        pin = device.type == "cuda"
+        self._places = []  # (module, name, is_param, host tensor)
+        for mod in module.modules():
+            for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is None or id(t) in skip or (t.data_ptr() in skip):
+                    continue
+                host = t.detach().to("cpu")
+                host = host.pin_memory() if pin else host
+                self._places.append((mod, name, name in mod._parameters, host))
+        self.to_host()
+
+    def _assign(self, pick) -> None:
+        for mod, name, is_param, host in self._places:
+            t = pick(host)
+            if is_param:
+                mod._parameters[name].data = t
+            else:
+                mod._buffers[name] = t
+
+    def to_device(self) -> None:
+        self._assign(lambda h: h.to(self.device, non_blocking=True))
+
+    def to_host(self) -> None:
+        self._assign(lambda h: h)
+
+
+class Placement:
+    """An :class:`~fastwan.offload.OffloadPlan` carried out on a generator's modules (see the module docstring)."""
+
+    def __init__(self, plan: OffloadPlan, device: torch.device, *, transformers, text_encoder, image_encoder, vae):
+        self.plan, self.device = plan, device
+        self.transformers = transformers
+        self.streamers = []
+        k = plan.streamed_blocks
+        for t in transformers:
+            n = len(t.blocks)
+            if k >= n:
+                raise InvalidArgument(f"streamed_blocks={k}: a DiT of {n} blocks streams at most {n - 1} (block 0's "
+                                      "halves run outside the block loop); plan with the footprint's dit_blocks.")
+            streamer = None if k == 0 else BlockStreamer(t.blocks, device, range(n - k, n), keep=keep_cross)
+            t.streamer = streamer
+            self.streamers.append(streamer)
+        offload_dit = plan.dit_offload or plan.experts == "swap"
+        skip = set()
+        for s, t in zip(self.streamers, transformers):
+            if s is not None:
+                for i in s.streamed:
+                    skip |= {p.data_ptr() for n, p in t.blocks[i].state_dict().items() if not keep_cross(n)}
+        self.dits = [Offloaded(t, device, skip) if offload_dit else None for t in transformers]
+        for t in transformers:
+            if not offload_dit:
+                _move_except(t, device, skip)
+        self.text = self.image = None
+        self.te_streamer = None
+        if plan.text_encoder == "stream":
+            blocks = text_encoder.encoder.block
+            self.te_streamer = BlockStreamer(blocks, device, range(len(blocks)))
+            self.te_streamer.attach_hooks()
+            kept = {p.data_ptr() for b in blocks for p in b.state_dict().values()}
+            self.text = Offloaded(text_encoder, device, kept)
+        elif plan.text_encoder == "offload":
+            self.text = Offloaded(text_encoder, device)
+        else:
+            text_encoder.to(device)
+        if image_encoder is not None:
+            if plan.text_encoder == "resident":
+                image_encoder.to(device)
+            else:
+                self.image = Offloaded(image_encoder, device)
+        vae.to(device)
+        if plan.vae_tiling:
+            vae.enable_tiling()
+        self._active: int | None = None
+
+    @contextlib.contextmanager
+    def encoding(self) -> Iterator[None]:
+        """The text (and image) encoders on the device for the block's duration."""
+        parts = [p for p in (self.text, self.image) if p is not None]
+        for p in parts:
+            p.to_device()
+        try:
+            yield
+        finally:
+            for p in parts:
+                p.to_host()
+
+    @contextlib.contextmanager
+    def denoising(self) -> Iterator[None]:
+        """The DiT on the device (with "swap": the expert :meth:`expert` selects) for the block's duration."""
+        if self.plan.experts != "swap":
+            for d in self.dits:
+                if d is not None:
+                    d.to_device()
+        try:
+            yield
+        finally:
+            for d in self.dits:
+                if d is not None:
+                    d.to_host()
+            for s in self.streamers:
+                if s is not None:
+                    s.release()
+            self._active = None
+
+    def expert(self, i: int) -> None:
+        """Before a step of expert ``i``: with "swap", the other expert leaves the device and ``i`` comes."""
+        if self.plan.experts != "swap" or self._active == i:
+            return
+        if self._active is not None:
+            self.dits[self._active].to_host()
+        self.dits[i].to_device()
+        self._active = i
+
+
+def _move_except(module: nn.Module, device: torch.device, skip: set[int]) -> None:
+    """Every tensor of ``module`` to ``device``, except those whose storage is in ``skip`` (streamed blocks')."""
+    for mod in module.modules():
+        for t in mod._parameters.values():
+            if t is not None and t.data_ptr() not in skip:
+                t.data = t.data.to(device)
+        for name, t in list(mod._buffers.items()):
+            if t is not None and t.data_ptr() not in skip:
+                mod._buffers[name] = t.to(device)

@@ -1,0 +1,127 @@
+"""Memory budgets (fastwan.pipelines.memory) on the CPU: every offload plan carried out on a tiny generator gives the
+frames of the generator without one, bit for bit in fp32 (text encoder offloaded or streamed layer by layer, A14B
+experts swapped at the boundary, the DiT offloaded outside denoising, DiT blocks streamed); the planner's choices
+at the real Wan2.1-14B / A14B shapes for given budgets (bf16 and FP8); budgets that cannot fit raise before any
+loading, and so does a budget off CUDA."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastwan import VideoGenerator
+from fastwan.errors import InvalidArgument
+from fastwan.offload import OffloadPlan, plan_offload
+from fastwan.offload.plan import GiB
+from fastwan.pipelines.memory import Placement, estimate_footprint
+
+RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)
+
+
+def plan(text_encoder="resident", experts="resident", dit_offload=False, vae_tiling=False, streamed_blocks=0):
+    return OffloadPlan(text_encoder, experts, dit_offload, vae_tiling, streamed_blocks,
+                       {"encode": 0, "denoise": 0, "decode": 0})
+
+
+def placed(ckpt, p):
+    gen = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    gen.placement = Placement(p, torch.device("cpu"), transformers=gen.transformers, text_encoder=gen.text_encoder,
+                              image_encoder=gen.image_encoder, vae=gen.vae)
+    return gen
+
+
+@pytest.mark.parametrize("p", [
+    plan("offload", "swap", True),
+    plan("stream", "resident", False, False, 1),
+    plan("offload", "swap", True, False, 1),
+], ids=["offload-swap", "stream-te-blocks", "all"])
+def test_every_plan_gives_the_same_frames(tiny_ckpts, p):
+    ckpt = tiny_ckpts["wan2.2-a14b"]
+    want = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32).generate_video("a cat", **RUN)
+    gen = placed(ckpt, p)
+    calls = []
+    for t in gen.transformers:
+        if t.streamer is not None:
+            before = t.streamer.before
+            t.streamer.before = lambda i, b=before: calls.append(i) or b(i)
+    swaps = []
+    expert = gen.placement.expert
+    gen.placement.expert = lambda i: swaps.append(i) or expert(i)
+    got = gen.generate_video("a cat", **RUN)
+    assert np.array_equal(got.frames, want.frames)
+    n = len(gen.transformers[0].blocks)
+    if p.streamed_blocks:  # the last k blocks of each expert went through the streamer on every forward
+        assert set(calls) == set(range(n - p.streamed_blocks, n)) and len(calls) > 0
+    assert swaps == [0, 0, 1, 1]  # 4 steps split 2 / 2 across the boundary
+    again = gen.generate_video("a cat", **RUN)  # a second video: everything went home and comes back
+    assert np.array_equal(again.frames, want.frames)
+
+
+def test_block_0_is_never_streamed(tiny_ckpts):
+    with pytest.raises(InvalidArgument, match="streamed_blocks=2: a DiT of 2 blocks streams at most 1"):
+        placed(tiny_ckpts["wan2.1"], plan(streamed_blocks=2))
+
+
+def write_configs(root, experts=1):
+    """A checkpoint of configs only, at the real Wan2.1-14B shapes (UMT5-XXL, Wan VAE)."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config
+
+    from fastwan.pipelines.checkpoint import Checkpoint, Preset
+
+    dit = dict(_class_name="WanTransformer3DModel", patch_size=[1, 2, 2], num_attention_heads=40,
+               attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+               num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    names = ("transformer", "transformer_2")[:experts]
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text(json.dumps(dit))
+    UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu").save_pretrained(root / "text_encoder")
+    with torch.device("meta"):
+        AutoencoderKLWan().save_config(root / "vae")  # the Wan2.1 VAE's default shape
+    from fastwan.models import WanConfig
+
+    preset = Preset(height=720, width=1280, num_frames=81, num_inference_steps=40, guidance_scale=5.0,
+                    guidance_scale_2=None, fps=16, flow_shift=5.0)
+    return Checkpoint(root=root, variant="wan2.1", preset=preset, index={}, experts=names,
+                      transformer_config=WanConfig.from_dict(dit), boundary_ratio=0.9 if experts == 2 else None,
+                      expand_timesteps=False)
+
+
+def footprint(ckpt, quantization=None):
+    return estimate_footprint(ckpt, dtype=torch.bfloat16, vae_dtype=torch.bfloat16, quantization=quantization,
+                              height=720, width=1280, num_frames=81, cfg_batch=1, prompts=2, vae_chunk=1)
+
+
+def test_planner_choices_at_the_14b_shapes(tmp_path):
+    one = write_configs(tmp_path / "14b")
+    fp = footprint(one)
+    assert 28e9 < fp.dit[0] < 29.5e9 and 11e9 < fp.text_encoder < 12e9  # 14B bf16, UMT5-XXL bf16
+    assert plan_offload(fp, 80 * GiB).levers() == []  # 28.6 + 11.4 GB of weights + 11 GB of activations
+    assert plan_offload(fp, 40 * GiB).levers() == ["text_encoder=offload"]
+    p24 = plan_offload(fp, 24 * GiB)
+    assert p24.text_encoder == "offload" and p24.dit_offload and p24.streamed_blocks > 0 and p24.peak <= 24 * GiB
+    f8 = plan_offload(footprint(one, "fp8"), 24 * GiB)  # FP8 halves the DiT: far fewer blocks streamed
+    assert f8.streamed_blocks < p24.streamed_blocks / 4 and f8.peak <= 24 * GiB
+    assert footprint(one, "fp8").dit[0] < 0.52 * fp.dit[0]
+    two = footprint(write_configs(tmp_path / "a14b", experts=2))
+    pa = plan_offload(two, 24 * GiB)
+    assert pa.experts == "swap" and pa.streamed_blocks == p24.streamed_blocks
+    with pytest.raises(InvalidArgument, match="max_gpu_memory|budget"):
+        plan_offload(fp, 8 * GiB)
+
+
+def test_budget_errors_before_loading(tiny_ckpts, monkeypatch):
+    from fastwan.pipelines import generator
+
+    def boom(*a, **k):
+        raise AssertionError("loading started before the checks finished")
+
+    monkeypatch.setattr(generator, "load_transformer", boom)
+    with pytest.raises(InvalidArgument, match="budgets CUDA memory, but device=cpu"):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", max_gpu_memory="24GiB")
+    with pytest.raises(InvalidArgument):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", max_gpu_memory="lots")
