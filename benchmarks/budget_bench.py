@@ -1,0 +1,78 @@
+"""A GPU memory budget on the GPU: one generator per process, the budget enforced with
+``torch.cuda.set_per_process_memory_fraction`` and checked by the peak allocated memory.
+
+The job: --video at --steps steps, CFG 5, compiled, FLASH_ATTN, on a random checkpoint (benchmarks.distilled --phase
+make). One untimed warm-up video of 1 step (compilation, the first host-to-device copies), then --repeats timed
+videos. A job of --full-steps steps is reported as measured text + decode time plus --full-steps times the measured
+seconds per step (a 40-step 720p video of the 14B takes longer than one device call may run).
+
+  python -m benchmarks.budget_bench --ckpt /tmp/wan14b --video 720x1280x81 --budget 24GiB [--quantization fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import PROMPT, log, parse_video, versions
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.budget_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", default="/tmp/wan14b")
+    p.add_argument("--video", default="720x1280x81")
+    p.add_argument("--budget", default=None, help="max_gpu_memory, e.g. 24GiB (None: no budget)")
+    p.add_argument("--quantization", default=None, choices=("fp8",))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--full-steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--label", default=None)
+    p.add_argument("--out", default="budget.jsonl")
+    a = p.parse_args(argv)
+    from fastwan import VideoGenerator
+    from fastwan.offload import parse_memory
+
+    h, w, f = parse_video(a.video)
+    budget = parse_memory(a.budget)
+    total = torch.cuda.get_device_properties(0).total_memory
+    if budget is not None:
+        torch.cuda.set_per_process_memory_fraction(budget / total)
+    t0 = time.perf_counter()
+    gen = VideoGenerator.from_pretrained(a.ckpt, attention_backend="FLASH_ATTN", enable_torch_compile=True,
+                                         quantization=a.quantization, max_gpu_memory=budget)
+    load_s = time.perf_counter() - t0
+    plan = None if gen.memory_plan is None else gen.memory_plan.describe()
+    if plan:
+        log(plan)
+    job = dict(height=h, width=w, num_frames=f, guidance_scale=5.0, seed=0, save_video=False, return_frames=False)
+    t0 = time.perf_counter()
+    gen.generate_video(PROMPT, **job, num_inference_steps=1)
+    warm = time.perf_counter() - t0
+    runs = []
+    for _ in range(a.repeats):
+        torch.cuda.reset_peak_memory_stats()
+        r = gen.generate_video(PROMPT, **job, num_inference_steps=a.steps)
+        t = r.timings
+        runs.append({"timings": t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                     "step_s": t["denoising"] / a.steps})
+        log(f"{a.label}: {t} peak {runs[-1]['peak_gib']:.2f} GiB")
+    step = statistics.median(x["step_s"] for x in runs)
+    fixed = statistics.median(x["timings"]["total"] - x["timings"]["denoising"] for x in runs)
+    res = {"label": a.label or f"budget={a.budget} q={a.quantization}", "video": a.video, "budget": a.budget,
+           "quantization": a.quantization, "plan": plan, "load_s": load_s, "warmup_s": warm, "runs": runs,
+           "step_s": step, "fixed_s": fixed, "e2e_full_s": fixed + a.full_steps * step, "full_steps": a.full_steps,
+           "peak_gib": max(x["peak_gib"] for x in runs), "versions": versions(),
+           "command": " ".join(["python -m benchmarks.budget_bench"] + (argv or sys.argv[1:]))}
+    with open(a.out, "a") as fh:
+        fh.write(json.dumps(res) + "\n")
+    print(f"{res['label']}: {step:.3f} s/step, fixed {fixed:.2f} s, {a.full_steps}-step e2e {res['e2e_full_s']:.1f} s, "
+          f"peak {res['peak_gib']:.2f} GiB, load {load_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
