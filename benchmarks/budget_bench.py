@@ -60,6 +60,7 @@ def main(argv=None) -> int:
         runs.append({"timings": t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                      "step_s": t["denoising"] / a.steps})
         log(f"{a.label}: {t} peak {runs[-1]['peak_gib']:.2f} GiB")
+    plan = None if gen.memory_plan is None else gen.memory_plan.describe()  # the plan of this size (may be new)
     step = statistics.median(x["step_s"] for x in runs)
     fixed = statistics.median(x["timings"]["total"] - x["timings"]["denoising"] for x in runs)
     res = {"label": a.label or f"budget={a.budget} q={a.quantization}", "video": a.video, "budget": a.budget,

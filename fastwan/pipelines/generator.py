@@ -47,7 +47,7 @@ from fastwan.pipelines.checkpoint import (
     with_overrides,
 )
 from fastwan.pipelines.denoise import denoise
-from fastwan.pipelines.memory import Placement, check_fits, job_footprint
+from fastwan.pipelines.memory import Placement, fits, job_footprint
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
@@ -158,7 +158,8 @@ class VideoGenerator:
         DiT in host memory while encoding and decoding, tiled VAE decoding, the DiT's last blocks streamed from
         pinned host memory with the next block's copy overlapping the current block's compute
         (:mod:`fastwan.pipelines.memory`). ``self.memory_plan`` describes the plan and its expected peak per phase; a
-        budget nothing fits raises before loading, and a video too large for the plan raises before compute.
+        budget nothing fits raises before loading; a video too large for the plan gets a new one before compute
+        (or the planner's error).
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -313,11 +314,22 @@ class VideoGenerator:
                 "loras": [state.loaded for state in self._loras]}
 
     def _check_budget(self, s) -> None:
-        """Under a memory budget: the request's expected peak with the plan's levers must fit it."""
-        if self.memory_plan is not None:
-            fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization,
-                               self._cfg_batch(s), self.vae_chunk_frames)
-            check_fits(self.memory_plan, self.max_gpu_memory, fp, s, self.preset)
+        """Under a memory budget: a video the plan chosen so far does not fit gets a new plan (the planner raises
+        when nothing fits), carried out before any compute."""
+        if self.memory_plan is None:
+            return
+        fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization, self._cfg_batch(s),
+                           self.vae_chunk_frames)
+        if fits(self.memory_plan, self.max_gpu_memory, fp):
+            return
+        plan = plan_offload(fp, self.max_gpu_memory)
+        logger.info("max_gpu_memory: a %dx%dx%d video needs a new plan: %s", s.height, s.width, s.num_frames,
+                    plan.describe())
+        with self._lock:  # not while another thread's video runs
+            self.placement.detach()
+            self.memory_plan = plan
+            self.placement = Placement(plan, self.device, transformers=self.transformers,
+                                       text_encoder=self.text_encoder, image_encoder=self.image_encoder, vae=self.vae)
 
     def _cfg_batch(self, s) -> int:
         """Samples per DiT forward for settings ``s`` (2: CFG as one batch)."""

@@ -15,7 +15,8 @@ pinned host memory and gets device copies only inside its phase (:meth:`Placemen
 :meth:`Placement.denoising`, :meth:`Placement.expert`); the last ``streamed_blocks`` blocks of each DiT stream
 through a :class:`fastwan.offload.BlockStreamer` (the cross-attention key/value weights, which the prompt cache reads
 outside the block loop, stay with the rest of the DiT); the text encoder streams layer by layer through hooks.
-Between calls every offloaded tensor is at home on the host, so LoRA merges and the like change the host copies.
+Between calls every offloaded tensor is at home on the host, so LoRA merges and the like change the host copies,
+and a new plan (a video too large for the one chosen at load) takes the modules over from there.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch.nn as nn
 
 from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
-from fastwan.offload.plan import gib, phase_peaks
+from fastwan.offload.plan import phase_peaks
 
 logger = logging.getLogger("fastwan")
 
@@ -129,17 +130,10 @@ def job_footprint(ckpt, s, dtype, vae_dtype, quantization, cfg_batch: int, vae_c
                               prompts=2 if s.guidance_scale > 1.0 else 1, vae_chunk=chunk)
 
 
-def check_fits(plan: OffloadPlan, budget: int, fp: Footprint, s, preset) -> None:
-    """InvalidArgument unless the video of ``s`` (footprint ``fp``) fits ``budget`` with ``plan``'s levers."""
+def fits(plan: OffloadPlan, budget: int, fp: Footprint) -> bool:
+    """Whether a job of footprint ``fp`` stays within ``budget`` with ``plan``'s levers."""
     peaks = phase_peaks(fp, plan.text_encoder, plan.experts, plan.dit_offload, plan.vae_tiling, plan.streamed_blocks)
-    phase = max(peaks, key=peaks.get)
-    if peaks[phase] > budget:
-        levers = ", ".join(plan.levers()) or "no levers"
-        raise InvalidArgument(
-            f"a {s.height}x{s.width}x{s.num_frames} video needs about {gib(peaks[phase])} while {phase}, over "
-            f"max_gpu_memory={gib(budget)} with the plan chosen at load ({levers}, for the preset's "
-            f"{preset.height}x{preset.width}x{preset.num_frames}); make the video smaller, or load again with a "
-            "larger budget.")
+    return max(peaks.values()) <= budget
 
 
 class Offloaded:
@@ -221,6 +215,14 @@ class Placement:
         if plan.vae_tiling:
             vae.enable_tiling()
         self._active: int | None = None
+
+    def detach(self) -> None:
+        """Stop carrying the plan out (before another Placement takes the modules over; every offloaded tensor is
+        at home on the host between calls, where the next plan finds it)."""
+        if self.te_streamer is not None:
+            self.te_streamer.detach_hooks()
+        for t in self.transformers:
+            t.streamer = None
 
     @contextlib.contextmanager
     def encoding(self) -> Iterator[None]:
