@@ -47,7 +47,7 @@ from fastwan.pipelines.checkpoint import (
     with_overrides,
 )
 from fastwan.pipelines.denoise import denoise
-from fastwan.pipelines.memory import Placement, fits, job_footprint
+from fastwan.pipelines.memory import Placement, fits, job_footprint, usable
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
@@ -221,7 +221,7 @@ class VideoGenerator:
             batched = cfg_mode == "batched" or (cfg_mode == "auto" and device.type != "cuda")
             cfg_batch = 2 if ckpt.preset.guidance_scale > 1.0 and batched else 1  # auto: two passes at these sizes
             plan = plan_offload(job_footprint(ckpt, ckpt.preset, dtype, vae_dtype, quantization, cfg_batch,
-                                              vae_chunk_frames), budget)
+                                              vae_chunk_frames), usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
         home = device if plan is None or not plan.levers() else torch.device("cpu")  # offloading loads to the host
 
@@ -322,7 +322,7 @@ class VideoGenerator:
                            self.vae_chunk_frames)
         if fits(self.memory_plan, self.max_gpu_memory, fp):
             return
-        plan = plan_offload(fp, self.max_gpu_memory)
+        plan = plan_offload(fp, usable(self.max_gpu_memory))
         logger.info("max_gpu_memory: a %dx%dx%d video needs a new plan: %s", s.height, s.width, s.num_frames,
                     plan.describe())
         with self._lock:  # not while another thread's video runs
