@@ -242,6 +242,7 @@ class Placement:
         finally:
             for p in parts:
                 p.to_host()
+            self._return_cache()
 
     @contextlib.contextmanager
     def denoising(self) -> Iterator[None]:
@@ -260,6 +261,13 @@ class Placement:
                 if s is not None:
                     s.release()
             self._active = None
+            self._return_cache()
+
+    def _return_cache(self) -> None:
+        """After a phase: the freed blocks go back to the driver, so the next phase's differently sized tensors
+        are not refused by a budget the cached blocks fill."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def expert(self, i: int) -> None:
         """Before a step of expert ``i``: with "swap", the other expert leaves the device and ``i`` comes."""
