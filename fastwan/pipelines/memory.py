@@ -4,8 +4,10 @@
 dtypes it will run in (FP8 block linears at one byte), and estimates the activation peaks of a job:
 
 * DiT forward: ``batch * S * (7 C + 2 F) * 2`` bytes (the stream, the norm output, q / k / v, the attention output,
-  a pending projection, the FFN's hidden state and its GELU) plus the per-prompt cross-attention keys and values
-  (``layers * 2 * prompts * 512 * C * 2``) and a fixed 512 MiB (RoPE tables, modulation, allocator slack);
+  a pending projection, the FFN's hidden state and its GELU; with FP8 weights another hidden state in the
+  activation dtype and one in e4m3: an FP8 14B 720p run at 24 GiB ran out without them) plus the per-prompt
+  cross-attention keys and values (``layers * 2 * prompts * 512 * C * 2``) and a fixed 512 MiB (RoPE tables,
+  modulation, allocator slack);
 * VAE decode: 2.8 KB per output pixel per frame of a decoder call (measured on an H100: 9.42 GiB at 720x1280 with
   4 frames per call; 6.08 GiB at 480x832 with 8), tiled: the same for a 256x256 tile at 1.5x, at least 1 GiB;
 * text encoding: 512 MiB.
@@ -109,6 +111,8 @@ def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quan
     tokens = ((num_frames - 1) // t_factor + 1) // pt * (height // s_factor // ph) * (width // s_factor // pw)
     size = torch.empty((), dtype=dtype).element_size()
     acts = cfg_batch * tokens * (7 * cfg.inner_dim + 2 * cfg.ffn_dim) * size
+    if quantization == "fp8":  # the FFN's GELU leaves the GEMM (its own output) and its input is quantized too
+        acts += cfg_batch * tokens * (size + 1) * cfg.ffn_dim
     acts += cfg.num_layers * 2 * prompts * TEXT_TOKENS * cfg.inner_dim * size + 512 * MiB
     frames_per_call = t_factor * vae_chunk
     decode = VAE_BYTES_PER_PIXEL_FRAME * height * width * frames_per_call
