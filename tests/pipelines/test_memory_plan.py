@@ -104,8 +104,8 @@ def test_planner_choices_at_the_14b_shapes(tmp_path):
     assert plan_offload(fp, 40 * GiB).levers() == ["text_encoder=offload"]
     p24 = plan_offload(fp, 24 * GiB)
     assert p24.text_encoder == "offload" and p24.dit_offload and p24.streamed_blocks > 0 and p24.peak <= 24 * GiB
-    f8 = plan_offload(footprint(one, "fp8"), 24 * GiB)  # FP8 halves the DiT: far fewer blocks streamed
-    assert f8.streamed_blocks < p24.streamed_blocks / 4 and f8.peak <= 24 * GiB
+    f8 = plan_offload(footprint(one, "fp8"), 24 * GiB)  # FP8 halves the DiT: fewer blocks streamed
+    assert 0 < f8.streamed_blocks < p24.streamed_blocks and f8.peak <= 24 * GiB
     assert footprint(one, "fp8").dit[0] < 0.52 * fp.dit[0]
     two = footprint(write_configs(tmp_path / "a14b", experts=2))
     pa = plan_offload(two, 24 * GiB)
