@@ -125,3 +125,23 @@ def test_budget_errors_before_loading(tiny_ckpts, monkeypatch):
         VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", max_gpu_memory="24GiB")
     with pytest.raises(InvalidArgument):
         VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", max_gpu_memory="lots")
+
+
+def test_a_video_the_plan_does_not_fit_gets_a_new_plan_before_compute(tiny_ckpts, monkeypatch):
+    from fastwan.pipelines import generator
+
+    ckpt = tiny_ckpts["wan2.2-a14b"]
+    want = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32).generate_video("a cat", **RUN)
+    gen = placed(ckpt, plan("offload", "swap", True, False, 1))
+    old = gen.placement
+    gen.memory_plan, gen.max_gpu_memory = old.plan, 80 * GiB
+    monkeypatch.setattr(generator, "fits", lambda *a: False)  # the video outgrows the plan chosen at load
+    got = gen.generate_video("a cat", **RUN)
+    assert gen.placement is not old and gen.memory_plan.levers() == []  # 80 GiB: the tiny model needs no lever
+    assert all(t.streamer is None for t in gen.transformers)  # the old plan's streaming is gone
+    assert np.array_equal(got.frames, want.frames)
+    monkeypatch.setattr(generator, "plan_offload", lambda fp, budget: (_ for _ in ()).throw(
+        InvalidArgument("nothing fits")))
+    gen._denoise = lambda *a, **k: pytest.fail("compute started before the plan was settled")
+    with pytest.raises(InvalidArgument, match="nothing fits"):
+        gen.generate_video("a cat", **RUN)
