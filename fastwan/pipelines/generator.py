@@ -39,11 +39,9 @@ from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.pipelines.checkpoint import (
-    VSA_TILE,
     WAN_NEGATIVE_PROMPT,
     Checkpoint,
     resolve,
-    trained_vsa_sparsity,
     with_overrides,
 )
 from fastwan.pipelines.denoise import denoise
@@ -51,6 +49,9 @@ from fastwan.pipelines.memory import Placement, fits, job_footprint, usable
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
+from fastwan.pipelines.setup import attention_config as attention_config_arg
+from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
+from fastwan.pipelines.setup import load_scheduler, trained_attention
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -195,7 +196,7 @@ class VideoGenerator:
             raise InvalidArgument(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
-        config = _attention_config(attention_config)
+        config = attention_config_arg(attention_config)
         quantization = check_quantization(quantization)
         budget = parse_memory(max_gpu_memory)
         if budget is not None and device.type != "cuda":
@@ -209,12 +210,12 @@ class VideoGenerator:
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
         check_chunk(vae_chunk_frames)
-        attention_backend, config = _trained_attention(ckpt, attention_backend, config)
+        attention_backend, config = trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config)
-        compile_kwargs = _compile_kwargs(torch_compile_kwargs, attention) if enable_torch_compile else None
+        compile_kwargs = compile_kwargs_for(torch_compile_kwargs, attention) if enable_torch_compile else None
 
         plan = None
         if budget is not None:
@@ -256,7 +257,7 @@ class VideoGenerator:
         fast_decoder_convs(vae)  # the same math with fewer full-tensor copies (fastwan.vae.convs)
         if tiling is not None:
             vae.enable_tiling(**tiling)
-        scheduler = _load_scheduler(ckpt.folder("scheduler"))
+        scheduler = load_scheduler(ckpt.folder("scheduler"))
         image_encoder = image_processor = None
         if ckpt.image_encoder:
             from transformers import CLIPImageProcessor, CLIPVisionModel
@@ -484,58 +485,3 @@ class VideoGenerator:
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""
         return decode_frames(self.vae, latents, self.vae_chunk_frames)
-
-
-def _load_scheduler(folder: Path):
-    """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
-    import diffusers
-
-    from fastwan.models.loading import read_json
-
-    cfg = read_json(folder / "scheduler_config.json", missing="the scheduler component needs it.")
-    name = cfg.get("_class_name", "")
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
-        raise InvalidArgument(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
-    return cls.from_config(cfg)
-
-
-def _compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
-    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse."""
-    kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
-    if attention.sparse and kwargs.get("fullgraph"):
-        raise InvalidArgument(
-            f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with the sparse backend "
-            f"{attention.self_backend.name}; its attention call runs outside the graph (one graph break per "
-            "block). Set fullgraph=False or leave torch_compile_kwargs unset."
-        )
-    if attention.sparse and user is None:
-        logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
-                    "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
-    return kwargs
-
-
-def _trained_attention(ckpt: Checkpoint, requested, config: dict | None):
-    """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument or the environment names
-    another backend, with its trained tile and FastVideo's sparsity wherever ``attention_config`` leaves them
-    unset -> (backend request, backend config)."""
-    if not ckpt.vsa_gates:
-        return requested, config
-    name = requested if requested is not None else envs.attention_backend()
-    if name is None:
-        requested = name = "VIDEO_SPARSE_ATTN"
-        logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "
-                    "VIDEO_SPARSE_ATTN is the default", ckpt.root)
-    if isinstance(name, str) and name.upper() == "VIDEO_SPARSE_ATTN":
-        trained = {"sparsity": trained_vsa_sparsity(ckpt.transformer_config.inner_dim), "tile": list(VSA_TILE)}
-        config = {**trained, **(config or {})}
-    return requested, config
-
-
-def _attention_config(value) -> dict | None:
-    """attention_config kwarg (dict, JSON path or JSON string) or FASTWAN_ATTENTION_CONFIG -> backend kwargs."""
-    from fastwan.attention.sparse import load_attention_config
-
-    if value is None:
-        value = envs.attention_config()
-    return None if value is None else load_attention_config(value)

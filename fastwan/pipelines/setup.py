@@ -1,0 +1,70 @@
+"""What ``VideoGenerator.from_pretrained`` settles before loading: the scheduler class, torch.compile's arguments,
+the attention a VSA-trained checkpoint runs, and the attention config argument."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fastwan import envs
+from fastwan.attention import AttentionDispatch
+from fastwan.errors import InvalidArgument
+from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, trained_vsa_sparsity
+
+logger = logging.getLogger("fastwan")
+
+
+def load_scheduler(folder: Path):
+    """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
+    import diffusers
+
+    from fastwan.models.loading import read_json
+
+    cfg = read_json(folder / "scheduler_config.json", missing="the scheduler component needs it.")
+    name = cfg.get("_class_name", "")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
+        raise InvalidArgument(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
+    return cls.from_config(cfg)
+
+
+def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
+    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse."""
+    kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
+    if attention.sparse and kwargs.get("fullgraph"):
+        raise InvalidArgument(
+            f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with the sparse backend "
+            f"{attention.self_backend.name}; its attention call runs outside the graph (one graph break per "
+            "block). Set fullgraph=False or leave torch_compile_kwargs unset."
+        )
+    if attention.sparse and user is None:
+        logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
+                    "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
+    return kwargs
+
+
+def trained_attention(ckpt: Checkpoint, requested, config: dict | None):
+    """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument or the environment names
+    another backend, with its trained tile and FastVideo's sparsity wherever ``attention_config`` leaves them
+    unset -> (backend request, backend config)."""
+    if not ckpt.vsa_gates:
+        return requested, config
+    name = requested if requested is not None else envs.attention_backend()
+    if name is None:
+        requested = name = "VIDEO_SPARSE_ATTN"
+        logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "
+                    "VIDEO_SPARSE_ATTN is the default", ckpt.root)
+    if isinstance(name, str) and name.upper() == "VIDEO_SPARSE_ATTN":
+        trained = {"sparsity": trained_vsa_sparsity(ckpt.transformer_config.inner_dim), "tile": list(VSA_TILE)}
+        config = {**trained, **(config or {})}
+    return requested, config
+
+
+def attention_config(value) -> dict | None:
+    """attention_config kwarg (dict, JSON path or JSON string) or FASTWAN_ATTENTION_CONFIG -> backend kwargs."""
+    from fastwan.attention.sparse import load_attention_config
+
+    if value is None:
+        value = envs.attention_config()
+    return None if value is None else load_attention_config(value)
