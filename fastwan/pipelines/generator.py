@@ -60,6 +60,13 @@ CFG_MODES = ("auto", "batched", "sequential")
 AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
 
 
+def cfg_batched(cfg_mode: str, device: torch.device, tokens: int) -> bool:
+    """``cfg_mode``'s rule (see ``VideoGenerator._cfg_batched``) for ``tokens`` video tokens per sample."""
+    if cfg_mode != "auto":
+        return cfg_mode == "batched"
+    return not (device.type == "cuda" and tokens >= AUTO_SEQUENTIAL_TOKENS)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -219,10 +226,9 @@ class VideoGenerator:
 
         plan = None
         if budget is not None:
-            batched = cfg_mode == "batched" or (cfg_mode == "auto" and device.type != "cuda")
-            cfg_batch = 2 if ckpt.preset.guidance_scale > 1.0 and batched else 1  # auto: two passes at these sizes
-            plan = plan_offload(job_footprint(ckpt, ckpt.preset, dtype, vae_dtype, quantization, cfg_batch,
-                                              vae_chunk_frames), usable(budget))
+            fp = job_footprint(ckpt, ckpt.preset, dtype, vae_dtype, quantization,
+                               lambda tokens: cfg_batched(cfg_mode, device, tokens), vae_chunk_frames)
+            plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
             # caching allocator's partly used blocks (2.4-3.9 GiB seen on an H100) push a planned peak over budget
@@ -322,7 +328,7 @@ class VideoGenerator:
         when nothing fits), carried out before any compute."""
         if self.memory_plan is None:
             return
-        fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization, self._cfg_batch(s),
+        fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization, self._cfg_batched,
                            self.vae_chunk_frames)
         if fits(self.memory_plan, self.max_gpu_memory, fp):
             return
@@ -334,15 +340,6 @@ class VideoGenerator:
             self.memory_plan = plan
             self.placement = Placement(plan, self.device, transformers=self.transformers,
                                        text_encoder=self.text_encoder, image_encoder=self.image_encoder, vae=self.vae)
-
-    def _cfg_batch(self, s) -> int:
-        """Samples per DiT forward for settings ``s`` (2: CFG as one batch)."""
-        if s.guidance_scale <= 1.0:
-            return 1
-        cfg = self.checkpoint.transformer_config
-        tokens = ((s.num_frames - 1) // 4 + 1) * (s.height // 8 // cfg.patch_size[1]) * (s.width // 8 //
-                                                                                          cfg.patch_size[2])
-        return 2 if self._cfg_batched(tokens) else 1
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -470,9 +467,9 @@ class VideoGenerator:
         """Whether CFG runs as one batch of 2 (else two batch-1 passes), from ``cfg_mode``. "auto": two passes
         on CUDA from AUTO_SEQUENTIAL_TOKENS tokens per sample up (each pass fills the GPU alone; measured on an
         H100 at 32,760 tokens: 1.1-1.3% faster per step, less memory), one batch below that or off CUDA."""
+        batched = cfg_batched(self.cfg_mode, self.device, tokens)
         if self.cfg_mode != "auto":
-            return self.cfg_mode == "batched"
-        batched = not (self.device.type == "cuda" and tokens >= AUTO_SEQUENTIAL_TOKENS)
+            return batched
         logger.info("cfg_mode='auto': %s CFG (%d tokens per sample)", "batched" if batched else "sequential",
                     tokens)
         return batched

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,7 @@ TEXT_TOKENS = 512
 CROSS_KV = ("attn2.to_k.", "attn2.to_v.", "attn2.norm_k.", "attn2.to_out.", "attn2.add_k_proj.", "attn2.add_v_proj.",
             "attn2.norm_added_k.")  # what the prompt cache reads: resident whenever the DiT is
 VAE_BYTES_PER_PIXEL_FRAME = 2800
+VAE_FACTORS = (4, 8)  # Wan's VAE: (temporal, spatial) compression
 
 
 def keep_cross(name: str) -> bool:
@@ -47,12 +48,17 @@ def keep_cross(name: str) -> bool:
     return name.startswith(CROSS_KV)
 
 
-def _bytes(model: nn.Module, dtype: torch.dtype, fp32=lambda name: False) -> int:
-    """Bytes of ``model``'s tensors (a meta model) in the dtypes they run in: float8 as stored, ``fp32(name)``
-    tensors fp32, other floating tensors ``dtype``."""
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s parameters and buffers by name, a tied tensor once."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _bytes(named, dtype: torch.dtype, fp32=lambda name: False) -> int:
+    """Bytes of the (name, tensor) pairs ``named`` (meta tensors) in the dtypes they run in: float8 as stored,
+    ``fp32(name)`` tensors and FP8 scales fp32, other floating tensors ``dtype``."""
     size = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # a tied tensor counts once
+    for name, t in named:
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             total += t.numel()
         elif fp32(name) or name.endswith(".weight_scale"):
@@ -76,13 +82,9 @@ def _dit_sizes(ckpt, dtype, quantization) -> tuple[tuple[int, ...], int, int]:
                 model.add_gate_compress()
         if quantization == "fp8":
             use_fp8(model, fp8_layer_names(model), device="meta", dtype=dtype, route="dequant")
-        sizes.append(_bytes(model, dtype, keep_in_fp32))
-        blk = model.blocks[0]
-        streamable = {k: v for k, v in blk.state_dict().items() if not keep_cross(k)}
-        holder = nn.Module()
-        for i, (k, v) in enumerate(streamable.items()):
-            holder.register_buffer(f"t{i}_{k.replace('.', '_')}", v)
-        block = max(block, _bytes(holder, dtype, lambda n: any(p in n for p in ("norm", "scale_shift"))))
+        sizes.append(_bytes(_tensors(model), dtype, keep_in_fp32))
+        streamable = [(f"blocks.0.{n}", t) for n, t in _tensors(model.blocks[0]) if not keep_cross(n)]
+        block = max(block, _bytes(streamable, dtype, keep_in_fp32))
     return tuple(sizes), block, len(model.blocks) - 1
 
 
@@ -103,35 +105,44 @@ def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quan
         if ckpt.image_encoder:
             from transformers import CLIPVisionModel
 
-            clip = _bytes(CLIPVisionModel(AutoConfig.from_pretrained(ckpt.folder("image_encoder"))), dtype)
+            clip = _bytes(_tensors(CLIPVisionModel(AutoConfig.from_pretrained(ckpt.folder("image_encoder")))), dtype)
     layers = te.encoder.block
     cfg = ckpt.transformer_config
-    t_factor, s_factor = 4, 8  # Wan's VAE
-    pt, ph, pw = cfg.patch_size
-    tokens = ((num_frames - 1) // t_factor + 1) // pt * (height // s_factor // ph) * (width // s_factor // pw)
+    tokens = video_tokens(cfg, height, width, num_frames)
     size = torch.empty((), dtype=dtype).element_size()
     acts = cfg_batch * tokens * (7 * cfg.inner_dim + 2 * cfg.ffn_dim) * size
     if quantization == "fp8":  # the FFN's GELU leaves the GEMM (its own output) and its input is quantized too
         acts += cfg_batch * tokens * (size + 1) * cfg.ffn_dim
     acts += cfg.num_layers * 2 * prompts * TEXT_TOKENS * cfg.inner_dim * size + 512 * MiB
-    frames_per_call = t_factor * vae_chunk
+    frames_per_call = VAE_FACTORS[0] * vae_chunk
     decode = VAE_BYTES_PER_PIXEL_FRAME * height * width * frames_per_call
     tiled = max(int(1.5 * VAE_BYTES_PER_PIXEL_FRAME * vae_tiled_px**2 * frames_per_call), 1024 * MiB)
-    return Footprint(text_encoder=_bytes(te, dtype), text_encoder_layer=max(_bytes(b, dtype) for b in layers),
+    return Footprint(text_encoder=_bytes(_tensors(te), dtype),
+                     text_encoder_layer=max(_bytes(_tensors(b), dtype) for b in layers),
                      text_encoder_layers=len(layers), text_activations=512 * MiB, image_encoder=clip,
-                     vae=_bytes(vae, vae_dtype), dit=dit, dit_block=block, dit_blocks=blocks,
+                     vae=_bytes(_tensors(vae), vae_dtype), dit=dit, dit_block=block, dit_blocks=blocks,
                      dit_activations=acts, vae_decode=decode, vae_decode_tiled=min(tiled, decode))
 
 
-def job_footprint(ckpt, s, dtype, vae_dtype, quantization, cfg_batch: int, vae_chunk) -> Footprint:
-    """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) with
-    ``cfg_batch`` samples per DiT forward and ``vae_chunk`` ("auto" or latent frames per decoder call)."""
-    from fastwan.vae.decode import AUTO_CHUNK_PIXEL_FRAMES
+def video_tokens(cfg, height: int, width: int, num_frames: int) -> int:
+    """DiT tokens per sample of a video (Wan's VAE factors, the DiT's ``cfg.patch_size``)."""
+    (ft, fs), (pt, ph, pw) = VAE_FACTORS, cfg.patch_size
+    return ((num_frames - 1) // ft + 1) // pt * (height // fs // ph) * (width // fs // pw)
 
-    chunk = max(1, AUTO_CHUNK_PIXEL_FRAMES // (4 * s.height * s.width)) if vae_chunk == "auto" else vae_chunk
+
+def job_footprint(ckpt, s, dtype, vae_dtype, quantization, cfg_batched: Callable[[int], bool],
+                  vae_chunk) -> Footprint:
+    """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) where
+    ``cfg_batched(tokens)`` says whether CFG runs as one batch of 2, with ``vae_chunk`` ("auto" or latent frames
+    per decoder call)."""
+    from fastwan.vae.decode import auto_chunk_frames
+
+    cfg = s.guidance_scale > 1.0
+    batch = 2 if cfg and cfg_batched(video_tokens(ckpt.transformer_config, s.height, s.width, s.num_frames)) else 1
+    chunk = auto_chunk_frames(s.height, s.width, VAE_FACTORS[0]) if vae_chunk == "auto" else vae_chunk
     return estimate_footprint(ckpt, dtype=dtype, vae_dtype=vae_dtype, quantization=quantization, height=s.height,
-                              width=s.width, num_frames=s.num_frames, cfg_batch=cfg_batch,
-                              prompts=2 if s.guidance_scale > 1.0 else 1, vae_chunk=chunk)
+                              width=s.width, num_frames=s.num_frames, cfg_batch=batch, prompts=2 if cfg else 1,
+                              vae_chunk=chunk)
 
 
 def usable(budget: int) -> int:
@@ -148,8 +159,8 @@ def fits(plan: OffloadPlan, budget: int, fp: Footprint) -> bool:
 
 
 class Offloaded:
-    """A module whose tensors (all but ``skip``, by id) live in (pinned) host memory, with device copies made by
-    :meth:`to_device` and dropped by :meth:`to_host`."""
+    """A module whose tensors (all but those whose storage pointer is in ``skip``) live in (pinned) host memory,
+    with device copies made by :meth:`to_device` and dropped by :meth:`to_host`."""
 
     def __init__(self, module: nn.Module, device: torch.device, skip: set[int] = frozenset()):
         self.device = device
@@ -157,7 +168,7 @@ class Offloaded:
         self._places = []  # (module, name, is_param, host tensor)
         for mod in module.modules():
             for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if t is None or id(t) in skip or (t.data_ptr() in skip):
+                if t is None or t.data_ptr() in skip:
                     continue
                 host = t.detach().to("cpu")
                 host = host.pin_memory() if pin else host

@@ -38,8 +38,12 @@ AUTO_CHUNK_PIXEL_FRAMES = 8 * 480 * 832
 def auto_chunk(vae, height: int, width: int, batch: int = 1) -> int:
     """Latent frames per decoder call after the first for ``batch`` videos of ``height`` x ``width`` pixels:
     the most whose output fits ``AUTO_CHUNK_PIXEL_FRAMES``, at least 1."""
-    per_latent = batch * (vae.config.scale_factor_temporal or 4) * height * width
-    return max(1, AUTO_CHUNK_PIXEL_FRAMES // per_latent)
+    return auto_chunk_frames(height, width, vae.config.scale_factor_temporal or 4, batch)
+
+
+def auto_chunk_frames(height: int, width: int, temporal: int, batch: int = 1) -> int:
+    """:func:`auto_chunk` for a VAE of ``temporal`` frames per latent frame."""
+    return max(1, AUTO_CHUNK_PIXEL_FRAMES // (batch * temporal * height * width))
 
 
 def check_chunk(chunk) -> None:
