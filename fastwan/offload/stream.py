@@ -36,9 +36,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @dataclass(eq=False)
-class _Tensor:
-    """One streamed tensor of a block: its host copy and every place that holds it (a tensor held by several
-    places, e.g. a tied weight, is copied once)."""
+class Held:
+    """One tensor of a module and every place that holds it (a tensor held by several places, e.g. a tied weight,
+    is one entry): ``name`` (its first name), ``host`` (its host copy, or where it was put), the parameters and the
+    (module, buffer name) slots that hold it."""
     name: str
     host: torch.Tensor
     params: list[nn.Parameter] = field(default_factory=list)
@@ -54,7 +55,7 @@ class _Tensor:
 
 @dataclass(eq=False)
 class _Copy:
-    """Block ``index``'s device copies, one per :class:`_Tensor` in the same order; ``event``: recorded on the side
+    """Block ``index``'s device copies, one per :class:`Held` in the same order; ``event``: recorded on the side
     stream after the copies (None for a copy made on the compute stream or without CUDA)."""
     index: int
     tensors: list[torch.Tensor]
@@ -69,6 +70,26 @@ def _places(block: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, st
             for name, t in table.items():
                 if t is not None:
                     yield (f"{prefix}.{name}" if prefix else name), t, mod, name, is_param
+
+
+def held_tensors(module: nn.Module) -> list[tuple[torch.Tensor, list[str], Callable[[torch.Tensor], Held]]]:
+    """Each distinct tensor of ``module`` -> (the tensor, its names, ``hold(where)``: a :class:`Held` for it whose
+    ``host`` is ``where``, every place of the tensor listed, not yet pointed there)."""
+    groups: dict[int, list] = {}
+    for place in _places(module):
+        groups.setdefault(id(place[1]), []).append(place)
+    out = []
+    for places in groups.values():
+        def hold(where: torch.Tensor, places=places) -> Held:
+            entry = Held(places[0][0], where)
+            for _, tensor, mod, name, is_param in places:
+                if is_param and all(tensor is not p for p in entry.params):
+                    entry.params.append(tensor)
+                elif not is_param:
+                    entry.buffers.append((mod, name))
+            return entry
+        out.append((places[0][1], [p[0] for p in places], hold))
+    return out
 
 
 def _check_index(i, n: int, what: str) -> int:
@@ -112,23 +133,15 @@ class BlockStreamer:
         self._pending: _Copy | None = None  # the prefetched next block
         self._hooks: list = []
 
-    def _split(self, block: nn.Module, keep: Callable[[str], bool], pin: bool) -> list[_Tensor]:
+    def _split(self, block: nn.Module, keep: Callable[[str], bool], pin: bool) -> list[Held]:
         """Move ``block``'s kept tensors to the device and its other tensors to host copies -> the streamed ones.
         A tensor held by several places is kept if any of its names is kept."""
-        groups: dict[int, list] = {}
-        for place in _places(block):
-            groups.setdefault(id(place[1]), []).append(place)
         out = []
-        for places in groups.values():
-            t = places[0][1].detach()
-            kept = any(keep(p[0]) for p in places)
+        for tensor, names, hold in held_tensors(block):
+            t = tensor.detach()
+            kept = any(keep(n) for n in names)
             target = t.to(self.device) if kept else (t.to("cpu").pin_memory() if pin else t.to("cpu"))
-            entry = _Tensor(places[0][0], target)
-            for _, tensor, mod, name, is_param in places:
-                if is_param and all(tensor is not p for p in entry.params):
-                    entry.params.append(tensor)
-                elif not is_param:
-                    entry.buffers.append((mod, name))
+            entry = hold(target)
             entry.point(target)
             if not kept:
                 out.append(entry)

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
+from fastwan.offload.stream import held_tensors
 from fastwan.offload.plan import GiB, phase_peaks
 
 logger = logging.getLogger("fastwan")
@@ -160,34 +161,26 @@ def fits(plan: OffloadPlan, budget: int, fp: Footprint) -> bool:
 
 class Offloaded:
     """A module whose tensors (all but those whose storage pointer is in ``skip``) live in (pinned) host memory,
-    with device copies made by :meth:`to_device` and dropped by :meth:`to_host`."""
+    with device copies made by :meth:`to_device` and dropped by :meth:`to_host`; a tensor held by several places
+    (a tied embedding) is copied once."""
 
     def __init__(self, module: nn.Module, device: torch.device, skip: set[int] = frozenset()):
         self.device = device
         pin = device.type == "cuda"
-        self._places = []  # (module, name, is_param, host tensor)
-        for mod in module.modules():
-            for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if t is None or t.data_ptr() in skip:
-                    continue
-                host = t.detach().to("cpu")
-                host = host.pin_memory() if pin else host
-                self._places.append((mod, name, name in mod._parameters, host))
+        self._held = []
+        for tensor, _, hold in held_tensors(module):
+            if tensor.data_ptr() not in skip:
+                host = tensor.detach().to("cpu")
+                self._held.append(hold(host.pin_memory() if pin else host))
         self.to_host()
 
-    def _assign(self, pick) -> None:
-        for mod, name, is_param, host in self._places:
-            t = pick(host)
-            if is_param:
-                mod._parameters[name].data = t
-            else:
-                mod._buffers[name] = t
-
     def to_device(self) -> None:
-        self._assign(lambda h: h.to(self.device, non_blocking=True))
+        for h in self._held:
+            h.point(h.host.to(self.device, non_blocking=True))
 
     def to_host(self) -> None:
-        self._assign(lambda h: h)
+        for h in self._held:
+            h.point(h.host)
 
 
 class Placement:
