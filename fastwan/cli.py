@@ -135,9 +135,8 @@ def _run_generate(args) -> int:
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
         lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
     )
-    plan = getattr(gen, "memory_plan", None)
-    if plan is not None:
-        print(plan.describe())
+    if gen.memory_plan is not None:
+        print(gen.memory_plan.describe())
     res = gen.generate_video(
         args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
         height=args.height, width=args.width,

@@ -80,6 +80,7 @@ class FakeGenerator:
     def __init__(self, outcome):
         self.outcome = outcome
         self.kwargs = None
+        self.memory_plan = None  # from_pretrained without max_gpu_memory
 
     def generate_video(self, prompt, **kwargs):
         self.kwargs = kwargs

@@ -263,15 +263,12 @@ class Fp8Linear(nn.Module):
                 f"route={self.route!r}")
 
 
-def dense_weight(linear: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An nn.Linear's or Fp8Linear's weight as a dense [O, I] matrix (``dtype`` default: the bias's, else bf16
-    for FP8 and the weight's own for nn.Linear)."""
-    if isinstance(linear, Fp8Linear):
-        return linear.dense_weight(dtype or (linear.bias.dtype if linear.bias is not None else torch.bfloat16))
-    return linear.weight if dtype is None else linear.weight.to(dtype)
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """An nn.Linear's or Fp8Linear's weight as a dense [O, I] matrix in ``dtype``."""
+    return linear.dense_weight(dtype) if isinstance(linear, Fp8Linear) else linear.weight.to(dtype)
 
 
 def fp8_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` ready for ``safetensors.torch.save_file`` (detached, contiguous; float8_e4m3fn kept).
-    Load with ``module.load_state_dict(safetensors.torch.load_file(path))``."""
-    return {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    """``module.state_dict()`` ready for ``safetensors.torch.save_file`` (detached, contiguous, on the CPU;
+    float8_e4m3fn kept). Load with ``module.load_state_dict(safetensors.torch.load_file(path))``."""
+    return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}

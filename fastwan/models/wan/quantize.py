@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from fastwan.errors import CheckpointError, InvalidArgument
-from fastwan.kernels.fp8 import E4M3, Fp8Linear, choose_route, quantize_weight
+from fastwan.kernels.fp8 import E4M3, Fp8Linear, choose_route, fp8_state, quantize_weight
 
 logger = logging.getLogger("fastwan")
 
@@ -125,7 +125,7 @@ def save_fp8_transformer(model: nn.Module, source_config: str | Path, folder: st
     raw = json.loads(Path(source_config).read_text())
     raw[CONFIG_KEY] = {"method": "fp8", "format": "float8_e4m3fn", "scales": "per output channel, fp32",
                        "layers": "every linear layer inside blocks"}
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = fp8_state(model)
     assert all(state[f"{n}.weight"].dtype == E4M3 for n in layers)
     _atomic(folder / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={CONFIG_KEY: "fp8"}))
     _atomic(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=2) + "\n"))
