@@ -45,7 +45,7 @@ from fastwan.pipelines.checkpoint import (
     with_overrides,
 )
 from fastwan.pipelines.denoise import denoise
-from fastwan.pipelines.memory import Placement, fits, job_footprint, usable
+from fastwan.pipelines.memory import Placement, fits, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
@@ -90,7 +90,8 @@ class VideoGenerator:
         self.vae_chunk_frames = vae_chunk_frames
         self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
         self.preset = ckpt.preset
-        self.memory_plan = self.max_gpu_memory = self.placement = None  # set by from_pretrained(max_gpu_memory=...)
+        # set by from_pretrained(max_gpu_memory=...); _weight_bytes: memory.weight_bytes, computed once
+        self.memory_plan = self.max_gpu_memory = self.placement = self._weight_bytes = None
         self.quantization = "fp8" if any(isinstance(m, Fp8Linear) for t in transformers for m in t.modules()) \
             else None
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
@@ -226,7 +227,8 @@ class VideoGenerator:
 
         plan = None
         if budget is not None:
-            fp = job_footprint(ckpt, ckpt.preset, dtype, vae_dtype, quantization,
+            weights = weight_bytes(ckpt, dtype=dtype, vae_dtype=vae_dtype, quantization=quantization)
+            fp = job_footprint(ckpt, weights, ckpt.preset, dtype, quantization,
                                lambda tokens: cfg_batched(cfg_mode, device, tokens), vae_chunk_frames)
             plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
@@ -280,7 +282,7 @@ class VideoGenerator:
         for (path, scale), tensors in zip(loras, lora_files):
             apply_lora(gen.transformers, gen._loras, path, scale, tensors=tensors)
         if plan is not None:
-            gen.memory_plan, gen.max_gpu_memory = plan, budget
+            gen.memory_plan, gen.max_gpu_memory, gen._weight_bytes = plan, budget, weights
             gen.placement = Placement(plan, device, transformers=transformers_, text_encoder=text_encoder,
                                       image_encoder=image_encoder, vae=vae)
         return gen
@@ -328,7 +330,7 @@ class VideoGenerator:
         when nothing fits), carried out before any compute."""
         if self.memory_plan is None:
             return
-        fp = job_footprint(self.checkpoint, s, self.dtype, self.vae_dtype, self.quantization, self._cfg_batched,
+        fp = job_footprint(self.checkpoint, self._weight_bytes, s, self.dtype, self.quantization, self._cfg_batched,
                            self.vae_chunk_frames)
         if fits(self.memory_plan, self.max_gpu_memory, fp):
             return

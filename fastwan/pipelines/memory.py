@@ -1,7 +1,8 @@
 """A GPU memory budget (``max_gpu_memory``): what a checkpoint and job need, and the plan carried out on a generator.
 
-:func:`estimate_footprint` sizes every component from its config on the meta device (no weights read) in the
-dtypes it will run in (FP8 block linears at one byte), and estimates the activation peaks of a job:
+:func:`weight_bytes` sizes every component from its config on the meta device (no weights read) in the dtypes it
+will run in (FP8 block linears at one byte), once per generator; :func:`estimate_footprint` adds the activation
+peaks of a job:
 
 * DiT forward: ``batch * S * (7 C + 2 F) * 2`` bytes (the stream, the norm output, q / k / v, the attention output,
   a pending projection, the FFN's hidden state and its GELU; with FP8 weights another hidden state in the
@@ -89,12 +90,9 @@ def _dit_sizes(ckpt, dtype, quantization) -> tuple[tuple[int, ...], int, int]:
     return tuple(sizes), block, len(model.blocks) - 1
 
 
-def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quantization: str | None,
-                       height: int, width: int, num_frames: int, cfg_batch: int, prompts: int, vae_chunk: int,
-                       vae_tiled_px: int = 256) -> Footprint:
-    """The :class:`~fastwan.offload.Footprint` of ``ckpt`` for one video of ``height`` x ``width`` x
-    ``num_frames`` with ``cfg_batch`` samples per DiT forward, ``prompts`` encoded prompts and ``vae_chunk``
-    latent frames per decoder call."""
+def weight_bytes(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quantization: str | None) -> dict[str, int]:
+    """The weight fields of a :class:`~fastwan.offload.Footprint` of ``ckpt`` (they do not depend on the video:
+    compute them once per generator)."""
     from diffusers import AutoencoderKLWan
     from transformers import AutoConfig, UMT5EncoderModel
 
@@ -108,6 +106,18 @@ def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quan
 
             clip = _bytes(_tensors(CLIPVisionModel(AutoConfig.from_pretrained(ckpt.folder("image_encoder")))), dtype)
     layers = te.encoder.block
+    return dict(text_encoder=_bytes(_tensors(te), dtype),
+                text_encoder_layer=max(_bytes(_tensors(b), dtype) for b in layers),
+                text_encoder_layers=len(layers), image_encoder=clip, vae=_bytes(_tensors(vae), vae_dtype), dit=dit,
+                dit_block=block, dit_blocks=blocks)
+
+
+def estimate_footprint(ckpt, weights: dict[str, int], *, dtype: torch.dtype, quantization: str | None,
+                       height: int, width: int, num_frames: int, cfg_batch: int, prompts: int, vae_chunk: int,
+                       vae_tiled_px: int = 256) -> Footprint:
+    """The :class:`~fastwan.offload.Footprint` of ``ckpt`` (its :func:`weight_bytes` ``weights``) for one video of
+    ``height`` x ``width`` x ``num_frames`` with ``cfg_batch`` samples per DiT forward, ``prompts`` encoded prompts
+    and ``vae_chunk`` latent frames per decoder call."""
     cfg = ckpt.transformer_config
     tokens = video_tokens(cfg, height, width, num_frames)
     size = torch.empty((), dtype=dtype).element_size()
@@ -118,11 +128,8 @@ def estimate_footprint(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quan
     frames_per_call = VAE_FACTORS[0] * vae_chunk
     decode = VAE_BYTES_PER_PIXEL_FRAME * height * width * frames_per_call
     tiled = max(int(1.5 * VAE_BYTES_PER_PIXEL_FRAME * vae_tiled_px**2 * frames_per_call), 1024 * MiB)
-    return Footprint(text_encoder=_bytes(_tensors(te), dtype),
-                     text_encoder_layer=max(_bytes(_tensors(b), dtype) for b in layers),
-                     text_encoder_layers=len(layers), text_activations=512 * MiB, image_encoder=clip,
-                     vae=_bytes(_tensors(vae), vae_dtype), dit=dit, dit_block=block, dit_blocks=blocks,
-                     dit_activations=acts, vae_decode=decode, vae_decode_tiled=min(tiled, decode))
+    return Footprint(**weights, text_activations=512 * MiB, dit_activations=acts, vae_decode=decode,
+                     vae_decode_tiled=min(tiled, decode))
 
 
 def video_tokens(cfg, height: int, width: int, num_frames: int) -> int:
@@ -131,17 +138,17 @@ def video_tokens(cfg, height: int, width: int, num_frames: int) -> int:
     return ((num_frames - 1) // ft + 1) // pt * (height // fs // ph) * (width // fs // pw)
 
 
-def job_footprint(ckpt, s, dtype, vae_dtype, quantization, cfg_batched: Callable[[int], bool],
+def job_footprint(ckpt, weights: dict[str, int], s, dtype, quantization, cfg_batched: Callable[[int], bool],
                   vae_chunk) -> Footprint:
-    """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) where
-    ``cfg_batched(tokens)`` says whether CFG runs as one batch of 2, with ``vae_chunk`` ("auto" or latent frames
-    per decoder call)."""
+    """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) for ``ckpt``'s
+    :func:`weight_bytes` ``weights``, where ``cfg_batched(tokens)`` says whether CFG runs as one batch of 2, with
+    ``vae_chunk`` ("auto" or latent frames per decoder call)."""
     from fastwan.vae.decode import auto_chunk_frames
 
     cfg = s.guidance_scale > 1.0
     batch = 2 if cfg and cfg_batched(video_tokens(ckpt.transformer_config, s.height, s.width, s.num_frames)) else 1
     chunk = auto_chunk_frames(s.height, s.width, VAE_FACTORS[0]) if vae_chunk == "auto" else vae_chunk
-    return estimate_footprint(ckpt, dtype=dtype, vae_dtype=vae_dtype, quantization=quantization, height=s.height,
+    return estimate_footprint(ckpt, weights, dtype=dtype, quantization=quantization, height=s.height,
                               width=s.width, num_frames=s.num_frames, cfg_batch=batch, prompts=2 if cfg else 1,
                               vae_chunk=chunk)
 

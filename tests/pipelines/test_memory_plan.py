@@ -15,7 +15,7 @@ from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument
 from fastwan.offload import OffloadPlan, plan_offload
 from fastwan.offload.plan import GiB
-from fastwan.pipelines.memory import Placement, estimate_footprint
+from fastwan.pipelines.memory import Placement, estimate_footprint, weight_bytes
 
 RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)
 
@@ -92,7 +92,8 @@ def write_configs(root, experts=1):
 
 
 def footprint(ckpt, quantization=None):
-    return estimate_footprint(ckpt, dtype=torch.bfloat16, vae_dtype=torch.bfloat16, quantization=quantization,
+    weights = weight_bytes(ckpt, dtype=torch.bfloat16, vae_dtype=torch.bfloat16, quantization=quantization)
+    return estimate_footprint(ckpt, weights, dtype=torch.bfloat16, quantization=quantization,
                               height=720, width=1280, num_frames=81, cfg_batch=1, prompts=2, vae_chunk=1)
 
 
@@ -135,6 +136,7 @@ def test_a_video_the_plan_does_not_fit_gets_a_new_plan_before_compute(tiny_ckpts
     gen = placed(ckpt, plan("offload", "swap", True, False, 1))
     old = gen.placement
     gen.memory_plan, gen.max_gpu_memory = old.plan, 80 * GiB
+    gen._weight_bytes = weight_bytes(gen.checkpoint, dtype=torch.float32, vae_dtype=torch.float32, quantization=None)
     monkeypatch.setattr(generator, "fits", lambda *a: False)  # the video outgrows the plan chosen at load
     got = gen.generate_video("a cat", **RUN)
     assert gen.placement is not old and gen.memory_plan.levers() == []  # 80 GiB: the tiny model needs no lever
