@@ -1,10 +1,12 @@
 """A GPU memory budget on the GPU: one generator per process, the budget enforced with
 ``torch.cuda.set_per_process_memory_fraction`` and checked by the peak allocated memory.
 
-The job: --video at --steps steps, CFG 5, compiled, FLASH_ATTN, on a random checkpoint (benchmarks.distilled --phase
-make). One untimed warm-up video of 1 step (compilation, the first host-to-device copies), then --repeats timed
-videos. A job of --full-steps steps is reported as measured text + decode time plus --full-steps times the measured
-seconds per step (a 40-step 720p video of the 14B takes longer than one device call may run).
+The job: --video at --steps steps, CFG 5, compiled, --backend (FLASH_ATTN), on a random checkpoint
+(benchmarks.distilled --phase make, or harness.derive_a14b for Wan2.2-A14B). One untimed warm-up video of 1 step
+(compilation, the first host-to-device copies), then --repeats timed videos. A job of --full-steps steps is reported
+as measured text + decode time plus --full-steps times the measured seconds per step; with --steps equal to
+--full-steps that is the measured video (benchmarks/budget_suite.sh runs such jobs in a detached process, since a
+40-step 720p video of a 14B model outlasts one device call).
 
   python -m benchmarks.budget_bench --ckpt /tmp/wan14b --video 720x1280x81 --budget 24GiB [--quantization fp8]
 """
@@ -16,6 +18,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from benchmarks.harness import PROMPT, log, parse_video, versions
@@ -30,6 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--full-steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--backend", default="FLASH_ATTN", help="attention backend (default FLASH_ATTN)")
+    p.add_argument("--sparsity", type=float, default=0.9, help="VIDEO_SPARSE_ATTN's sparsity (default 0.9)")
+    p.add_argument("--frames-out", default=None, help="save the last timed video's uint8 frames here (.npy)")
     p.add_argument("--label", default=None)
     p.add_argument("--out", default="budget.jsonl")
     a = p.parse_args(argv)
@@ -42,7 +48,9 @@ def main(argv=None) -> int:
     if budget is not None:
         torch.cuda.set_per_process_memory_fraction(budget / total)
     t0 = time.perf_counter()
-    gen = VideoGenerator.from_pretrained(a.ckpt, attention_backend="FLASH_ATTN", enable_torch_compile=True,
+    gen = VideoGenerator.from_pretrained(a.ckpt, attention_backend=a.backend,
+                                         attention_config={"sparsity": a.sparsity} if "SPARSE" in a.backend else None,
+                                         enable_torch_compile=True,
                                          quantization=a.quantization, max_gpu_memory=budget)
     load_s = time.perf_counter() - t0
     plan = None if gen.memory_plan is None else gen.memory_plan.describe()
@@ -53,9 +61,12 @@ def main(argv=None) -> int:
     gen.generate_video(PROMPT, **job, num_inference_steps=1)
     warm = time.perf_counter() - t0
     runs = []
-    for _ in range(a.repeats):
+    for i in range(a.repeats):
         torch.cuda.reset_peak_memory_stats()
-        r = gen.generate_video(PROMPT, **job, num_inference_steps=a.steps)
+        keep = a.frames_out is not None and i == a.repeats - 1
+        r = gen.generate_video(PROMPT, **{**job, "return_frames": keep}, num_inference_steps=a.steps)
+        if keep:
+            np.save(a.frames_out, np.asarray(r.frames))
         t = r.timings
         runs.append({"timings": t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                      "step_s": t["denoising"] / a.steps})

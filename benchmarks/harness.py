@@ -281,6 +281,30 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     log(f"derived FastWan-layout checkpoint {root} from {plain}")
 
 
+def derive_a14b(plain: Path, root: Path, shift: float = 12.0, boundary: float = 0.875) -> None:
+    """A Wan2.2-T2V-A14B-layout checkpoint from a Wan2.1-14B text-to-video one made by :func:`make_checkpoint`
+    (each A14B expert has the Wan2.1-14B DiT's shape): every component links to ``plain``'s, ``transformer_2``
+    links to ``transformer`` (the experts still load as separate tensors), model_index carries ``boundary`` and
+    the scheduler ``shift`` (Wan2.2's T2V-A14B settings)."""
+    from diffusers import UniPCMultistepScheduler
+
+    plain, root = Path(plain).resolve(), Path(root)
+    if (root / "model_index.json").exists():
+        log(f"checkpoint exists at {root}")
+        return
+    root.mkdir(parents=True)
+    for comp in plain.iterdir():
+        if comp.name not in ("model_index.json", "scheduler", "transformer_2"):
+            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
+    (root / "transformer_2").symlink_to(plain / "transformer", target_is_directory=True)
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
+    index = json.loads((plain / "model_index.json").read_text())
+    index.update(transformer_2=index["transformer"], boundary_ratio=boundary)
+    (root / "model_index.json").write_text(json.dumps(index))
+    log(f"derived A14B-layout checkpoint {root} from {plain}")
+
+
 def write_lora(path: Path, size: str, rank: int = 64, seed: int = 0) -> None:
     """A random rank-``rank`` LoRA in the original-Wan (lightx2v) layout on every attention and FFN linear of a
     Wan2.1 ``size`` DiT: ``diffusion_model.blocks.N.<module>.lora_down/lora_up.weight`` and ``.alpha``, bf16."""

@@ -1,0 +1,36 @@
+#!/bin/bash
+# Issue #21's GPU budget jobs, run one after another in a detached process (a 40-step 720p video of a 14B model
+# outlasts one device call): `bash benchmarks/budget_suite.sh SUITE DIR` starts SUITE in the background and
+# returns; DIR/log and DIR/budget.jsonl grow as jobs finish, DIR/done appears at the end.
+#   14b    Wan2.1-14B 720x1280x81 CFG 5: 40-step video at 24 GiB (measured end to end), no budget (4-step runs)
+#   a14b   Wan2.2-A14B (T2V layout) the same
+#   vsa    14B 480x832x81, VIDEO_SPARSE_ATTN 0.9, 2 steps, 24 GiB against no budget, frames saved to compare
+set -u
+SUITE=$1
+D=${2:-/tmp/bsuite}
+mkdir -p "$D"
+job() {
+    echo "== $(date +%T) $*" >>"$D/log"
+    python -m benchmarks.budget_bench --out "$D/budget.jsonl" "$@" >>"$D/log" 2>&1 || echo "!! exit $?" >>"$D/log"
+}
+suite() {
+    source /tmp/fastwan-site/env.sh
+    export PYTHONPATH=.:${PYTHONPATH:-} HF_HUB_OFFLINE=1
+    case $SUITE in
+    14b)
+        job --ckpt /tmp/wan14b --budget 24GiB --steps 40 --repeats 1 --label "14B bf16 24GiB 40 steps"
+        job --ckpt /tmp/wan14b --steps 4 --repeats 2 --label "14B bf16 no budget" ;;
+    a14b)
+        job --ckpt /tmp/a14b --budget 24GiB --steps 40 --repeats 1 --label "A14B bf16 24GiB 40 steps"
+        job --ckpt /tmp/a14b --steps 4 --repeats 2 --label "A14B bf16 no budget" ;;
+    vsa)
+        for b in 24GiB ""; do
+            job --ckpt /tmp/wan14b --video 480x832x81 --backend VIDEO_SPARSE_ATTN ${b:+--budget $b} --steps 2 \
+                --repeats 1 --frames-out "$D/vsa${b:-none}.npy" --label "14B VSA 480p budget=${b:-none}"
+        done ;;
+    *) echo "unknown suite $SUITE" >>"$D/log" ;;
+    esac
+    touch "$D/done"
+}
+suite </dev/null >>"$D/log" 2>&1 &
+disown
