@@ -6,6 +6,10 @@
 #   a14b   Wan2.2-A14B (T2V layout) the same
 #   vsa    14B 480x832x81, VIDEO_SPARSE_ATTN 0.9, 2 steps, 24 GiB against no budget, frames saved to compare
 set -u
+if [ -z "${BUDGET_SUITE_CHILD:-}" ]; then  # detach in a session of its own: the call's process group is killed
+    BUDGET_SUITE_CHILD=1 setsid nohup bash "$0" "$@" >/dev/null 2>&1 </dev/null &
+    exit 0
+fi
 SUITE=$1
 D=${2:-/tmp/bsuite}
 mkdir -p "$D"
@@ -21,8 +25,11 @@ suite() {
         job --ckpt /tmp/wan14b --budget 24GiB --steps 40 --repeats 1 --label "14B bf16 24GiB 40 steps"
         job --ckpt /tmp/wan14b --steps 4 --repeats 2 --label "14B bf16 no budget" ;;
     a14b)
-        job --ckpt /tmp/a14b --budget 24GiB --steps 40 --repeats 1 --label "A14B bf16 24GiB 40 steps"
-        job --ckpt /tmp/a14b --steps 4 --repeats 2 --label "A14B bf16 no budget" ;;
+        job --ckpt /tmp/a14b --steps 4 --repeats 1 --label "A14B bf16 no budget"
+        job --ckpt /tmp/a14b --budget 24GiB --steps 40 --repeats 1 --label "A14B bf16 24GiB 40 steps" ;;
+    a14b-short)
+        job --ckpt /tmp/a14b --steps 4 --repeats 1 --label "A14B bf16 no budget"
+        job --ckpt /tmp/a14b --budget 24GiB --steps 4 --repeats 1 --label "A14B bf16 24GiB" ;;
     vsa)
         for b in 24GiB ""; do
             job --ckpt /tmp/wan14b --video 480x832x81 --backend VIDEO_SPARSE_ATTN ${b:+--budget $b} --steps 2 \
@@ -32,5 +39,4 @@ suite() {
     esac
     touch "$D/done"
 }
-suite </dev/null >>"$D/log" 2>&1 &
-disown
+suite >>"$D/log" 2>&1
