@@ -3,7 +3,7 @@
 # outlasts one device call): `bash benchmarks/budget_suite.sh SUITE DIR` starts SUITE in the background and
 # returns; DIR/log and DIR/budget.jsonl grow as jobs finish, DIR/done appears at the end.
 #   14b    Wan2.1-14B 720x1280x81 CFG 5: 40-step video at 24 GiB (measured end to end), no budget (4-step runs)
-#   a14b   Wan2.2-A14B (T2V layout) the same
+#   a14b   Wan2.2-A14B (T2V layout): no budget (one 4-step run), then 40 steps at 24 GiB; a14b-short: both at 4
 #   vsa    14B 480x832x81, VIDEO_SPARSE_ATTN 0.9, 2 steps, 24 GiB against no budget, frames saved to compare
 set -u
 if [ -z "${BUDGET_SUITE_CHILD:-}" ]; then  # detach in a session of its own: the call's process group is killed
