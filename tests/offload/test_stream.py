@@ -250,3 +250,20 @@ def test_compiled_block_reads_the_streamed_tensors():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not torch.allclose(outs[1][0], outs[2][0])
     assert counters["stats"]["unique_graphs"] == graphs + 1  # swapped tensors cause no recompiles
+
+
+@torch.no_grad()
+def test_host_changes_after_release_reach_the_next_pass():
+    """Weights changed in place between passes (a LoRA merged between videos) are what the next pass computes with,
+    once release() dropped the copy prefetched at the end of the last pass; without it that copy is stale."""
+    blocks, ref, x = make()
+    s = BlockStreamer(blocks, "cpu", STREAMED, keep=keep_kv)
+    run(blocks, x, PLAIN, s)
+    assert s._pending is not None and s._pending.index == STREAMED[0]  # the wrap-around prefetch of block 0
+    for b, r in ((blocks[0], ref[0]), (blocks[2], ref[2])):
+        for m in (b.lin, r.lin):
+            m.weight.add_(0.25)
+    stale = run(blocks, x, PLAIN, s)
+    assert not torch.equal(stale, run(ref, x, PLAIN))  # block 0 ran with the copy taken before the change
+    s.release()
+    assert torch.equal(run(blocks, x, PLAIN, s), run(ref, x, PLAIN))

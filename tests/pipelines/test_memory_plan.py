@@ -25,8 +25,9 @@ def plan(text_encoder="resident", experts="resident", dit_offload=False, vae_til
                        {"encode": 0, "denoise": 0, "decode": 0})
 
 
-def placed(ckpt, p):
-    gen = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+def placed(ckpt, p, **load):
+    """A tiny fp32 CPU generator (``load``: more from_pretrained arguments) carrying out plan ``p``."""
+    gen = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32, **load)
     gen.placement = Placement(p, torch.device("cpu"), transformers=gen.transformers, text_encoder=gen.text_encoder,
                               image_encoder=gen.image_encoder, vae=gen.vae)
     return gen
