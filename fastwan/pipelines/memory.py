@@ -290,6 +290,8 @@ class Placement:
             return
         if self._active is not None:
             self.dits[self._active].to_host()
+            if self.streamers[self._active] is not None:  # its prefetched block would stay on the device
+                self.streamers[self._active].release()
         self.dits[i].to_device()
         self._active = i
 

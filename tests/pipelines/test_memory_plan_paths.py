@@ -4,10 +4,13 @@ in fp32 on the CPU, with compiled blocks, each CFG mode, sparse backends, the fa
 LoRAs merged before or after the plan took the weights over (and unloaded again)."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from fastwan import VideoGenerator
 from fastwan.options import DiTOptions
@@ -51,11 +54,13 @@ def test_plan_with_generator_options_gives_the_same_frames(tiny_ckpts, load):
     assert np.array_equal(frames(gen), want)  # a second video after everything went home
 
 
-@pytest.mark.parametrize("load", [{}, dict(quantization="fp8")], ids=["bf16-rule", "fp8"])
+@pytest.mark.parametrize("load", [{}, dict(quantization="fp8")], ids=["model-dtype", "fp8"])
 def test_lora_with_a_plan(tiny_ckpts, tmp_path, load):
     """A LoRA merged after the plan took the weights over reaches the offloaded and streamed copies (their host
-    homes), one merged before it is carried along, and unloading restores the frames without it."""
-    ckpt = tiny_ckpts["wan2.2-a14b"]
+    homes), one merged before it is carried along, and unloading restores the frames without it. Four blocks per
+    expert, three streamed: a copy prefetched before the merge must not be used after it."""
+    ckpt = deeper(tiny_ckpts["wan2.2-a14b"], tmp_path / "deep", 4)
+    every = plan("offload", "swap", True, False, 3)
     path = tmp_path / "l.safetensors"
     plain = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32, **load)
     save_file(random_lora(plain.transformers[0], "wan", alpha=4.0), str(path))
@@ -64,14 +69,54 @@ def test_lora_with_a_plan(tiny_ckpts, tmp_path, load):
     with_lora = frames(plain)
     assert np.abs(with_lora.astype(int) - without.astype(int)).max() > 10  # the LoRA changes the video
 
-    after = placed(ckpt, ALL, **load)
+    after = placed(ckpt, every, **load)
     assert np.array_equal(frames(after), without)  # the prompt caches hold the weights before the LoRA ...
     after.load_lora(path, 0.8)
     assert np.array_equal(frames(after), with_lora)  # ... and see the merged ones
     after.unload_lora()
     assert np.array_equal(frames(after), without)
 
-    before = placed(ckpt, ALL, lora=[(path, 0.8)], **load)
+    before = placed(ckpt, every, lora=[(path, 0.8)], **load)
     assert np.array_equal(frames(before), with_lora)
     before.unload_lora()
     assert np.array_equal(frames(before), without)
+
+
+def deeper(ckpt, root, layers: int):
+    """A copy of the tiny checkpoint ``ckpt`` whose DiT(s) have ``layers`` blocks (block j a copy of block j % 2,
+    scaled by 1 + j / 10 so each differs), so that several blocks stream and the streamer prefetches."""
+    shutil.copytree(ckpt, root, symlinks=False)
+    for name in ("transformer", "transformer_2"):
+        d = root / name
+        if not (d / "config.json").exists():
+            continue
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "num_layers": layers}))
+        f = d / "diffusion_pytorch_model.safetensors"
+        w = load_file(str(f))
+        for j in range(cfg["num_layers"], layers):
+            src = f"blocks.{j % cfg['num_layers']}."
+            w.update({f"blocks.{j}." + k[len(src):]: v * (1 + j / 10) for k, v in w.items() if k.startswith(src)})
+        save_file(w, str(f))
+    return root
+
+
+def test_the_expert_leaving_the_device_keeps_no_prefetched_block(tiny_ckpts, tmp_path):
+    """Three of four blocks streamed per A14B expert: the streamers prefetch (wrap-around), and at the swap the
+    outgoing expert's prefetched copy is dropped, so only one expert's blocks are ever on the device."""
+    ckpt = deeper(tiny_ckpts["wan2.2-a14b"], tmp_path / "deep", 4)
+    want = frames(VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32))
+    gen = placed(ckpt, plan("offload", "swap", True, False, 3))
+    held = []
+    expert = gen.placement.expert
+
+    def swap(i):
+        expert(i)
+        held.append([s._pending is not None for k, s in enumerate(gen.placement.streamers) if k != i])
+
+    gen.placement.expert = swap
+    calls = streamed_calls(gen)
+    assert np.array_equal(frames(gen), want)
+    assert sorted(set(calls)) == [1, 2, 3]
+    assert held and not any(any(h) for h in held)
+    assert all(s._pending is None for s in gen.placement.streamers)  # nothing left on the device after denoising
