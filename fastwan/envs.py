@@ -132,3 +132,25 @@ def known_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The fastwan variables that are set (raw values)."""
     env = os.environ if env is None else env
     return {name: env[name] for name in KNOWN_VARIABLES if env.get(name, "").strip()}
+
+
+def torchrun_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, or None when
+    ``WORLD_SIZE`` is unset (not started by torchrun or a launcher like it)."""
+    world = _get(env, "WORLD_SIZE")
+    if world is None:
+        return None
+    values = {}
+    for name, default in (("WORLD_SIZE", None), ("RANK", "0"), ("LOCAL_RANK", None)):
+        raw = _get(env, name) or default
+        if raw is None and name == "LOCAL_RANK":
+            raw = values["RANK"]
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise InvalidArgument(f"{name}={raw!r} must be an integer (set by torchrun).") from None
+    w, r, lr = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
+    if w < 1 or not 0 <= r < w or lr < 0:
+        raise InvalidArgument(f"WORLD_SIZE={w}, RANK={r}, LOCAL_RANK={lr}: need WORLD_SIZE >= 1, 0 <= RANK < "
+                              "WORLD_SIZE and LOCAL_RANK >= 0 (as torchrun sets them).")
+    return r, lr, w

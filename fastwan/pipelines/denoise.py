@@ -47,6 +47,8 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
     tokens = (shape[2] // pt) * (shape[3] // ph) * (shape[4] // pw)
 
     cond, uncond = emb[:1], emb[1:2]
+    par = gen.parallel  # with CFG parallelism each CFG group of ranks runs one pass (fastwan.parallel.mesh)
+    split_cfg = par is not None and par.cfg_size == 2
     batched = gen._cfg_batched(tokens)
     delta = None  # last (cond - uncond), for CFG gating
     current = None
@@ -74,7 +76,14 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         kw = {"step_index": i, "num_steps": n}
         if image_tokens is not None:
             kw["image"] = image_tokens
-        if do_cfg and (i < gate_at or delta is None):
+        if do_cfg and (i < gate_at or delta is None) and split_cfg:  # one pass per CFG group of ranks
+            mine = model(x, timestep, uncond if par.cfg_index else cond, **kw,
+                         **cached(expert, "uncond" if par.cfg_index else "cond"))
+            pos, neg = par.cfg_pair(mine)
+            forwards += 2
+            delta = pos - neg
+            pred = neg + gs * delta
+        elif do_cfg and (i < gate_at or delta is None):
             # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under a
             # step cache each pass decides with its own state, one after the other
             caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))

@@ -33,9 +33,9 @@ from fastwan.models import load_transformer
 from fastwan.models.wan.quantize import check_quantization
 from fastwan.offload import parse_memory, plan_offload
 from fastwan.options import DiTOptions
-from fastwan.vae.convs import fast_decoder_convs
+from fastwan.parallel.launch import join, spawn
+from fastwan.parallel.launch import mode as parallel_mode
 from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
-from fastwan.vae.norms import fuse_decoder_norms
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.pipelines.checkpoint import (
@@ -51,7 +51,7 @@ from fastwan.pipelines.inputs import check_inputs, random_seed
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import load_scheduler, trained_attention
+from fastwan.pipelines.setup import load_scheduler, load_vae, trained_attention
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -92,6 +92,7 @@ class VideoGenerator:
         self.preset = ckpt.preset
         # set by from_pretrained(max_gpu_memory=...); _weight_bytes: memory.weight_bytes, computed once
         self.memory_plan = self.max_gpu_memory = self.placement = self._weight_bytes = None
+        self.parallel = None  # a fastwan.parallel.Mesh: this process is one rank of from_pretrained(num_gpus=N)
         self.quantization = "fp8" if any(isinstance(m, Fp8Linear) for t in transformers for m in t.modules()) \
             else None
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
@@ -121,6 +122,8 @@ class VideoGenerator:
         quantization: str | None = None,
         max_gpu_memory: int | str | None = None,
         allow_pickle: bool = False,
+        num_gpus: int | None = None,
+        cfg_parallel: bool = False,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
 
@@ -174,7 +177,10 @@ class VideoGenerator:
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
         output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
         """
+        # the call's arguments, taken before any other local exists: what num_gpus's worker processes load with
+        call = {k: v for k, v in locals().items() if k not in ("cls", "model")}
         # ---- argument checks (before any work) ----
+        launch = parallel_mode(num_gpus, cfg_parallel)
         if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
             vae_dtype = dtype
         for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
@@ -212,6 +218,11 @@ class VideoGenerator:
                                   "leave it unset off CUDA.")
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
+        mesh = None
+        if launch == "spawn":  # the workers (each a "join" rank) load; this process holds their pipes
+            return spawn(model, call, ckpt, num_gpus, cfg_parallel, cache, device)
+        if launch == "join":
+            mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
         loras = parse_lora_spec(lora)
         lora_files = check_loras(loras, ckpt.transformer_config)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
@@ -238,7 +249,6 @@ class VideoGenerator:
         home = device if plan is None or not plan.levers() else torch.device("cpu")  # offloading loads to the host
 
         # ---- loading ----
-        import diffusers
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         transformers_ = [
@@ -253,18 +263,7 @@ class VideoGenerator:
         text_encoder = UMT5EncoderModel.from_pretrained(
             ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
         ).to(home).eval()
-        vae = diffusers.AutoencoderKLWan.from_pretrained(
-            ckpt.folder("vae"), dtype=vae_dtype, use_safetensors=None if allow_pickle else True
-        ).to(device).eval()
-        if device.type == "cuda":  # cuDNN's channels-last 3-D convolutions: -9% decode time, -10% decode memory
-            for mod in vae.modules():
-                if isinstance(mod, torch.nn.Conv3d):
-                    mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
-        if dit_options.fast:  # the decoder's RMSNorm + SiLU pairs as one pass each (fastwan.vae.norms)
-            fuse_decoder_norms(vae)
-        fast_decoder_convs(vae)  # the same math with fewer full-tensor copies (fastwan.vae.convs)
-        if tiling is not None:
-            vae.enable_tiling(**tiling)
+        vae = load_vae(ckpt.folder("vae"), vae_dtype, device, dit_options.fast, tiling, allow_pickle)
         scheduler = load_scheduler(ckpt.folder("scheduler"))
         image_encoder = image_processor = None
         if ckpt.image_encoder:
@@ -285,6 +284,10 @@ class VideoGenerator:
             gen.memory_plan, gen.max_gpu_memory, gen._weight_bytes = plan, budget, weights
             gen.placement = Placement(plan, device, transformers=transformers_, text_encoder=text_encoder,
                                       image_encoder=image_encoder, vae=vae)
+        if mesh is not None:
+            gen.parallel = mesh
+            for t in transformers_ if mesh.sp is not None else ():
+                t.enable_sequence_parallel(mesh.sp)
         return gen
 
     def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None) -> None:
@@ -397,6 +400,8 @@ class VideoGenerator:
         self._check_inputs(prompt, negative_prompt, s, seed)
         self._check_budget(s)
         cache = self.cache if cache is None else check_cache(cache)
+        if self.parallel is not None:
+            self.parallel.check_cache(cache)
         cfg = self.checkpoint.transformer_config
         coefficients = resolve_coefficients(cache, self.checkpoint.variant, cfg.inner_dim, s.height, s.width)
         if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
@@ -408,6 +413,7 @@ class VideoGenerator:
             negative_prompt = WAN_NEGATIVE_PROMPT
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
+        save_video = save_video and (self.parallel is None or self.parallel.writes)  # one rank writes
         if save_video:
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
 
@@ -452,7 +458,7 @@ class VideoGenerator:
             latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run)
         _sync(dev)
         t2 = time.perf_counter()
-        frames = self._decode(latents)
+        frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None
         _sync(dev)
         t3 = time.perf_counter()
         timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "total": t3 - t0}

@@ -68,3 +68,28 @@ def attention_config(value) -> dict | None:
     if value is None:
         value = envs.attention_config()
     return None if value is None else load_attention_config(value)
+
+
+def load_vae(folder: Path, dtype, device, fast: bool, tiling: dict | None, allow_pickle: bool):
+    """diffusers' ``AutoencoderKLWan`` from ``folder`` on ``device``, set up for decoding: channels-last 3-D conv
+    weights on CUDA (cuDNN: -9% decode time, -10% decode memory), the decoder's RMSNorm + SiLU pairs as one pass
+    each when ``fast`` (:mod:`fastwan.vae.norms`), fewer full-tensor copies (:mod:`fastwan.vae.convs`), and
+    ``tiling`` (diffusers' ``enable_tiling`` arguments) when given."""
+    import diffusers
+    import torch
+
+    from fastwan.vae.convs import fast_decoder_convs
+    from fastwan.vae.norms import fuse_decoder_norms
+
+    vae = diffusers.AutoencoderKLWan.from_pretrained(folder, dtype=dtype,
+                                                     use_safetensors=None if allow_pickle else True).to(device).eval()
+    if device.type == "cuda":
+        for mod in vae.modules():
+            if isinstance(mod, torch.nn.Conv3d):
+                mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    if fast:
+        fuse_decoder_norms(vae)
+    fast_decoder_convs(vae)
+    if tiling is not None:
+        vae.enable_tiling(**tiling)
+    return vae

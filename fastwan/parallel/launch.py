@@ -1,0 +1,85 @@
+"""Starting a parallel generator: ``VideoGenerator.from_pretrained(..., num_gpus=N, cfg_parallel=...)``.
+
+* Inside a launcher's processes (torchrun sets ``WORLD_SIZE``; or ``torch.distributed`` already initialised), each
+  process is one rank: :func:`join` initialises the process group if needed (NCCL on CUDA, gloo on the CPU), picks
+  the rank's GPU (``LOCAL_RANK``) and builds the :class:`~fastwan.parallel.mesh.Mesh`.
+* Otherwise :class:`~fastwan.parallel.workers.ParallelGenerator` starts N worker processes itself, each of which
+  joins as above.
+
+Rules: N must equal the launcher's world size; a CUDA run needs N visible GPUs; NVLink multicast is switched off
+(:data:`~fastwan.parallel.mesh.NO_MULTICAST`) in every process before its process group starts.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fastwan import envs
+from fastwan.errors import InvalidArgument
+from fastwan.parallel.mesh import NO_MULTICAST, Mesh, check_parallel_request, degrees
+
+TIMEOUT = timedelta(minutes=30)  # a collective waiting longer than this ends the job (one 14B 720p step: ~20 s)
+
+
+def mode(num_gpus, cfg_parallel) -> str:
+    """"single" (one process), "join" (this process is a rank of a launcher's job) or "spawn" (start workers)."""
+    if num_gpus is None and cfg_parallel is False:
+        return "single"
+    sp, cfg = degrees(num_gpus, cfg_parallel)
+    launched = envs.torchrun_env()
+    if dist.is_initialized() or launched is not None:
+        world = dist.get_world_size() if dist.is_initialized() else launched[2]
+        if world != sp * cfg:
+            raise InvalidArgument(f"num_gpus={num_gpus} but this job was launched with {world} processes "
+                                  f"(WORLD_SIZE); give num_gpus={world}, or launch {num_gpus} processes.")
+        return "join"
+    return "single" if sp * cfg == 1 else "spawn"
+
+
+def check_devices(num_gpus: int, device: torch.device) -> None:
+    """A CUDA run needs ``num_gpus`` visible GPUs (one per rank)."""
+    if device.type == "cuda" and torch.cuda.device_count() < num_gpus:
+        raise InvalidArgument(f"num_gpus={num_gpus} needs {num_gpus} GPUs, but {torch.cuda.device_count()} are "
+                              "visible (CUDA_VISIBLE_DEVICES); use fewer, or device='cpu' for gloo processes.")
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: its own GPU (``LOCAL_RANK``, else the rank modulo the visible GPUs) on CUDA."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    launched = envs.torchrun_env()
+    local = launched[1] if launched is not None else dist.get_rank() % torch.cuda.device_count()
+    return torch.device("cuda", local)
+
+
+def spawn(model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device):
+    """The checks a parallel generator needs, then ``num_gpus`` workers loading ``model`` with the
+    ``from_pretrained`` arguments ``call`` -> a :class:`~fastwan.parallel.workers.ParallelGenerator`."""
+    from fastwan.parallel.workers import ParallelGenerator
+
+    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
+    check_devices(num_gpus, device)
+    return ParallelGenerator(model, call, num_gpus, device)
+
+
+def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> tuple[Mesh, torch.device]:
+    """After the checks a parallel generator needs (``ckpt``'s heads, the default step ``cache``, the GPUs), make
+    this process a rank of the job (initialising ``torch.distributed`` from the launcher's environment if needed)
+    -> (its mesh, its device)."""
+    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
+    check_devices(num_gpus, device)
+    sp, cfg = degrees(num_gpus, cfg_parallel)
+    for k, v in NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            launched = envs.torchrun_env()
+            torch.cuda.set_device(launched[1] if launched is not None else 0)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    device = rank_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Mesh.create(sp, cfg), device

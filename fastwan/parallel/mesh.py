@@ -1,0 +1,107 @@
+"""The process layout of one parallel generator: ``cfg`` groups of ``sp`` ranks each (world = cfg x sp).
+
+Rank r is in CFG group ``r // sp`` and has sequence rank ``r % sp`` in it. A CFG group's ranks split the DiT's
+sequence (Ulysses, :mod:`fastwan.parallel.ulysses`); with ``cfg`` = 2, group 0 computes the conditional pass and
+group 1 the unconditional one, and the ranks of equal sequence rank in the two groups exchange their predictions
+once per step (:meth:`Mesh.cfg_pair`). Every rank holds the whole model and the same latents; every rank ends a
+step with the same guided prediction, so the sampler runs everywhere and no latents are broadcast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastwan.errors import InvalidArgument
+from fastwan.parallel.ulysses import SequenceParallel
+
+# NVLink multicast (NVLS) stays off in every process fastwan runs collectives in
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
+    """``num_gpus`` processes, CFG split over 2 groups when ``cfg_parallel`` -> (sp, cfg) degrees."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise InvalidArgument(f"num_gpus={num_gpus!r} must be a whole number >= 1 (processes, one GPU each).")
+    if not isinstance(cfg_parallel, bool):
+        raise InvalidArgument(f"cfg_parallel={cfg_parallel!r} must be True or False.")
+    cfg = 2 if cfg_parallel else 1
+    if num_gpus % cfg:
+        raise InvalidArgument(f"cfg_parallel=True runs the two CFG passes on two halves of the GPUs, so num_gpus "
+                              f"must be even, not {num_gpus}; use {num_gpus + 1} or {num_gpus - 1} GPUs.")
+    return num_gpus // cfg, cfg
+
+
+def check_heads(heads: int, sp: int) -> None:
+    """Ulysses splits the attention heads over the ``sp`` ranks of a CFG group."""
+    if sp > 1 and heads % sp:
+        good = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise InvalidArgument(f"sequence parallelism over {sp} ranks splits the DiT's {heads} attention heads, "
+                              f"which {sp} does not divide; use a sequence degree among {good}.")
+
+
+def check_cache(cache, sp: int) -> None:
+    """Step caches decide per pass from the whole prediction: not under sequence parallelism (a rank sees its
+    shard)."""
+    if cache is not None and sp > 1:
+        raise InvalidArgument(f"cache={cache!r}: step caches do not run with sequence parallelism (each rank would "
+                              "decide on its own shard); pass cache=None, or use cfg_parallel alone.")
+
+
+def check_parallel_request(heads: int, num_gpus, cfg_parallel, cache) -> None:
+    """The checks of a parallel generator that need the checkpoint (its heads) and the default step cache."""
+    sp, _ = degrees(num_gpus, cfg_parallel)
+    check_heads(heads, sp)
+    check_cache(cache, sp)
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    """This rank's place in the layout: ``rank`` of ``world``; ``sp``: its CFG group as a
+    :class:`SequenceParallel` (None when ``sp`` = 1); ``cfg_group``: the ranks of its sequence rank, one per CFG
+    group (None without CFG parallelism); ``cfg_index``: its CFG group (0: conditional pass)."""
+
+    rank: int
+    world: int
+    sp: SequenceParallel | None
+    cfg_group: object
+    cfg_index: int
+    cfg_size: int
+
+    @classmethod
+    def create(cls, sp: int, cfg: int) -> Mesh:
+        """The groups of an initialised default process group of ``sp * cfg`` ranks (every rank calls this, in
+        the same order, as ``dist.new_group`` requires)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != sp * cfg:
+            raise InvalidArgument(f"the process group has {world} ranks but the layout needs {sp * cfg} "
+                                  f"({cfg} CFG group(s) x {sp} sequence ranks); start {sp * cfg} processes.")
+        mine_sp = mine_cfg = None
+        for c in range(cfg):
+            ranks = [c * sp + r for r in range(sp)]
+            g = dist.new_group(ranks) if sp > 1 else None
+            if rank in ranks:
+                mine_sp = None if g is None else SequenceParallel(g, sp, ranks.index(rank))
+        for r in range(sp):
+            ranks = [c * sp + r for c in range(cfg)]
+            g = dist.new_group(ranks) if cfg > 1 else None
+            if rank in ranks:
+                mine_cfg = g
+        return cls(rank, world, mine_sp, mine_cfg, rank // sp, cfg)
+
+    def check_cache(self, cache) -> None:
+        check_cache(cache, 1 if self.sp is None else self.sp.world)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank decodes and writes the video (rank 0 only)."""
+        return self.rank == 0
+
+    def cfg_pair(self, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """With CFG parallelism: this rank's prediction (the conditional pass in CFG group 0, the unconditional one
+        in group 1) -> (conditional, unconditional) predictions, equal on every rank."""
+        mine = mine.contiguous()
+        both = [torch.empty_like(mine) for _ in range(self.cfg_size)]
+        dist.all_gather(both, mine, group=self.cfg_group)
+        return both[0], both[1]

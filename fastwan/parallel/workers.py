@@ -1,0 +1,194 @@
+"""Worker processes of ``VideoGenerator.from_pretrained(..., num_gpus=N)`` outside a launcher.
+
+:class:`ParallelGenerator` starts N processes (spawned, so CUDA starts fresh in each), one pipe each. Every worker
+initialises a gloo/NCCL process group through a file store, loads the model as one rank
+(:func:`fastwan.parallel.launch.join`) and then runs each request it receives: every rank runs it, rank 0 sends the
+result back (it alone decodes and writes the video), the others send None.
+
+Errors: a worker sends its exception with its rank. When every rank failed with the same user error (an argument
+rule, checked before any compute on every rank alike), that error is raised and the workers stay. Any other failure
+(one rank raising, a process dying) ends every worker -- the ranks still waiting in a collective cannot finish --
+and raises :class:`ParallelError` naming the rank, so no call hangs on a failed rank.
+"""
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastwan.errors import UserError
+from fastwan.parallel.mesh import NO_MULTICAST
+
+GRACE_S = 30.0  # after one rank's error, how long the others get to report theirs before all are ended
+
+
+class ParallelError(RuntimeError):
+    """A worker process failed; the message names its rank."""
+
+
+def _worker(rank: int, world: int, store: str, model, kwargs: dict, device: str, conn) -> None:
+    os.environ.update(NO_MULTICAST)
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"file://{store}",
+                                rank=rank, world_size=world)
+        from fastwan.pipelines.generator import VideoGenerator
+
+        gen = VideoGenerator.from_pretrained(model, **{**kwargs, "device": device})
+        conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset} if rank == 0 else None))
+    except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent, with this rank
+        conn.send(("error", rank, _portable(exc), traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        name, args, kw = msg
+        try:
+            out = getattr(gen, name)(*args, **kw)
+            conn.send(("ok", out if rank == 0 else None))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", rank, _portable(exc), traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles (so the parent can raise the same type), else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class ParallelGenerator:
+    """N worker processes acting as one :class:`~fastwan.pipelines.generator.VideoGenerator`:
+    :meth:`generate_video`, :meth:`load_lora` and :meth:`unload_lora` run on every rank (rank 0's result
+    returned); ``checkpoint`` and ``preset`` are rank 0's. :meth:`close` (or ``with``) ends the workers."""
+
+    def __init__(self, model, kwargs: dict, num_gpus: int, device: torch.device):
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="fastwan-pg-")
+        store = os.path.join(self._dir.name, "store")
+        self.num_gpus = num_gpus
+        self._conns, self._procs = [], []
+        for rank in range(num_gpus):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, num_gpus, store, model, kwargs, str(device), child),
+                            daemon=True, name=f"fastwan-rank{rank}")
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        info = self._collect()
+        self.checkpoint, self.preset = info["checkpoint"], info["preset"]
+
+    def _collect(self):
+        """Every rank's reply -> rank 0's value; a failure raises as the module docstring says."""
+        replies: dict[int, tuple] = {}
+        waiting = dict(enumerate(self._conns))
+        deadline = None
+        while waiting:
+            sentinels = {self._procs[r].sentinel: r for r in waiting}
+            timeout = None if deadline is None else max(0.0, deadline - _now())
+            ready = mpc.wait([*waiting.values(), *sentinels], timeout)
+            if not ready:
+                break  # the grace after an error ran out
+            for obj in ready:
+                r = sentinels.get(obj)
+                if r is not None:
+                    if r in waiting and not self._conns[r].poll():
+                        replies[r] = ("died", r, None, "")
+                        waiting.pop(r)
+                    continue
+                r = next(k for k, c in waiting.items() if c is obj)
+                try:
+                    replies[r] = obj.recv()
+                except EOFError:
+                    replies[r] = ("died", r, None, "")
+                waiting.pop(r)
+            if deadline is None and any(v[0] != "ok" for v in replies.values()):
+                deadline = _now() + GRACE_S
+        failed = sorted(r for r, v in replies.items() if v[0] != "ok")
+        if not failed and not waiting:
+            return replies[0][1]
+        first = replies[failed[0]]
+        exc = first[2]
+        same = (not waiting and len(failed) == len(self._conns) and isinstance(exc, UserError)
+                and all(type(replies[r][2]) is type(exc) and str(replies[r][2]) == str(exc) for r in failed))
+        if same:  # raised alike on every rank before any compute: the workers stay usable
+            raise exc
+        world = len(self._conns)
+        self.close(force=True)
+        if first[0] == "died":
+            first = (*first[:3], f"exit code {self._exitcodes[failed[0]]}")
+        what = first[3].strip().splitlines()[-1] if first[0] == "error" else f"the process died ({first[3]})"
+        raise ParallelError(f"rank {failed[0]} of {world} failed: {what}; every worker was stopped "
+                            f"(rank {failed[0]}'s traceback follows)\n{first[3]}") from \
+            (exc if isinstance(exc, BaseException) else None)
+
+    def _call(self, name: str, args, kwargs):
+        if not self._procs:
+            raise ParallelError("this parallel generator's worker processes have ended (closed, or stopped after "
+                                "a failure); create a new one with VideoGenerator.from_pretrained(num_gpus=...).")
+        for c in self._conns:
+            c.send((name, args, kwargs))
+        return self._collect()
+
+    def generate_video(self, prompt: str, **kwargs):
+        """:meth:`VideoGenerator.generate_video <fastwan.pipelines.generator.VideoGenerator.generate_video>` on
+        every rank; rank 0's result (its frames and file)."""
+        return self._call("generate_video", (prompt,), kwargs)
+
+    def load_lora(self, path, scale: float = 1.0, expert: int | None = None) -> None:
+        self._call("load_lora", (path, scale, expert), {})
+
+    def unload_lora(self) -> None:
+        self._call("unload_lora", (), {})
+
+    def close(self, force: bool = False) -> None:
+        """End the workers (after their current request; ``force``: at once)."""
+        procs, self._procs = self._procs, []
+        for c, p in zip(self._conns, procs):
+            if not force and p.is_alive():
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+        for p in procs:
+            if not force:
+                p.join(30)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self._exitcodes = [p.exitcode for p in procs]
+        for c in self._conns:
+            c.close()
+        self._conns = []
+        self._dir.cleanup()
+
+    def __enter__(self) -> ParallelGenerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_procs", None):
+            self.close(force=True)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
