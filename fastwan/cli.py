@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from fastwan import envs
 from fastwan.errors import UserError, one_line
 from fastwan.options import BLOCKS
 
@@ -69,6 +70,11 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--sp", type=_positive_int, default=None, metavar="N",
+                   help="sequence-parallel degree: N processes (GPUs) split each pass's tokens (Ulysses); under "
+                        "torchrun --nproc_per_node must equal N (x2 with --cfg-parallel), else fastwan starts them")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="run the two CFG passes on two groups of --sp processes (2 x N processes)")
 
 
 def _quantize_parser(sub) -> None:
@@ -99,6 +105,23 @@ def _chunk_arg(text: str):
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1 (1 = frame-by-frame decode)")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _num_gpus(args) -> int | None:
+    """--sp and --cfg-parallel -> from_pretrained's num_gpus (None: one process)."""
+    if args.sp is None and not args.cfg_parallel:
+        return None
+    return (args.sp or 1) * (2 if args.cfg_parallel else 1)
 
 
 def _dtype_name(args, device: str) -> str:
@@ -134,8 +157,10 @@ def _run_generate(args) -> int:
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
         lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
+        num_gpus=_num_gpus(args), cfg_parallel=args.cfg_parallel,
     )
-    if gen.memory_plan is not None:
+    quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
+    if gen.memory_plan is not None and not quiet:
         print(gen.memory_plan.describe())
     res = gen.generate_video(
         args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
@@ -145,6 +170,8 @@ def _run_generate(args) -> int:
         overwrite=args.overwrite, return_frames=False, sampler=args.sampler, timesteps=args.timesteps,
         flow_shift=args.flow_shift,
     )
+    if quiet:
+        return 0
     t = res.timings
     print(f"video: {res.video_path}")
     print(f"seed: {res.seed}")
@@ -190,7 +217,9 @@ def _report_user_errors(run: Callable[[], int]) -> int:
     try:
         return run()
     except USER_ERRORS as exc:
-        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        launched = envs.torchrun_env()
+        rank = f"rank {launched[0]}: " if launched is not None and launched[2] > 1 else ""  # which process said it
+        print(f"fastwan: error: {rank}{one_line(exc)}", file=sys.stderr)
         return USER_ERROR_EXIT
 
 

@@ -5,7 +5,8 @@ initialises a gloo/NCCL process group through a file store, loads the model as o
 (:func:`fastwan.parallel.launch.join`) and then runs each request it receives: every rank runs it, rank 0 sends the
 result back (it alone decodes and writes the video), the others send None.
 
-Errors: a worker sends its exception with its rank. When every rank failed with the same user error (an argument
+Errors: a worker sends its exception with its rank; the first failure to arrive is the one reported (the ranks
+that fail after it mostly fail because of it). When every rank failed with the same user error (an argument
 rule, checked before any compute on every rank alike), that error is raised and the workers stay. Any other failure
 (one rank raising, a process dying) ends every worker -- the ranks still waiting in a collective cannot finish --
 and raises :class:`ParallelError` naming the rank, so no call hangs on a failed rank.
@@ -24,7 +25,7 @@ import torch.multiprocessing as mp
 from fastwan.errors import UserError
 from fastwan.parallel.mesh import NO_MULTICAST
 
-GRACE_S = 30.0  # after one rank's error, how long the others get to report theirs before all are ended
+GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
 
 
 class ParallelError(RuntimeError):
@@ -43,7 +44,8 @@ def _worker(rank: int, world: int, store: str, model, kwargs: dict, device: str,
         from fastwan.pipelines.generator import VideoGenerator
 
         gen = VideoGenerator.from_pretrained(model, **{**kwargs, "device": device})
-        conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset} if rank == 0 else None))
+        conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset, "memory_plan": gen.memory_plan}
+                       if rank == 0 else None))
     except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent, with this rank
         conn.send(("error", rank, _portable(exc), traceback.format_exc()))
         return
@@ -74,9 +76,13 @@ def _portable(exc: BaseException) -> BaseException:
 class ParallelGenerator:
     """N worker processes acting as one :class:`~fastwan.pipelines.generator.VideoGenerator`:
     :meth:`generate_video`, :meth:`load_lora` and :meth:`unload_lora` run on every rank (rank 0's result
-    returned); ``checkpoint`` and ``preset`` are rank 0's. :meth:`close` (or ``with``) ends the workers."""
+    returned); ``checkpoint``, ``preset`` and ``memory_plan`` are rank 0's. :meth:`close` (or ``with``) ends the
+    workers. ``parallel`` is None: this process is no rank."""
 
-    def __init__(self, model, kwargs: dict, num_gpus: int, device: torch.device):
+    parallel = None
+
+    def __init__(self, model, kwargs: dict, num_gpus: int, device: torch.device, target=None):
+        """``target``: the worker function (default :func:`_worker`; same arguments)."""
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="fastwan-pg-")
         store = os.path.join(self._dir.name, "store")
@@ -84,14 +90,14 @@ class ParallelGenerator:
         self._conns, self._procs = [], []
         for rank in range(num_gpus):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, num_gpus, store, model, kwargs, str(device), child),
+            p = ctx.Process(target=target or _worker, args=(rank, num_gpus, store, model, kwargs, str(device), child),
                             daemon=True, name=f"fastwan-rank{rank}")
             p.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
         info = self._collect()
-        self.checkpoint, self.preset = info["checkpoint"], info["preset"]
+        self.checkpoint, self.preset, self.memory_plan = info["checkpoint"], info["preset"], info["memory_plan"]
 
     def _collect(self):
         """Every rank's reply -> rank 0's value; a failure raises as the module docstring says."""
@@ -119,7 +125,7 @@ class ParallelGenerator:
                 waiting.pop(r)
             if deadline is None and any(v[0] != "ok" for v in replies.values()):
                 deadline = _now() + GRACE_S
-        failed = sorted(r for r, v in replies.items() if v[0] != "ok")
+        failed = [r for r, v in replies.items() if v[0] != "ok"]  # in arrival order: the first is the cause
         if not failed and not waiting:
             return replies[0][1]
         first = replies[failed[0]]

@@ -413,9 +413,9 @@ class VideoGenerator:
             negative_prompt = WAN_NEGATIVE_PROMPT
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
-        save_video = save_video and (self.parallel is None or self.parallel.writes)  # one rank writes
-        if save_video:
+        if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
+        save_video = save_video and (self.parallel is None or self.parallel.writes)
 
         with self._lock:
             frames, forwards, timings, peak, report = self._generate(prompt, negative_prompt, s, seed, req,

@@ -1,0 +1,138 @@
+"""Parallel generators on the CPU (gloo): ``from_pretrained(num_gpus=N, cfg_parallel=...)`` starts N worker
+processes whose video equals the one-process video (fp32, uint8 frames within 1) for Wan2.1, Wan2.2-A14B (across
+the expert switch), TI2V and Wan2.1-I2V with an image, at token counts neither 2 nor 4 divide (45), with sequence
+parallelism, CFG parallelism, both (4 processes), CFG gating and sparse backends; only rank 0 writes; a failing rank
+ends the job with its rank named, a user error raised alike on every rank is raised as itself; the checks before
+any process starts."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from fastwan import VideoGenerator
+from fastwan.errors import InvalidArgument, OutputExistsError
+from fastwan.parallel.workers import ParallelError, ParallelGenerator
+from fastwan.tiny import write_tiny_checkpoint
+
+SIZES = {"wan2.2-ti2v": dict(height=96, width=160)}  # token grid 3 x 3 x 5 = 45 for every variant
+RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)
+
+
+def image():
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {v: write_tiny_checkpoint(root / v, v, seed=i) for i, v in
+            enumerate(("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "wan2.1-i2v"))}
+
+
+def video(gen, variant, **kw):
+    return gen.generate_video("a cat", **{**RUN, **SIZES.get(variant, {}), **kw}).frames
+
+
+CASES = [
+    ("wan2.1", dict(num_gpus=2), {}),
+    ("wan2.2-a14b", dict(num_gpus=2, cfg_parallel=True), {}),
+    ("wan2.2-a14b", dict(num_gpus=4, cfg_parallel=True, cfg_gate_step=0.5), {}),
+    ("wan2.2-ti2v", dict(num_gpus=4, cfg_parallel=True), dict(image=True)),
+    ("wan2.1-i2v", dict(num_gpus=2), dict(image=True)),
+    ("wan2.1", dict(num_gpus=2, attention_backend="SLIDING_TILE_ATTN", attention_config={"tile": [1, 2, 2]}), {}),
+    ("wan2.1", dict(num_gpus=4, cfg_parallel=True, attention_backend="VIDEO_SPARSE_ATTN",
+                    attention_config={"tile": [1, 2, 2], "sparsity": 0.5}), {}),
+]
+
+
+@pytest.mark.parametrize("variant,load,req", CASES, ids=[
+    "sp2", "a14b-cfg2", "a14b-cfg2xsp2-gated", "ti2v-image-cfg2xsp2", "i2v-sp2", "sliding-tile-sp2", "vsa-cfg2xsp2"])
+def test_parallel_video_equals_one_process(ckpts, variant, load, req):
+    req = {"image": image()} if req.get("image") else {}
+    common = dict(device="cpu", dtype=torch.float32)
+    one = VideoGenerator.from_pretrained(ckpts[variant], **common,
+                                         **{k: v for k, v in load.items() if k not in ("num_gpus", "cfg_parallel")})
+    with VideoGenerator.from_pretrained(ckpts[variant], **common, **load) as par:
+        assert isinstance(par, ParallelGenerator) and par.preset == one.preset
+        for kw in ({}, {"guidance_scale": 1.0, "negative_prompt": "x"}):  # with CFG, and without (no uncond pass)
+            want, got = video(one, variant, **req, **kw), video(par, variant, **req, **kw)
+            assert got.shape == want.shape and want.std() > 5
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_only_rank_0_writes_and_user_errors_keep_the_workers(ckpts, tmp_path):
+    with VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", dtype=torch.float32, num_gpus=2) as par:
+        out = tmp_path / "v.mp4"
+        res = par.generate_video("a cat", **{**RUN, "save_video": True}, output_path=out)
+        assert res.video_path == str(out) and out.exists()
+        assert sorted(os.listdir(tmp_path)) == ["v.mp4"]
+        with pytest.raises(OutputExistsError, match="v.mp4"):  # every rank checks the same path before compute
+            par.generate_video("a cat", **{**RUN, "save_video": True}, output_path=out)
+        with pytest.raises(InvalidArgument, match="num_frames"):
+            par.generate_video("a cat", **{**RUN, "num_frames": 8})
+        assert par.generate_video("a cat", **RUN).frames.shape == (9, 48, 80, 3)  # the workers are still there
+
+
+def _failing_worker(rank, world, store, model, kwargs, device, conn):
+    """As the real worker does after an error, rank 1 reports it and waits for the next request, while rank 0
+    waits for rank 1 in a collective that never completes."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    conn.send(("ok", {"checkpoint": None, "preset": None, "memory_plan": None}))
+    conn.recv()
+    if rank == 1:
+        exc = RuntimeError("CUDA out of memory on this rank")
+        conn.send(("error", rank, exc, f"Traceback ...\nRuntimeError: {exc}"))
+        conn.recv()
+    else:
+        dist.barrier()
+
+
+def test_a_failing_rank_ends_the_job_naming_it():
+    par = ParallelGenerator("unused", {}, 2, torch.device("cpu"), target=_failing_worker)
+    procs = list(par._procs)
+    raised = []
+
+    def call():
+        try:
+            par.generate_video("a cat")
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():  # the call hangs on the failed rank: end the workers so the test itself ends
+        par.close(force=True)
+        pytest.fail("generate_video still waits 60 s after rank 1 failed")
+    assert len(raised) == 1 and isinstance(raised[0], ParallelError)
+    assert "rank 1 of 2 failed: RuntimeError: CUDA out of memory on this rank" in str(raised[0])
+    assert not any(p.is_alive() for p in procs)  # rank 0, stuck in its barrier, was stopped
+    with pytest.raises(ParallelError, match="have ended"):
+        par.generate_video("a cat")
+
+
+@pytest.mark.parametrize("load,match", [
+    (dict(num_gpus=3, cfg_parallel=True), "num_gpus must be even, not 3"),
+    (dict(num_gpus=4), "splits the DiT's 2 attention heads, which 4 does not divide"),
+    (dict(num_gpus=0), "num_gpus=0 must be a whole number >= 1"),
+    (dict(num_gpus=2, cfg_parallel="yes"), "cfg_parallel='yes' must be True or False"),
+    (dict(num_gpus=2, cache="teacache:threshold=0.1"), "step caches do not run with sequence parallelism"),
+    (dict(num_gpus=2, device="cuda"), "CUDA is not available|needs 2 GPUs"),
+])
+def test_bad_parallel_arguments_raise_before_any_process_starts(ckpts, load, match, monkeypatch):
+    monkeypatch.setattr(ParallelGenerator, "__init__", lambda *a, **k: pytest.fail("workers were started"))
+    with pytest.raises(InvalidArgument, match=match):
+        VideoGenerator.from_pretrained(ckpts["wan2.1"], **{"device": "cpu", **load})
+
+
+def test_launcher_world_size_must_match(ckpts, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(InvalidArgument, match="num_gpus=2 but this job was launched with 4 processes"):
+        VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", num_gpus=2)
