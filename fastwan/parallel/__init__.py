@@ -1,4 +1,6 @@
-"""Several processes, one video: sequence parallelism (:mod:`fastwan.parallel.ulysses`)."""
+"""Several processes, one video: Ulysses sequence parallelism (:mod:`fastwan.parallel.ulysses`), the CFG x
+sequence layout of the ranks (:mod:`fastwan.parallel.mesh`), joining a launcher's job or starting worker processes
+(:mod:`fastwan.parallel.launch`, :mod:`fastwan.parallel.workers`)."""
 from fastwan.parallel.ulysses import SequenceParallel, UlyssesDispatch, shard_sizes
 
 __all__ = ["SequenceParallel", "UlyssesDispatch", "shard_sizes"]
