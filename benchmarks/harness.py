@@ -243,6 +243,19 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
     log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
 
 
+def _linked_copy(plain: Path, root: Path, skip: tuple[str, ...]) -> bool:
+    """Create ``root`` with a link to each of ``plain``'s components but ``skip`` -> False (nothing done) when
+    ``root`` already holds a checkpoint."""
+    if (root / "model_index.json").exists():
+        log(f"checkpoint exists at {root}")
+        return False
+    root.mkdir(parents=True)
+    for comp in plain.iterdir():
+        if comp.name not in skip:
+            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
+    return True
+
+
 def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
     text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
@@ -251,13 +264,8 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     from safetensors.torch import save_file
 
     plain, root = Path(plain).resolve(), Path(root)
-    if (root / "model_index.json").exists():
-        log(f"checkpoint exists at {root}")
+    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
         return
-    root.mkdir(parents=True)
-    for comp in plain.iterdir():
-        if comp.name not in ("transformer", "model_index.json"):
-            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
     src, dst = plain / "transformer", root / "transformer"
     dst.mkdir()
     for f in src.iterdir():
@@ -289,13 +297,8 @@ def derive_a14b(plain: Path, root: Path, shift: float = 12.0, boundary: float = 
     from diffusers import UniPCMultistepScheduler
 
     plain, root = Path(plain).resolve(), Path(root)
-    if (root / "model_index.json").exists():
-        log(f"checkpoint exists at {root}")
+    if not _linked_copy(plain, root, ("model_index.json", "scheduler", "transformer_2")):
         return
-    root.mkdir(parents=True)
-    for comp in plain.iterdir():
-        if comp.name not in ("model_index.json", "scheduler", "transformer_2"):
-            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
     (root / "transformer_2").symlink_to(plain / "transformer", target_is_directory=True)
     UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
                             num_train_timesteps=1000).save_pretrained(root / "scheduler")

@@ -98,22 +98,16 @@ def _chunk_arg(text: str):
     """--vae-chunk-frames: 'auto' or an int >= 1 (argparse turns the ValueError into a usage error)."""
     if text == "auto":
         return text
+    return _positive_int(text, "'auto' or an int >= 1", " (1 = frame-by-frame decode)")
+
+
+def _positive_int(text: str, what: str = "an int >= 1", note: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or an int >= 1") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (1 = frame-by-frame decode)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1{note}")
     return value
 
 
