@@ -81,6 +81,7 @@ class FakeGenerator:
         self.outcome = outcome
         self.kwargs = None
         self.memory_plan = None  # from_pretrained without max_gpu_memory
+        self.parallel = None  # one process
 
     def generate_video(self, prompt, **kwargs):
         self.kwargs = kwargs

@@ -219,9 +219,7 @@ class VideoGenerator:
         ckpt = resolve(model, allow_pickle=allow_pickle)
         cache = check_cache(cache)
         mesh = None
-        if launch == "spawn":  # the workers (each a "join" rank) load; this process holds their pipes
-            return spawn(model, call, ckpt, num_gpus, cfg_parallel, cache, device)
-        if launch == "join":
+        if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
         loras = parse_lora_spec(lora)
         lora_files = check_loras(loras, ckpt.transformer_config)
@@ -243,6 +241,9 @@ class VideoGenerator:
                                lambda tokens: cfg_batched(cfg_mode, device, tokens), vae_chunk_frames)
             plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
+        if launch == "spawn":  # every check passed (a budget too small too); the workers, "join" ranks, load
+            return spawn(model, call, ckpt, num_gpus, cfg_parallel, cache, device)
+        if plan is not None:
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
             # caching allocator's partly used blocks (2.4-3.9 GiB seen on an H100) push a planned peak over budget
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
