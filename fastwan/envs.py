@@ -154,3 +154,13 @@ def torchrun_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int] |
         raise InvalidArgument(f"WORLD_SIZE={w}, RANK={r}, LOCAL_RANK={lr}: need WORLD_SIZE >= 1, 0 <= RANK < "
                               "WORLD_SIZE and LOCAL_RANK >= 0 (as torchrun sets them).")
     return r, lr, w
+
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_multicast() -> None:
+    """Keep NVLink multicast (NVLS) off in this process's collectives (:data:`NO_MULTICAST`), unless the user set
+    those variables: called before a process group starts."""
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)

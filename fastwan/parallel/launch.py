@@ -7,11 +7,10 @@
   joins as above.
 
 Rules: N must equal the launcher's world size; a CUDA run needs N visible GPUs; NVLink multicast is switched off
-(:data:`~fastwan.parallel.mesh.NO_MULTICAST`) in every process before its process group starts.
+(:func:`fastwan.envs.disable_multicast`) in every process before its process group starts.
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from fastwan import envs
 from fastwan.errors import InvalidArgument
-from fastwan.parallel.mesh import NO_MULTICAST, Mesh, check_parallel_request, degrees
+from fastwan.parallel.mesh import Mesh, check_parallel_request, degrees
 
 TIMEOUT = timedelta(minutes=30)  # a collective waiting longer than this ends the job (one 14B 720p step: ~20 s)
 
@@ -55,14 +54,14 @@ def rank_device(device: torch.device) -> torch.device:
     return torch.device("cuda", local)
 
 
-def spawn(model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device):
-    """The checks a parallel generator needs, then ``num_gpus`` workers loading ``model`` with the
-    ``from_pretrained`` arguments ``call`` -> a :class:`~fastwan.parallel.workers.ParallelGenerator`."""
+def spawn(loader, model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device):
+    """The checks a parallel generator needs, then ``num_gpus`` workers, each calling ``loader(model, **call)``
+    (``VideoGenerator.from_pretrained`` and its arguments) -> a :class:`~fastwan.parallel.workers.ParallelGenerator`."""
     from fastwan.parallel.workers import ParallelGenerator
 
     check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
     check_devices(num_gpus, device)
-    return ParallelGenerator(model, call, num_gpus, device)
+    return ParallelGenerator(loader, model, call, num_gpus, device)
 
 
 def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> tuple[Mesh, torch.device]:
@@ -72,8 +71,7 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -
     check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
     check_devices(num_gpus, device)
     sp, cfg = degrees(num_gpus, cfg_parallel)
-    for k, v in NO_MULTICAST.items():
-        os.environ.setdefault(k, v)
+    envs.disable_multicast()
     if not dist.is_initialized():
         if device.type == "cuda":
             launched = envs.torchrun_env()

@@ -16,10 +16,6 @@ import torch.distributed as dist
 from fastwan.errors import InvalidArgument
 from fastwan.parallel.ulysses import SequenceParallel
 
-# NVLink multicast (NVLS) stays off in every process fastwan runs collectives in
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
     """``num_gpus`` processes, CFG split over 2 groups when ``cfg_parallel`` -> (sp, cfg) degrees."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fastwan.errors import UserError
-from fastwan.parallel.mesh import NO_MULTICAST
+from fastwan import envs
 
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
 
@@ -32,8 +32,8 @@ class ParallelError(RuntimeError):
     """A worker process failed; the message names its rank."""
 
 
-def _worker(rank: int, world: int, store: str, model, kwargs: dict, device: str, conn) -> None:
-    os.environ.update(NO_MULTICAST)
+def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, device: str, conn) -> None:
+    envs.disable_multicast()
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         if device.startswith("cuda"):
@@ -41,9 +41,7 @@ def _worker(rank: int, world: int, store: str, model, kwargs: dict, device: str,
             device = f"cuda:{rank}"
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"file://{store}",
                                 rank=rank, world_size=world)
-        from fastwan.pipelines.generator import VideoGenerator
-
-        gen = VideoGenerator.from_pretrained(model, **{**kwargs, "device": device})
+        gen = loader(model, **{**kwargs, "device": device})
         conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset, "memory_plan": gen.memory_plan}
                        if rank == 0 else None))
     except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent, with this rank
@@ -81,8 +79,9 @@ class ParallelGenerator:
 
     parallel = None
 
-    def __init__(self, model, kwargs: dict, num_gpus: int, device: torch.device, target=None):
-        """``target``: the worker function (default :func:`_worker`; same arguments)."""
+    def __init__(self, loader, model, kwargs: dict, num_gpus: int, device: torch.device, target=None):
+        """Each worker loads with ``loader(model, **kwargs)`` (``VideoGenerator.from_pretrained``, picklable by
+        reference); ``target``: the worker function (default :func:`_worker`; same arguments)."""
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="fastwan-pg-")
         store = os.path.join(self._dir.name, "store")
@@ -90,8 +89,8 @@ class ParallelGenerator:
         self._conns, self._procs = [], []
         for rank in range(num_gpus):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=target or _worker, args=(rank, num_gpus, store, model, kwargs, str(device), child),
-                            daemon=True, name=f"fastwan-rank{rank}")
+            p = ctx.Process(target=target or _worker, daemon=True, name=f"fastwan-rank{rank}",
+                            args=(rank, num_gpus, store, loader, model, kwargs, str(device), child))
             p.start()
             child.close()
             self._conns.append(parent)

@@ -242,7 +242,7 @@ class VideoGenerator:
             plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
         if launch == "spawn":  # every check passed (a budget too small too); the workers, "join" ranks, load
-            return spawn(model, call, ckpt, num_gpus, cfg_parallel, cache, device)
+            return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device)
         if plan is not None:
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
             # caching allocator's partly used blocks (2.4-3.9 GiB seen on an H100) push a planned peak over budget

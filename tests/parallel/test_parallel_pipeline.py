@@ -79,7 +79,7 @@ def test_only_rank_0_writes_and_user_errors_keep_the_workers(ckpts, tmp_path):
         assert par.generate_video("a cat", **RUN).frames.shape == (9, 48, 80, 3)  # the workers are still there
 
 
-def _failing_worker(rank, world, store, model, kwargs, device, conn):
+def _failing_worker(rank, world, store, loader, model, kwargs, device, conn):
     """As the real worker does after an error, rank 1 reports it and waits for the next request, while rank 0
     waits for rank 1 in a collective that never completes."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -94,7 +94,7 @@ def _failing_worker(rank, world, store, model, kwargs, device, conn):
 
 
 def test_a_failing_rank_ends_the_job_naming_it():
-    par = ParallelGenerator("unused", {}, 2, torch.device("cpu"), target=_failing_worker)
+    par = ParallelGenerator(None, "unused", {}, 2, torch.device("cpu"), target=_failing_worker)
     procs = list(par._procs)
     raised = []
 
@@ -122,7 +122,7 @@ def test_a_failing_rank_ends_the_job_naming_it():
     (dict(num_gpus=4), "splits the DiT's 2 attention heads, which 4 does not divide"),
     (dict(num_gpus=0), "num_gpus=0 must be a whole number >= 1"),
     (dict(num_gpus=2, cfg_parallel="yes"), "cfg_parallel='yes' must be True or False"),
-    (dict(num_gpus=2, cache="teacache:threshold=0.1"), "step caches do not run with sequence parallelism"),
+    (dict(num_gpus=2, cache="first_block:threshold=0.1"), "step caches do not run with sequence parallelism"),
     (dict(num_gpus=2, device="cuda"), "CUDA is not available|needs 2 GPUs"),
 ])
 def test_bad_parallel_arguments_raise_before_any_process_starts(ckpts, load, match, monkeypatch):
