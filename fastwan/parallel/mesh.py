@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fastwan.errors import InvalidArgument
-from fastwan.parallel.ulysses import SequenceParallel
+from fastwan.parallel.ulysses import SequenceParallel, check_heads
 
 def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
     """``num_gpus`` processes, CFG split over 2 groups when ``cfg_parallel`` -> (sp, cfg) degrees."""
@@ -27,14 +27,6 @@ def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
         raise InvalidArgument(f"cfg_parallel=True runs the two CFG passes on two halves of the GPUs, so num_gpus "
                               f"must be even, not {num_gpus}; use {num_gpus + 1} or {num_gpus - 1} GPUs.")
     return num_gpus // cfg, cfg
-
-
-def check_heads(heads: int, sp: int) -> None:
-    """Ulysses splits the attention heads over the ``sp`` ranks of a CFG group."""
-    if sp > 1 and heads % sp:
-        good = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise InvalidArgument(f"sequence parallelism over {sp} ranks splits the DiT's {heads} attention heads, "
-                              f"which {sp} does not divide; use a sequence degree among {good}.")
 
 
 def check_cache(cache, sp: int) -> None:

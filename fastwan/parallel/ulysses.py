@@ -28,6 +28,14 @@ def shard_sizes(n: int, world: int, unit: int = 1) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def check_heads(heads: int, sp: int) -> None:
+    """Ulysses splits the attention heads over the ``sp`` ranks of a group."""
+    if sp > 1 and heads % sp:
+        good = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise InvalidArgument(f"sequence parallelism over {sp} ranks splits the DiT's {heads} attention heads, "
+                              f"which {sp} does not divide; use a sequence degree among {good}.")
+
+
 @dataclass(frozen=True)
 class SequenceParallel:
     """A process group over which the DiT's sequence is split (``world`` ranks, this one ``rank``)."""
@@ -44,10 +52,7 @@ class SequenceParallel:
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def check_heads(self, heads: int) -> None:
-        if heads % self.world:
-            raise InvalidArgument(
-                f"sequence parallelism over {self.world} ranks splits the attention heads, but the DiT has {heads} "
-                f"heads, not a multiple of {self.world}; use a degree that divides {heads}.")
+        check_heads(heads, self.world)
 
     def shard(self, x: torch.Tensor, sizes: tuple[int, ...], dim: int = 1) -> torch.Tensor:
         """This rank's contiguous slice of ``x`` along ``dim``."""

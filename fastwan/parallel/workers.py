@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing.connection as mpc
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -105,7 +106,7 @@ class ParallelGenerator:
         deadline = None
         while waiting:
             sentinels = {self._procs[r].sentinel: r for r in waiting}
-            timeout = None if deadline is None else max(0.0, deadline - _now())
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = mpc.wait([*waiting.values(), *sentinels], timeout)
             if not ready:
                 break  # the grace after an error ran out
@@ -123,7 +124,7 @@ class ParallelGenerator:
                     replies[r] = ("died", r, None, "")
                 waiting.pop(r)
             if deadline is None and any(v[0] != "ok" for v in replies.values()):
-                deadline = _now() + GRACE_S
+                deadline = time.monotonic() + GRACE_S
         failed = [r for r, v in replies.items() if v[0] != "ok"]  # in arrival order: the first is the cause
         if not failed and not waiting:
             return replies[0][1]
@@ -191,9 +192,3 @@ class ParallelGenerator:
     def __del__(self) -> None:
         if getattr(self, "_procs", None):
             self.close(force=True)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

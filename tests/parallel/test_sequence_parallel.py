@@ -109,7 +109,7 @@ def test_shard_sizes():
 
 
 def test_heads_must_divide():
-    with pytest.raises(InvalidArgument, match="4 heads, not a multiple of 3"):
+    with pytest.raises(InvalidArgument, match="4 attention heads, which 3 does not divide"):
         SequenceParallel(None, 3, 0).check_heads(4)
 
 
