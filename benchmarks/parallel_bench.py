@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="parallel.json")
     a = p.parse_args(argv)
     from fastwan import VideoGenerator
+    from fastwan.parallel.workers import ParallelGenerator
 
     h, w, f = parse_video(a.video)
     cuda = a.device == "cuda"
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
             gen.generate_video(PROMPT, **job, num_inference_steps=1, return_frames=False)
             runs = [gen.generate_video(PROMPT, **job, num_inference_steps=a.steps) for _ in range(a.repeats)]
         finally:
-            if hasattr(gen, "close"):
+            if isinstance(gen, ParallelGenerator):  # layout "1" is one process: nothing to end
                 gen.close()
         step = statistics.median(r.timings["denoising"] / a.steps for r in runs)
         fixed = statistics.median(r.timings["total"] - r.timings["denoising"] for r in runs)

@@ -45,6 +45,13 @@ def check_devices(num_gpus: int, device: torch.device) -> None:
                               "visible (CUDA_VISIBLE_DEVICES); use fewer, or device='cpu' for gloo processes.")
 
 
+def check(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> None:
+    """Every check of a parallel generator that needs the checkpoint (its heads), the default step cache and the
+    device, before any process starts or joins."""
+    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
+    check_devices(num_gpus, device)
+
+
 def rank_device(device: torch.device) -> torch.device:
     """This rank's device: its own GPU (``LOCAL_RANK``, else the rank modulo the visible GPUs) on CUDA."""
     if device.type != "cuda" or device.index is not None:
@@ -59,8 +66,7 @@ def spawn(loader, model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, ca
     (``VideoGenerator.from_pretrained`` and its arguments) -> a :class:`~fastwan.parallel.workers.ParallelGenerator`."""
     from fastwan.parallel.workers import ParallelGenerator
 
-    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
-    check_devices(num_gpus, device)
+    check(ckpt, num_gpus, cfg_parallel, cache, device)
     return ParallelGenerator(loader, model, call, num_gpus, device)
 
 
@@ -68,14 +74,12 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -
     """After the checks a parallel generator needs (``ckpt``'s heads, the default step ``cache``, the GPUs), make
     this process a rank of the job (initialising ``torch.distributed`` from the launcher's environment if needed)
     -> (its mesh, its device)."""
-    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
-    check_devices(num_gpus, device)
+    check(ckpt, num_gpus, cfg_parallel, cache, device)
     sp, cfg = degrees(num_gpus, cfg_parallel)
     envs.disable_multicast()
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a launcher's process (mode "join"): its GPU from LOCAL_RANK
         if device.type == "cuda":
-            launched = envs.torchrun_env()
-            torch.cuda.set_device(launched[1] if launched is not None else 0)
+            torch.cuda.set_device(rank_device(device))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     device = rank_device(device)
     if device.type == "cuda":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from fastwan.errors import InvalidArgument
 from fastwan.parallel.ulysses import SequenceParallel, check_heads
 
+
 def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
     """``num_gpus`` processes, CFG split over 2 groups when ``cfg_parallel`` -> (sp, cfg) degrees."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastwan.errors import UserError
 from fastwan import envs
+from fastwan.errors import UserError
 
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
 
@@ -114,14 +114,14 @@ class ParallelGenerator:
                 r = sentinels.get(obj)
                 if r is not None:
                     if r in waiting and not self._conns[r].poll():
-                        replies[r] = ("died", r, None, "")
+                        replies[r] = ("died", r, None, None)
                         waiting.pop(r)
                     continue
                 r = next(k for k, c in waiting.items() if c is obj)
                 try:
                     replies[r] = obj.recv()
                 except EOFError:
-                    replies[r] = ("died", r, None, "")
+                    replies[r] = ("died", r, None, None)
                 waiting.pop(r)
             if deadline is None and any(v[0] != "ok" for v in replies.values()):
                 deadline = time.monotonic() + GRACE_S
@@ -134,14 +134,13 @@ class ParallelGenerator:
                 and all(type(replies[r][2]) is type(exc) and str(replies[r][2]) == str(exc) for r in failed))
         if same:  # raised alike on every rank before any compute: the workers stay usable
             raise exc
-        world = len(self._conns)
+        world, cause = len(self._conns), failed[0]
         self.close(force=True)
-        if first[0] == "died":
-            first = (*first[:3], f"exit code {self._exitcodes[failed[0]]}")
-        what = first[3].strip().splitlines()[-1] if first[0] == "error" else f"the process died ({first[3]})"
-        raise ParallelError(f"rank {failed[0]} of {world} failed: {what}; every worker was stopped "
-                            f"(rank {failed[0]}'s traceback follows)\n{first[3]}") from \
-            (exc if isinstance(exc, BaseException) else None)
+        trace = first[3]  # None for a process that died without a word
+        what = (f"the process died (exit code {self._exitcodes[cause]})" if trace is None
+                else trace.strip().splitlines()[-1])
+        raise ParallelError(f"rank {cause} of {world} failed: {what}; every worker was stopped"
+                            + ("" if trace is None else f" (rank {cause}'s traceback follows)\n{trace}")) from exc
 
     def _call(self, name: str, args, kwargs):
         if not self._procs:

@@ -76,19 +76,17 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         kw = {"step_index": i, "num_steps": n}
         if image_tokens is not None:
             kw["image"] = image_tokens
-        if do_cfg and (i < gate_at or delta is None) and split_cfg:  # one pass per CFG group of ranks
-            mine = model(x, timestep, uncond if par.cfg_index else cond, **kw,
-                         **cached(expert, "uncond" if par.cfg_index else "cond"))
-            pos, neg = par.cfg_pair(mine)
-            forwards += 2
-            delta = pos - neg
-            pred = neg + gs * delta
-        elif do_cfg and (i < gate_at or delta is None):
-            # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under a
-            # step cache each pass decides with its own state, one after the other
-            caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
-            pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
-                                         caches=caches, **kw)
+        if do_cfg and (i < gate_at or delta is None):
+            if split_cfg:  # one pass per CFG group of ranks, the two predictions exchanged
+                mine = model(x, timestep, uncond if par.cfg_index else cond, **kw,
+                             **cached(expert, "uncond" if par.cfg_index else "cond"))
+                pos, neg = par.cfg_pair(mine)
+            else:
+                # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under
+                # a step cache each pass decides with its own state, one after the other
+                caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
+                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
+                                             caches=caches, **kw)
             forwards += 2
             delta = pos - neg
             pred = neg + gs * delta
