@@ -4,7 +4,9 @@ Each layout is its own ParallelGenerator (``from_pretrained(num_gpus=N, cfg_para
 one GPU each): an untimed 1-step warm-up video (compilation), then --repeats timed videos of --steps steps. Reported:
 s/step (denoising time / steps), the end-to-end time of a --full-steps video (measured text + decode + --full-steps
 x s/step), the speedup over the 1-process layout, and the frames of the last video against the 1-process frames
-(PSNR, max abs difference).
+(PSNR, max abs difference). The split of a step into communication and compute comes from one more --steps video
+under torch.profiler on rank 0: communication is the time its GPU spends in NCCL kernels (the all-to-alls, the
+CFG all-gather, and the waits for the other ranks inside them), divided by the steps; compute is the rest of s/step.
 
   python -m benchmarks.parallel_bench --ckpt /tmp/wan14b --layouts 1,sp2,cfg2,sp4,cfg2xsp2
   python -m benchmarks.parallel_bench --ckpt tiny --device cpu --video 48x80x9 --layouts 1,sp2,cfg2xsp2  # gloo
@@ -30,6 +32,36 @@ def layout(text: str) -> tuple[int, bool]:
     return sp * (2 if cfg else 1), cfg
 
 
+class Profiled:
+    """A VideoGenerator (one rank's) with :meth:`profile_video`; everything else is the wrapped generator's."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def profile_video(self, prompt: str, **kwargs) -> dict:
+        """generate_video under torch.profiler -> {"nccl_s": seconds of NCCL kernels, "gpu_s": seconds of all
+        kernels, "denoising_s": the video's denoising time} (this rank's GPU)."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = self.gen.generate_video(prompt, **kwargs)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        nccl = sum(e.time_range.elapsed_us() for e in kernels if "nccl" in e.name.lower())
+        return {"nccl_s": nccl / 1e6, "gpu_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+                "denoising_s": out.timings["denoising"]}
+
+
+def profiled_loader(model, **kwargs) -> Profiled:
+    """``VideoGenerator.from_pretrained`` wrapped in :class:`Profiled` (a worker's loader; picklable by reference)."""
+    from fastwan import VideoGenerator
+
+    return Profiled(VideoGenerator.from_pretrained(model, **kwargs))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.parallel_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan14b")
@@ -41,7 +73,6 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="parallel.json")
     a = p.parse_args(argv)
-    from fastwan import VideoGenerator
     from fastwan.parallel.workers import ParallelGenerator
 
     h, w, f = parse_video(a.video)
@@ -52,10 +83,16 @@ def main(argv=None) -> int:
     rows, ref = [], None
     for name in a.layouts.split(","):
         n, cfg = layout(name)
-        gen = VideoGenerator.from_pretrained(a.ckpt, num_gpus=n, cfg_parallel=cfg, **load)
+        # the workers are the ones from_pretrained(num_gpus=n) starts, each generator wrapped in Profiled
+        gen = (profiled_loader(a.ckpt, **load) if n == 1 else
+               ParallelGenerator(profiled_loader, a.ckpt, {**load, "num_gpus": n, "cfg_parallel": cfg}, n,
+                                 torch.device(a.device)))
         try:
             gen.generate_video(PROMPT, **job, num_inference_steps=1, return_frames=False)
             runs = [gen.generate_video(PROMPT, **job, num_inference_steps=a.steps) for _ in range(a.repeats)]
+            kw = {**job, "num_inference_steps": a.steps, "return_frames": False}
+            # one process has nothing to communicate: its split is all compute
+            prof = gen._call("profile_video", (PROMPT,), kw) if cuda and n > 1 else None
         finally:
             if isinstance(gen, ParallelGenerator):  # layout "1" is one process: nothing to end
                 gen.close()
@@ -65,7 +102,8 @@ def main(argv=None) -> int:
         ref = frames if ref is None else ref
         row = {"layout": name, "num_gpus": n, "cfg_parallel": cfg, "step_s": step, "fixed_s": fixed,
                "e2e_full_s": fixed + a.full_steps * step, "psnr_vs_first": psnr(frames, ref),
-               "max_diff_vs_first": int(np.abs(frames.astype(int) - ref.astype(int)).max())}
+               "max_diff_vs_first": int(np.abs(frames.astype(int) - ref.astype(int)).max()),
+               "comm_s_per_step": (prof["nccl_s"] / a.steps if prof else 0.0 if cuda else None), "profile_rank0": prof}
         rows.append(row)
         log(row)
     base = rows[0]["e2e_full_s"]
@@ -75,10 +113,13 @@ def main(argv=None) -> int:
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
     first = rows[0]['layout']
-    print(f"\n| layout | GPUs | s/step | {a.full_steps}-step e2e s | speedup | PSNR / max diff vs {first} |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| layout | GPUs | s/step | comm / compute s/step | {a.full_steps}-step e2e s | speedup | "
+          f"PSNR / max diff vs {first} |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['num_gpus']} | {r['step_s']:.3f} | {r['e2e_full_s']:.1f} | "
+        c = r["comm_s_per_step"]
+        split = "-" if c is None else f"{c:.3f} / {r['step_s'] - c:.3f}"
+        print(f"| {r['layout']} | {r['num_gpus']} | {r['step_s']:.3f} | {split} | {r['e2e_full_s']:.1f} | "
               f"{base / r['e2e_full_s']:.2f}x | {r['psnr_vs_first']:.1f} dB / {r['max_diff_vs_first']} |")
     return 0
 
