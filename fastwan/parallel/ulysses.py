@@ -5,6 +5,9 @@ at most one unit, so no token count needs padding). Everything in a block but se
 on the local shard; around self-attention one all-to-all turns sequence shards into head shards (every rank sees
 the whole sequence for ``heads / world`` heads, in sequence order, so dense and sparse backends run unchanged) and
 one all-to-all turns the output back. Uneven shards use ``all_to_all_single``'s split sizes.
+
+The all-to-alls are functional collectives (``torch.distributed._functional_collectives``), so a block compiled with
+``fullgraph=True`` traces through them: the split sizes are Python ints fixed by the token count, like any shape.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from fastwan.attention.base import AttentionMetadata
 from fastwan.errors import InvalidArgument
@@ -49,6 +53,7 @@ class SequenceParallel:
         if not dist.is_initialized():
             raise InvalidArgument("sequence parallelism needs torch.distributed initialised (torchrun, or "
                                   "dist.init_process_group) before the model is set up.")
+        group = dist.group.WORLD if group is None else group
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
     def check_heads(self, heads: int) -> None:
@@ -73,20 +78,16 @@ class SequenceParallel:
         """[B, S_rank, H, D] -> [B, S, H / world, D]: this rank's head group over the whole sequence."""
         B, s, H, D = x.shape
         w = self.world
-        send = x.reshape(B, s, w, H // w, D).permute(2, 1, 0, 3, 4).contiguous()  # [w, s, B, H/w, D]
-        recv = x.new_empty((sum(sizes), B, H // w, D))
-        dist.all_to_all_single(recv, send.reshape(w * s, B, H // w, D), output_split_sizes=list(sizes),
-                               input_split_sizes=[s] * w, group=self.group)
-        return recv.permute(1, 0, 2, 3)
+        send = x.reshape(B, s, w, H // w, D).permute(2, 1, 0, 3, 4).reshape(w * s, B, H // w, D)  # [w*s, B, H/w, D]
+        recv = funcol.all_to_all_single(send.contiguous(), list(sizes), [s] * w, self.group)
+        return funcol.wait_tensor(recv).permute(1, 0, 2, 3)
 
     def heads_to_seq(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         """[B, S, H / world, D] -> [B, S_rank, H, D]: the inverse of :meth:`seq_to_heads`."""
         B, _, h, D = x.shape
         w, s = self.world, sizes[self.rank]
-        recv = x.new_empty((w * s, B, h, D))
-        dist.all_to_all_single(recv, x.permute(1, 0, 2, 3).contiguous(), output_split_sizes=[s] * w,
-                               input_split_sizes=list(sizes), group=self.group)
-        return recv.reshape(w, s, B, h, D).permute(2, 1, 0, 3, 4).reshape(B, s, w * h, D)
+        recv = funcol.all_to_all_single(x.permute(1, 0, 2, 3).contiguous(), [s] * w, list(sizes), self.group)
+        return funcol.wait_tensor(recv).reshape(w, s, B, h, D).permute(2, 1, 0, 3, 4).reshape(B, s, w * h, D)
 
 
 class UlyssesDispatch:
@@ -97,17 +98,12 @@ class UlyssesDispatch:
     def __init__(self, inner, sp: SequenceParallel):
         self.inner, self.sp = inner, sp
         self.sizes: tuple[int, ...] | None = None
-        # collectives with per-forward split sizes run outside torch.compile graphs (one break per block)
-        self._call = torch.compiler.disable(self._exchange)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """q, k, v: this rank's tokens, [B, S_rank, H, D] -> [B, S_rank, H, D]."""
-        return self._call(q, k, v, meta)
-
-    def _exchange(self, q, k, v, meta):
         sizes = self.sizes
         q, k, v = (self.sp.seq_to_heads(t, sizes) for t in (q, k, v))
         if meta is not None and meta.extra and "gate_compress" in meta.extra:  # VSA's gate is per token and head

@@ -1,9 +1,9 @@
 """Parallel generators on the CPU (gloo): ``from_pretrained(num_gpus=N, cfg_parallel=...)`` starts N worker
 processes whose video equals the one-process video (fp32, uint8 frames within 1) for Wan2.1, Wan2.2-A14B (across
 the expert switch), TI2V and Wan2.1-I2V with an image, at token counts neither 2 nor 4 divide (45), with sequence
-parallelism, CFG parallelism, both (4 processes), CFG gating and sparse backends; only rank 0 writes; a failing rank
-ends the job with its rank named, a user error raised alike on every rank is raised as itself; the checks before
-any process starts."""
+parallelism, CFG parallelism, both (4 processes), CFG gating, sparse backends and compiled blocks; only rank 0
+writes; a failing rank ends the job with its rank named, a user error raised alike on every rank is raised as
+itself; the checks before any process starts."""
 from __future__ import annotations
 
 import os
@@ -48,16 +48,18 @@ CASES = [
     ("wan2.1", dict(num_gpus=2, attention_backend="SLIDING_TILE_ATTN", attention_config={"tile": [1, 2, 2]}), {}),
     ("wan2.1", dict(num_gpus=4, cfg_parallel=True, attention_backend="VIDEO_SPARSE_ATTN",
                     attention_config={"tile": [1, 2, 2], "sparsity": 0.5}), {}),
+    ("wan2.1", dict(num_gpus=2, enable_torch_compile=True), {}),  # blocks compiled fullgraph around the all-to-alls
 ]
 
 
 @pytest.mark.parametrize("variant,load,req", CASES, ids=[
-    "sp2", "a14b-cfg2", "a14b-cfg2xsp2-gated", "ti2v-image-cfg2xsp2", "i2v-sp2", "sliding-tile-sp2", "vsa-cfg2xsp2"])
+    "sp2", "a14b-cfg2", "a14b-cfg2xsp2-gated", "ti2v-image-cfg2xsp2", "i2v-sp2", "sliding-tile-sp2", "vsa-cfg2xsp2",
+    "compiled-sp2"])
 def test_parallel_video_equals_one_process(ckpts, variant, load, req):
     req = {"image": image()} if req.get("image") else {}
     common = dict(device="cpu", dtype=torch.float32)
-    one = VideoGenerator.from_pretrained(ckpts[variant], **common,
-                                         **{k: v for k, v in load.items() if k not in ("num_gpus", "cfg_parallel")})
+    one = VideoGenerator.from_pretrained(ckpts[variant], **common, **{k: v for k, v in load.items() if k not in (
+        "num_gpus", "cfg_parallel", "enable_torch_compile")})
     with VideoGenerator.from_pretrained(ckpts[variant], **common, **load) as par:
         assert isinstance(par, ParallelGenerator) and par.preset == one.preset
         for kw in ({}, {"guidance_scale": 1.0, "negative_prompt": "x"}):  # with CFG, and without (no uncond pass)
