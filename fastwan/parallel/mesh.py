@@ -8,6 +8,7 @@ step with the same guided prediction, so the sampler runs everywhere and no late
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +20,18 @@ from fastwan.parallel.ulysses import SequenceParallel, check_heads
 
 def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
     """``num_gpus`` processes, CFG split over 2 groups when ``cfg_parallel`` -> (sp, cfg) degrees."""
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise InvalidArgument(f"num_gpus={num_gpus!r} must be a whole number >= 1 (processes, one GPU each).")
     if not isinstance(cfg_parallel, bool):
         raise InvalidArgument(f"cfg_parallel={cfg_parallel!r} must be True or False.")
-    cfg = 2 if cfg_parallel else 1
+    if num_gpus is None and cfg_parallel:
+        raise InvalidArgument("cfg_parallel=True runs the two CFG passes on two halves of the GPUs: give num_gpus "
+                              "too (2, or 2 x the sequence-parallel degree).")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, numbers.Integral) or num_gpus < 1:
+        raise InvalidArgument(f"num_gpus={num_gpus!r} must be a whole number >= 1 (processes, one GPU each).")
+    num_gpus, cfg = int(num_gpus), 2 if cfg_parallel else 1
     if num_gpus % cfg:
+        near = " or ".join(str(n) for n in (num_gpus - 1, num_gpus + 1) if n >= 2)
         raise InvalidArgument(f"cfg_parallel=True runs the two CFG passes on two halves of the GPUs, so num_gpus "
-                              f"must be even, not {num_gpus}; use {num_gpus + 1} or {num_gpus - 1} GPUs.")
+                              f"must be even, not {num_gpus}; use {near} GPUs.")
     return num_gpus // cfg, cfg
 
 

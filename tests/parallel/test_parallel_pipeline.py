@@ -120,7 +120,10 @@ def test_a_failing_rank_ends_the_job_naming_it():
 
 
 @pytest.mark.parametrize("load,match", [
-    (dict(num_gpus=3, cfg_parallel=True), "num_gpus must be even, not 3"),
+    (dict(num_gpus=3, cfg_parallel=True), "num_gpus must be even, not 3; use 2 or 4 GPUs"),
+    (dict(num_gpus=1, cfg_parallel=True), "must be even, not 1; use 2 GPUs"),
+    (dict(cfg_parallel=True), "give num_gpus too"),
+    (dict(num_gpus=2.0), "num_gpus=2.0 must be a whole number"),
     (dict(num_gpus=4), "splits the DiT's 2 attention heads, which 4 does not divide"),
     (dict(num_gpus=0), "num_gpus=0 must be a whole number >= 1"),
     (dict(num_gpus=2, cfg_parallel="yes"), "cfg_parallel='yes' must be True or False"),
