@@ -1,9 +1,10 @@
 """``fastwan generate --sp N [--cfg-parallel]`` on the CPU (gloo): under torchrun (each process a rank) and on its
 own (fastwan starts the processes). The video equals the one-process CLI's, rank 0 alone prints and writes, and a
-user error under torchrun is printed by each rank with its rank named (exit 2)."""
+user error under torchrun is printed with the rank named (exit 2)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,8 +41,11 @@ def test_torchrun_and_spawned_processes_make_the_one_process_video(tmp_path):
 def test_user_error_under_torchrun_names_each_rank(tmp_path):
     r = cli(tmp_path, "--sp", "2", "--cfg-parallel", "--output", str(tmp_path / "v.mp4"), torchrun=2)
     assert r.returncode != 0
-    for rank in (0, 1):
-        assert (f"fastwan: error: rank {rank}: num_gpus=4 but this job was launched with 2 processes"
-                in r.stderr), r.stderr
+    # every rank raises the error, but torchrun ends the other ranks once one exits: at least one line gets out
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fastwan: error: ")]
+    assert lines, r.stderr
+    for ln in lines:
+        assert re.fullmatch(r"fastwan: error: rank [01]: num_gpus=4 but this job was launched with 2 processes.*",
+                            ln), r.stderr
     assert "fastwan/" not in r.stderr  # one line per rank, no traceback through fastwan (torchrun adds its own)
     assert not (tmp_path / "v.mp4").exists()
