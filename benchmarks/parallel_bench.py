@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     load = dict(device=a.device, dtype=torch.bfloat16 if cuda else torch.float32, enable_torch_compile=cuda,
                 attention_backend="FLASH_ATTN" if cuda else None)
     job = dict(height=h, width=w, num_frames=f, guidance_scale=5.0, seed=0, save_video=False)
+    timed = {**job, "num_inference_steps": a.steps}
     rows, ref = [], None
     for name in a.layouts.split(","):
         n, cfg = layout(name)
@@ -89,10 +90,10 @@ def main(argv=None) -> int:
                                  torch.device(a.device)))
         try:
             gen.generate_video(PROMPT, **job, num_inference_steps=1, return_frames=False)
-            runs = [gen.generate_video(PROMPT, **job, num_inference_steps=a.steps) for _ in range(a.repeats)]
-            kw = {**job, "num_inference_steps": a.steps, "return_frames": False}
+            runs = [gen.generate_video(PROMPT, **timed) for _ in range(a.repeats)]
             # one process has nothing to communicate: its split is all compute
-            prof = gen._call("profile_video", (PROMPT,), kw) if cuda and n > 1 else None
+            prof = (gen._call("profile_video", (PROMPT,), {**timed, "return_frames": False}) if cuda and n > 1
+                    else None)
         finally:
             if isinstance(gen, ParallelGenerator):  # layout "1" is one process: nothing to end
                 gen.close()
