@@ -199,6 +199,14 @@ def _lora_arg(text: str) -> tuple[str, float]:
         return text, 1.0
 
 
+def _leave_job() -> None:
+    """Destroy the process group a ``--sp``/``--cfg-parallel`` run joined (nothing when none is up)."""
+    if "torch" in sys.modules:  # the process group exists only once torch is imported
+        from fastwan.parallel.launch import leave
+
+        leave()
+
+
 def _run_env(argv: list[str]) -> int:
     """``fastwan env ...`` (:mod:`fastwan.envinfo`)."""
     from fastwan.envinfo import main as env_main
@@ -228,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="device, versions and attention backends available here")
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return _report_user_errors(lambda: _run_generate(args))
+        try:
+            return _report_user_errors(lambda: _run_generate(args))
+        finally:  # under torchrun this process is a rank: its process group ends here, not at interpreter exit
+            _leave_job()
     if args.command == "quantize":
         return _report_user_errors(lambda: _run_quantize(args))
     return 0

@@ -85,3 +85,12 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return Mesh.create(sp, cfg), device
+
+
+def leave() -> None:
+    """End this process's part of a launched job: destroy its process group if one is up. A launcher's process
+    that owns its rank (the ``fastwan`` CLI under torchrun) calls it before exiting, on success or error: a gloo
+    or NCCL group still alive at interpreter exit may abort the process (``terminate called``) while rank 0 is
+    still decoding."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,13 +15,25 @@ ARGS = ["generate", "--prompt", "a red kite", "--height", "48", "--width", "80",
         "--seed", "4", "--device", "cpu"]
 
 
+# Under torchrun each rank runs the CLI's main() and then says whether its process group is still up: the CLI
+# must end it itself (a group alive at interpreter exit can abort a rank while rank 0 still decodes).
+RANK_MAIN = """import sys
+import torch.distributed as dist
+from fastwan.cli import main
+rc = main(sys.argv[1:])
+print("process group after main: " + ("up" if dist.is_initialized() else "down"))
+sys.exit(rc)
+"""
+
+
 def cli(tmp_path, *extra, torchrun: int | None = None):
     env = {**os.environ, "FASTWAN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(k, None)
+    script = tmp_path / "rank_main.py"
+    script.write_text(RANK_MAIN)
     head = [sys.executable, "-m", "fastwan.cli"] if torchrun is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
-        "-m", "fastwan.cli"]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}", str(script)]
     return subprocess.run([*head, *ARGS, *extra], capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -33,6 +45,8 @@ def test_torchrun_and_spawned_processes_make_the_one_process_video(tmp_path):
         r = cli(tmp_path, *extra, "--output", str(tmp_path / name), torchrun=nproc)
         assert r.returncode == 0, r.stderr
         assert r.stdout.count("video: ") == 1 and f"video: {tmp_path / name}" in r.stdout, r.stdout  # rank 0 only
+        if nproc is not None:
+            assert r.stdout.count("process group after main: down") == nproc, r.stdout
         got = iio.imread(tmp_path / name).astype(int)
         assert got.shape == want.shape and np.abs(got - want).mean() < 0.5  # mp4 re-encoding of frames within 1
     assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["one.mp4", "spawn.mp4", "tr.mp4"]
