@@ -25,6 +25,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--model", default="tiny",
                    help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v / "
                         "tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b (default: tiny)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model (Hub ids only)")
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
     p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
     p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints): an image file")
@@ -151,7 +152,7 @@ def _run_generate(args) -> int:
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
         lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
-        num_gpus=_num_gpus(args), cfg_parallel=args.cfg_parallel,
+        num_gpus=_num_gpus(args), cfg_parallel=args.cfg_parallel, revision=args.revision,
     )
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:

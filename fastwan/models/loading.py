@@ -51,9 +51,42 @@ def json_type(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _index_files(folder: Path) -> list[Path]:
-    """The folder's shard indexes (the first, by name, is the one read)."""
-    return sorted(folder.glob("*.safetensors.index.json"))
+# the file names diffusers and transformers save weights under; a ".VARIANT" after one of them names a variant
+_WEIGHT_BASES = ("diffusion_pytorch_model", "model")
+_SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
+
+
+def file_variant(name: str) -> str | None:
+    """The diffusers/transformers ``variant`` a weight file or shard index name belongs to (None: the plain
+    files). 'fp16' for 'diffusion_pytorch_model.fp16.safetensors', 'model.fp16-00001-of-00002.safetensors' and
+    'model.safetensors.index.fp16.json'; a name not built on 'diffusion_pytorch_model' / 'model' is plain."""
+    if name.endswith(".json"):
+        base, _, tag = name[: -len(".json")].rpartition(".safetensors.index")
+        tag = tag.lstrip(".")
+    else:
+        base, _, tag = _SHARD_SUFFIX.sub("", name[: -len(".safetensors")]).rpartition(".")
+    return tag if tag and base in _WEIGHT_BASES else None
+
+
+def _chosen_variant(folder: Path, names: list[str]) -> str | None:
+    """Rule: a folder's weights are its plain files when it has any, else the one variant it holds (diffusers
+    would need ``variant=``; one set of files is unambiguous). Several variants and no plain files: an error."""
+    variants = {file_variant(n) for n in names}
+    if None in variants or not variants:
+        return None
+    if len(variants) == 1:
+        return variants.pop()
+    raise CheckpointError(
+        f"{folder} holds its weights only as the variants {', '.join(sorted(variants))} (no plain "
+        "diffusion_pytorch_model / model files), so which set to load is ambiguous. Keep one variant's files in "
+        "the folder, or add the plain ones."
+    )
+
+
+def weight_variant(files: list[Path]) -> str | None:
+    """The ``variant`` argument diffusers' / transformers' ``from_pretrained`` needs to load ``files`` (as
+    :func:`weight_files` chose them)."""
+    return file_variant(files[0].name) if files and files[0].suffix == ".safetensors" else None
 
 
 def plain_name_problem(name: object) -> str | None:
@@ -169,7 +202,8 @@ def _check_safetensors_header(path: Path) -> None:
 def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path]:
     """The safetensors files holding a component's weights (validated), in a deterministic order.
 
-    Accepts one or more ``*.safetensors`` files, or the shards listed by a ``*.safetensors.index.json``.
+    Accepts one or more ``*.safetensors`` files, or the shards listed by a ``*.safetensors.index.json``; of a
+    diffusers ``variant`` (``*.fp16.safetensors``) only when the folder has no plain files (:func:`file_variant`).
     Files are addressed by their name inside ``folder`` (index entries must be plain file names) and the
     returned paths keep that name; a folder entry that is a symlink is followed wherever it points, as in
     the Hugging Face cache, whose snapshot files link into ``../../blobs/``. Pickle checkpoints are refused
@@ -178,16 +212,66 @@ def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingFileError(f"{folder} does not exist or is not a folder; download the checkpoint again.")
-    indexes = _index_files(folder)
-    if indexes:
-        files = _shard_files(folder, indexes[0])
+    indexes = sorted(p.name for p in folder.glob("*.safetensors.index*.json"))
+    singles = sorted(p.name for p in folder.glob("*.safetensors"))
+    variant = _chosen_variant(folder, indexes + singles)
+    indexes = [n for n in indexes if file_variant(n) == variant]
+    if indexes:  # the first index by name is the one read
+        files = _shard_files(folder, folder / indexes[0])
     else:
-        files = [_component_file(folder, p.name) for p in sorted(folder.glob("*.safetensors"))]
+        files = [_component_file(folder, n) for n in singles if file_variant(n) == variant]
     if not files:
         return _pickle_files(folder, allow_pickle=allow_pickle)
     for f in files:
         _check_safetensors_header(f)
     return files
+
+
+def _twice(key: str, first: Path, second: Path) -> CheckpointError:
+    return CheckpointError(f"tensor {key!r} appears in more than one shard ({first}, {second}); the checkpoint is "
+                           "inconsistent: re-download it.")
+
+
+# safetensors dtype tags of floating-point tensors (what a float parameter may be loaded from)
+FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def header_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype tag such as 'BF16'), read from the headers of the safetensors ``files``
+    (no tensor data is read); a name in two files is an error."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                if key in where:
+                    raise _twice(key, where[key], f)
+                piece = sf.get_slice(key)
+                out[key], where[key] = (tuple(piece.get_shape()), piece.get_dtype()), f
+    return out
+
+
+def check_names(expected, got, source: str) -> None:
+    """``got``'s tensor names are exactly ``expected``'s (both name -> anything), else a CheckpointError listing
+    what is missing and what is unexpected."""
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if not (missing or unexpected):
+        return
+
+    def show(xs):
+        return ", ".join(xs[:8]) + (f" ... (+{len(xs) - 8})" if len(xs) > 8 else "")
+
+    raise CheckpointError(
+        f"{source} does not match the Wan DiT described by its config: "
+        + (f"missing {len(missing)} tensors [{show(missing)}]" if missing else "")
+        + ("; " if missing and unexpected else "")
+        + (f"unexpected {len(unexpected)} tensors [{show(unexpected)}]" if unexpected else "")
+        + ". Check that config.json and the weights belong to the same checkpoint."
+    )
+
+
+def shape_error(source: str, key: str, got, want) -> CheckpointError:
+    return CheckpointError(f"{source}: tensor {key!r} has shape {tuple(got)}, the config implies {tuple(want)}.")
 
 
 class CheckpointTensors:
@@ -211,8 +295,7 @@ class CheckpointTensors:
                 names = list(loaded)
             for key in names:
                 if key in self.where:
-                    raise CheckpointError(f"tensor {key!r} appears in more than one shard ({self.where[key]}, {f}); "
-                                          "the checkpoint is inconsistent: re-download it.")
+                    raise _twice(key, self.where[key], f)
                 self.where[key] = f
 
     def keys(self) -> list[str]:
@@ -243,27 +326,15 @@ def load_into(
 
     Names are checked against the model before any tensor is read; tensors are then streamed one by one.
     """
-    expected = set(model.state_dict().keys())
-    got = set(state.keys())
-    missing, unexpected = sorted(expected - got), sorted(got - expected)
-    if missing or unexpected:
-        def show(xs):
-            return ", ".join(xs[:8]) + (f" ... (+{len(xs) - 8})" if len(xs) > 8 else "")
-
-        raise CheckpointError(
-            f"{source} does not match the Wan DiT described by its config: "
-            + (f"missing {len(missing)} tensors [{show(missing)}]" if missing else "")
-            + ("; " if missing and unexpected else "")
-            + (f"unexpected {len(unexpected)} tensors [{show(unexpected)}]" if unexpected else "")
-            + ". Check that config.json and the weights belong to the same checkpoint."
-        )
+    check_names(model.state_dict(), state.keys(), source)
     slots = model.state_dict()
     cast = {}
     for k, v in state.items():
         if v.shape != slots[k].shape:
-            raise CheckpointError(
-                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the config implies {tuple(slots[k].shape)}."
-            )
+            raise shape_error(source, k, v.shape, slots[k].shape)
+        if slots[k].is_floating_point() and not v.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {k!r} is {str(v.dtype).replace('torch.', '')}, but the model "
+                                  "holds a floating-point weight there; the checkpoint is corrupt: re-download it.")
         if (slots[k].dtype in FP8) != (v.dtype in FP8):
             raise CheckpointError(f"{source}: tensor {k!r} is {str(v.dtype).replace('torch.', '')}, but the model "
                                   f"holds it as {str(slots[k].dtype).replace('torch.', '')} (FP8 weights come only "

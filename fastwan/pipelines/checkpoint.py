@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from fastwan.errors import CheckpointError, InvalidArgumentType, MissingFileError
+from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType, MissingFileError
 from fastwan.models.wan.config import WanConfig, check_text_to_video
-from fastwan.models.wan.loading import has_vsa_gates
+from fastwan.models.wan.loading import check_transformer_files
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -17,6 +17,7 @@ from fastwan.models.loading import (
     json_text,
     read_json,
     weight_files,
+    weight_variant,
 )
 from fastwan.tiny import TINY_IDS, tiny_checkpoint
 
@@ -108,6 +109,9 @@ class Checkpoint:
     image_encoder: bool = False  # a CLIP image encoder (image_encoder/, image_processor/) to load
     distilled: bool = False  # DMD-distilled (FastWan): the preset samples with "dmd"
     vsa_gates: bool = False  # the DiT was trained with VSA (it carries attn1.to_gate_compress)
+    # the diffusers ``variant`` of each component's weight files (None: the plain files); from_pretrained passes
+    # it to diffusers / transformers
+    variants: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def needs_image(self) -> bool:
@@ -163,7 +167,7 @@ def _component_patterns(experts: tuple[str, ...], allow_pickle: bool, image_enco
     return ["model_index.json"] + [f"{c}/{s}" for c in comps for s in suffixes]
 
 
-def _locate(name: str) -> tuple[Path, str | None, bool]:
+def _locate(name: str, revision: str | None = None) -> tuple[Path, str | None, bool]:
     """(folder, tiny variant or None, whether it is a Hub snapshot holding only model_index.json so far)."""
     tiny_variant = TINY_IDS.get(name)
     if tiny_variant is not None:
@@ -176,7 +180,7 @@ def _locate(name: str) -> tuple[Path, str | None, bool]:
             )
         return root, None, False
     if HUB_MODEL_ID.match(name) and not name.startswith((".", "/", "~")):
-        return _download(name, ["model_index.json"]), None, True
+        return _download(name, ["model_index.json"], revision), None, True
     raise MissingFileError(
         f"model {name!r} is not a folder that exists, not a Hub id (owner/name), and not one of "
         f"{', '.join(TINY_IDS)}. Check the path or the model id."
@@ -289,8 +293,16 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
                          i2v and _index_image_encoder(index, path), index.get("_class_name") == DMD_PIPELINE)
 
 
+# the configuration file each component folder must hold (valid JSON objects), and the tokenizer's files
+_COMPONENT_CONFIGS = {"transformer": "config.json", "transformer_2": "config.json", "text_encoder": "config.json",
+                      "vae": "config.json", "scheduler": "scheduler_config.json", "image_encoder": "config.json",
+                      "image_processor": "preprocessor_config.json"}
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # UMT5's tokenizer: the fast one or its SentencePiece model
+
+
 def _check_components(root: Path, index_path: Path, meta: PipelineIndex) -> None:
-    """Every component folder the checkpoint needs exists."""
+    """Every component folder the checkpoint needs exists, holding its config (a JSON object) and, for the
+    tokenizer, tokenizer.json or spiece.model."""
     needed = REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ())
     for comp in needed:
         if not (root / comp).is_dir():
@@ -298,6 +310,29 @@ def _check_components(root: Path, index_path: Path, meta: PipelineIndex) -> None
                 f"checkpoint {root} is missing its '{comp}/' component; this Wan checkpoint (per {index_path.name}) "
                 f"needs {', '.join(needed)}. Download the checkpoint again."
             )
+        if comp in _COMPONENT_CONFIGS:
+            read_json(root / comp / _COMPONENT_CONFIGS[comp], missing=f"the {comp} component needs it; download "
+                      "the checkpoint again.")
+    if not any((root / "tokenizer" / f).is_file() for f in _TOKENIZER_FILES):
+        raise MissingFileError(
+            f"{root / 'tokenizer'} holds neither {' nor '.join(_TOKENIZER_FILES)}; the UMT5 tokenizer needs one of "
+            "them. Download the checkpoint again."
+        )
+
+
+def check_scheduler_config(cfg: dict, path: Path):
+    """Rule: ``_class_name`` names a diffusers scheduler class -> that class."""
+    import diffusers
+
+    name = cfg.get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
+        raise CheckpointError(
+            f"{path}: \"_class_name\": {json_text(name)} is not a diffusers scheduler class; Wan checkpoints use "
+            "\"UniPCMultistepScheduler\" or \"FlowMatchEulerDiscreteScheduler\". Fix the file or download the "
+            "checkpoint again."
+        )
+    return cls
 
 
 def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
@@ -335,29 +370,43 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     return configs
 
 
-def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
+def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
     """Check everything that can be checked without loading weights; raise early with a clear message.
 
-    A Hub id is fetched with ``huggingface_hub.snapshot_download`` (the cache only, when offline):
-    model_index.json first, which is checked before the components it names are fetched.
+    A Hub id is fetched with ``huggingface_hub.snapshot_download`` (the cache only, when offline) at
+    ``revision`` (a branch, tag or commit; None: the default branch): model_index.json first, which is checked
+    before the components it names are fetched. Every DiT's tensor names and shapes are checked from the
+    safetensors headers before any expert loads.
     """
     if not isinstance(model, (str, Path)):
         raise InvalidArgumentType(
             f"model={model!r} must be a Hub id, a folder path or 'tiny', not {type(model).__name__}."
         )
     name = str(model)
-    root, tiny_variant, hub = _locate(name)
+    if not name.strip():
+        raise InvalidArgument(f"model={name!r} is empty; pass a Hub id such as 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', "
+                              "a Diffusers-format folder (use '.' for the current one) or 'tiny'.")
+    if revision is not None and not (isinstance(revision, str) and revision.strip()):
+        raise InvalidArgumentType(f"revision={revision!r} must be a non-empty string (a Hub branch, tag or "
+                                  "commit) or None.")
+    root, tiny_variant, hub = _locate(name, revision)
+    if revision is not None and not hub:
+        raise InvalidArgument(f"revision={revision!r} selects a version of a Hub repository, but model={name!r} is "
+                              f"{'a tiny checkpoint' if tiny_variant else 'a local folder'}; drop revision, or "
+                              "pass a Hub id.")
     index_path = root / "model_index.json"
     index = read_json(index_path, missing=f"{root} is not a Diffusers-format pipeline folder.")
     meta = read_pipeline_index(index, index_path)
     if hub:
         root = _download(name, _component_patterns(meta.experts, allow_pickle, meta.image_encoder),
-                         revision=root.name if HUB_COMMIT.match(root.name) else None)
+                         revision=root.name if HUB_COMMIT.match(root.name) else revision)
     _check_components(root, index_path, meta)
     configs = _expert_configs(root, meta)
     files = {comp: weight_files(root / comp, allow_pickle=allow_pickle)
              for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())}
-    read_json(root / "scheduler" / "scheduler_config.json", missing="the scheduler component needs it.")
+    gates = [check_transformer_files(files[e], cfg, str(root / e)) for e, cfg in zip(meta.experts, configs)]
+    scheduler_path = root / "scheduler" / "scheduler_config.json"
+    check_scheduler_config(read_json(scheduler_path, missing="the scheduler component needs it."), scheduler_path)
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2
@@ -373,21 +422,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
     if meta.distilled:
         preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
-                      meta.image_encoder, meta.distilled, _has_vsa_gates(files[meta.experts[0]]))
-
-
-def _has_vsa_gates(files: list[Path]) -> bool:
-    """Whether a DiT's weight ``files`` carry VSA's gate projections (read from the safetensors headers only;
-    pickle weights are not opened here: False)."""
-    from safetensors import safe_open
-
-    if not files or files[0].suffix != ".safetensors":
-        return False
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            if has_vsa_gates(h.keys()):
-                return True
-    return False
+                      meta.image_encoder, meta.distilled, gates[0],
+                      MappingProxyType({comp: weight_variant(fs) for comp, fs in files.items()}))
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

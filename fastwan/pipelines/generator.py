@@ -122,10 +122,11 @@ class VideoGenerator:
         quantization: str | None = None,
         max_gpu_memory: int | str | None = None,
         allow_pickle: bool = False,
+        revision: str | None = None,
         num_gpus: int | None = None,
         cfg_parallel: bool = False,
     ) -> VideoGenerator:
-        """Load ``model`` (Hub id, Diffusers-format folder, or ``"tiny"``) onto ``device``.
+        """Load ``model`` (Hub id, at ``revision`` if given; Diffusers-format folder; or ``"tiny"``) onto ``device``.
 
         Every argument is checked before anything is loaded. ``attention_backend`` beats
         ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
@@ -216,7 +217,7 @@ class VideoGenerator:
         if budget is not None and device.type != "cuda":
             raise InvalidArgument(f"max_gpu_memory={max_gpu_memory!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
-        ckpt = resolve(model, allow_pickle=allow_pickle)
+        ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)
         cache = check_cache(cache)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
@@ -262,17 +263,18 @@ class VideoGenerator:
                 t.compile_blocks(**compile_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(ckpt.folder("tokenizer"))
         text_encoder = UMT5EncoderModel.from_pretrained(
-            ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
-        ).to(home).eval()
-        vae = load_vae(ckpt.folder("vae"), vae_dtype, device, dit_options.fast, tiling, allow_pickle)
+            ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True,
+            variant=ckpt.variants.get("text_encoder")).to(home).eval()
+        vae = load_vae(ckpt.folder("vae"), vae_dtype, device, dit_options.fast, tiling, allow_pickle,
+                       ckpt.variants.get("vae"))
         scheduler = load_scheduler(ckpt.folder("scheduler"))
         image_encoder = image_processor = None
         if ckpt.image_encoder:
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
             image_encoder = CLIPVisionModel.from_pretrained(
-                ckpt.folder("image_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True
-            ).to(home).eval()
+                ckpt.folder("image_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True,
+                variant=ckpt.variants.get("image_encoder")).to(home).eval()
             image_processor = CLIPImageProcessor.from_pretrained(ckpt.folder("image_processor"))
         gen = cls(ckpt, device=device, dtype=dtype, vae_dtype=vae_dtype, attention=attention,
                   transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,

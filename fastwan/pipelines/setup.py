@@ -10,23 +10,18 @@ from typing import Any
 from fastwan import envs
 from fastwan.attention import AttentionDispatch
 from fastwan.errors import InvalidArgument
-from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, trained_vsa_sparsity
+from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
 
 logger = logging.getLogger("fastwan")
 
 
 def load_scheduler(folder: Path):
     """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
-    import diffusers
-
     from fastwan.models.loading import read_json
 
-    cfg = read_json(folder / "scheduler_config.json", missing="the scheduler component needs it.")
-    name = cfg.get("_class_name", "")
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if cls is None or not issubclass(cls, diffusers.SchedulerMixin):
-        raise InvalidArgument(f"{folder / 'scheduler_config.json'} names {name!r}, which is not a diffusers scheduler.")
-    return cls.from_config(cfg)
+    path = folder / "scheduler_config.json"
+    cfg = read_json(path, missing="the scheduler component needs it.")
+    return check_scheduler_config(cfg, path).from_config(cfg)
 
 
 def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
@@ -70,18 +65,19 @@ def attention_config(value) -> dict | None:
     return None if value is None else load_attention_config(value)
 
 
-def load_vae(folder: Path, dtype, device, fast: bool, tiling: dict | None, allow_pickle: bool):
+def load_vae(folder: Path, dtype, device, fast: bool, tiling: dict | None, allow_pickle: bool,
+             variant: str | None = None):
     """diffusers' ``AutoencoderKLWan`` from ``folder`` on ``device``, set up for decoding: channels-last 3-D conv
     weights on CUDA (cuDNN: -9% decode time, -10% decode memory), the decoder's RMSNorm + SiLU pairs as one pass
     each when ``fast`` (:mod:`fastwan.vae.norms`), fewer full-tensor copies (:mod:`fastwan.vae.convs`), and
-    ``tiling`` (diffusers' ``enable_tiling`` arguments) when given."""
+    ``tiling`` (diffusers' ``enable_tiling`` arguments) when given; ``variant``: diffusers' weight-file variant."""
     import diffusers
     import torch
 
     from fastwan.vae.convs import fast_decoder_convs
     from fastwan.vae.norms import fuse_decoder_norms
 
-    vae = diffusers.AutoencoderKLWan.from_pretrained(folder, dtype=dtype,
+    vae = diffusers.AutoencoderKLWan.from_pretrained(folder, dtype=dtype, variant=variant,
                                                      use_safetensors=None if allow_pickle else True).to(device).eval()
     if device.type == "cuda":
         for mod in vae.modules():

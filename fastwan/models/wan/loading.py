@@ -7,7 +7,16 @@ from pathlib import Path
 
 import torch
 
-from fastwan.models.loading import CheckpointTensors, load_into, weight_files
+from fastwan.errors import CheckpointError
+from fastwan.models.loading import (
+    FLOAT_TAGS,
+    CheckpointTensors,
+    check_names,
+    header_tensors,
+    load_into,
+    shape_error,
+    weight_files,
+)
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.quantize import (
     SCALE_SUFFIX,
@@ -28,6 +37,34 @@ VSA_GATE_KEY = "attn1.to_gate_compress.weight"  # the weight a VSA-trained DiT c
 def has_vsa_gates(keys) -> bool:
     """Whether tensor names ``keys`` include VSA's gate projections (the DiT was trained with VSA)."""
     return any(k.endswith(VSA_GATE_KEY) for k in keys)
+
+
+def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> bool:
+    """Before any weight is read: the tensors named in the safetensors headers of ``files`` are those of the DiT
+    ``cfg`` describes (VSA gates when the files carry them, FP8 scales for layers saved in FP8), each of the
+    model's shape and of a floating-point dtype -> whether the files carry VSA gates. Pickle files are checked
+    when they load."""
+    if not files or any(f.suffix != ".safetensors" for f in files):
+        return False
+    found = header_tensors(files)
+    gates = has_vsa_gates(found)
+    with torch.device("meta"):
+        model = WanTransformer(cfg, None, DiTOptions(block="reference"))
+        if gates:
+            model.add_gate_compress()
+    saved = set(prequantized_layers(found))
+    if saved:
+        check_fp8_state(sorted(saved), fp8_layer_names(model), source)
+    slots = model.state_dict()
+    found = {k: v for k, v in found.items() if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in saved)}
+    check_names(slots, found, source)
+    for key, (shape, tag) in found.items():
+        if shape != tuple(slots[key].shape):
+            raise shape_error(source, key, shape, slots[key].shape)
+        if tag not in FLOAT_TAGS:
+            raise CheckpointError(f"{source}: tensor {key!r} is stored as {tag}, but the model holds a "
+                                  "floating-point weight there; the checkpoint is corrupt: re-download it.")
+    return gates
 
 
 def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptions | None = None,
