@@ -39,7 +39,9 @@ def _generate_parser(sub) -> None:
                    help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)")
     p.add_argument("--flow-shift", type=float, default=None, help="default: the checkpoint's (8 for FastWan)")
     p.add_argument("--guidance-scale", type=float, default=None)
-    p.add_argument("--guidance-scale-2", type=float, default=None, help="low-noise expert's scale (Wan2.2 A14B)")
+    p.add_argument("--guidance-scale-2", type=float, default=None,
+                   help="low-noise expert's scale (Wan2.2 A14B; default: --guidance-scale when given, else the "
+                        "preset's)")
     p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
     p.add_argument("--fps", type=int, default=None)
     p.add_argument("--output", default="outputs/", help="folder, or a path ending in .mp4")

@@ -19,13 +19,15 @@ Deltas of norms (zeros in the files that carry them) are skipped.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
+from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType, MissingFileError
 from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
 
 logger = logging.getLogger("fastwan")
@@ -58,18 +60,36 @@ PARTS = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "l
 
 
 def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a LoRA file (safetensors only; pickle files are refused)."""
+    """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not isinstance(path, (str, Path)):
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+        raise InvalidArgument(f"LoRA file {str(path)!r} is a directory, not a .safetensors file; give the path of "
+                              f"the LoRA file itself{f', e.g. one of {inside}' if inside else ''}.")
     if not path.is_file():
         raise MissingFileError(f"LoRA file {str(path)!r} does not exist; check the path.")
     if path.suffix != ".safetensors":
         raise InvalidArgument(f"LoRA file {str(path)!r} is not a .safetensors file; fastwan loads LoRAs from "
                               "safetensors only (convert pickle files with safetensors.torch.save_file).")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:  # truncated or corrupt, or another format (e.g. a pickle) under this name
+        raise CheckpointError(f"LoRA file {str(path)!r} is not a valid safetensors file ({exc}); it may be "
+                              "truncated or corrupt (download it again), or another format such as a pickle "
+                              "under a .safetensors name (convert it with safetensors.torch.save_file).") from exc
+
+
+def _finite(x) -> bool:
+    """Whether the number ``x`` is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _kohya_name(flat: str, modules: set[str]) -> str | None:
@@ -107,7 +127,8 @@ def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
 
 def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
     """{module name: {part: tensor}} for the model's linear layers; raises when no key names one of them (with
-    examples of both sides) or a tensor's shape does not fit its module (naming the key)."""
+    examples of both sides), a tensor's shape does not fit its module or an alpha is not one finite number (naming
+    the key)."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))}
     norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
@@ -145,6 +166,13 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
         if "diff" in parts and parts["diff"][1].shape != weight.shape:
             raise InvalidArgument(f"{source}: {parts['diff'][0]} {tuple(parts['diff'][1].shape)} does not fit {name} "
                                   f"(weight {tuple(weight.shape)}).")
+        if "alpha" in parts:  # one finite number: the update's scale is alpha / rank
+            ka, alpha = parts["alpha"]
+            if alpha.numel() != 1 or not torch.isfinite(alpha.float()).all():
+                shown = alpha.tolist() if alpha.numel() <= 4 else f"{alpha.numel()} elements"
+                raise InvalidArgument(f"{source}: {ka} is {shown} (shape {tuple(alpha.shape)}); a LoRA alpha must "
+                                      "be one finite number (the file is corrupt or not a LoRA: fix or re-export "
+                                      "it).")
         bias = linears[name].bias
         if "diff_b" in parts and (bias is None or parts["diff_b"][1].shape != bias.shape):
             raise InvalidArgument(f"{source}: {parts['diff_b'][0]} does not fit the bias of {name} "
@@ -215,6 +243,9 @@ def parse_lora_spec(spec) -> list[tuple[str, float]]:
             and isinstance(item[1], (int, float)) and not isinstance(item[1], bool)
         if not ok:
             raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+        if not _finite(item[1]):
+            raise InvalidArgument(f"lora={spec!r}: the scale of {str(item[0])!r} is {item[1]!r}; a LoRA scale must "
+                                  "be a finite number (1.0 as trained, 0.5 for half strength).")
         out.append((str(item[0]), float(item[1])))
     return out
 
@@ -223,12 +254,19 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
                tensors: dict[str, torch.Tensor] | None = None) -> int:
     """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
     with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
-    check (file, keys, shapes, arguments) runs before any weight changes. Returns the number of modules changed."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
+    check (file, keys, shapes, alphas, arguments) runs before any weight changes. Returns the number of modules
+    changed."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
-    if expert is not None and (isinstance(expert, bool) or expert not in range(len(models))):
-        raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use "
-                              f"{' or '.join(map(str, range(len(models))))}, or None for all.")
+    if not _finite(scale):
+        raise InvalidArgument(f"scale={scale!r} must be a finite number (the LoRA's strength, 1.0 as trained).")
+    experts = " or ".join(map(str, range(len(models))))
+    if expert is not None and (isinstance(expert, bool) or not isinstance(expert, numbers.Integral)):
+        raise InvalidArgumentType(f"expert={expert!r} must be an int ({experts}) or None for all experts.")
+    if expert is not None and expert not in range(len(models)):
+        raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use {experts}, "
+                              "or None for all.")
+    expert = None if expert is None else int(expert)
     tensors = read_lora(path) if tensors is None else tensors
     chosen = range(len(models)) if expert is None else [expert]
     updates = {i: lora_updates(tensors, models[i], f"LoRA {str(path)!r}") for i in chosen}

@@ -76,7 +76,8 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         kw = {"step_index": i, "num_steps": n}
         if image_tokens is not None:
             kw["image"] = image_tokens
-        if do_cfg and (i < gate_at or delta is None):
+        step_cfg = do_cfg and gs != 1.0  # scale 1: the conditional prediction alone
+        if step_cfg and (i < gate_at or delta is None):
             if split_cfg:  # one pass per CFG group of ranks, the two predictions exchanged
                 mine = model(x, timestep, uncond if par.cfg_index else cond, **kw,
                              **cached(expert, "uncond" if par.cfg_index else "cond"))
@@ -90,7 +91,7 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
             forwards += 2
             delta = pos - neg
             pred = neg + gs * delta
-        elif do_cfg:  # gated: reuse the last guidance direction, no uncond forward
+        elif step_cfg:  # gated: reuse the last guidance direction, no uncond forward
             pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
             forwards += 1
             pred = pos + (gs - 1.0) * delta

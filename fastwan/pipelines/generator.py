@@ -47,7 +47,7 @@ from fastwan.pipelines.checkpoint import (
 from fastwan.pipelines.denoise import denoise
 from fastwan.pipelines.memory import Placement, fits, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
-from fastwan.pipelines.inputs import check_inputs, random_seed
+from fastwan.pipelines.inputs import check_inputs, expert_guidance, random_seed, runs_cfg, token_grid
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
@@ -320,7 +320,8 @@ class VideoGenerator:
         else:
             sampler_shift(s, self.scheduler)
         check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
-                     scheduler=scheduler, max_grid=cfg.rope_max_seq_len)
+                     scheduler=scheduler, max_grid=cfg.rope_max_seq_len, experts=len(self.transformers))
+        self.attention.layout_for(token_grid(s, self.vae_scale_factors, cfg.patch_size), self.device)  # grid rules
 
     def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
@@ -388,6 +389,8 @@ class VideoGenerator:
         video takes the image's aspect ratio at the preset's pixel area, and the images are resized to the size.
         ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
         steps each pass computed are in ``result.cache``.
+        ``guidance_scale_2``: the low-noise expert's scale (two-expert checkpoints only; unset, it follows a given
+        ``guidance_scale``); CFG runs where an expert's scale is above 1 (:mod:`fastwan.pipelines.inputs`).
         ``sampler`` ("default": the checkpoint's scheduler, "euler", "dmd"), ``timesteps`` (euler / dmd: strictly
         decreasing, in (0, 1000]) and ``flow_shift``: :mod:`fastwan.pipelines.sampling`; a distilled checkpoint
         (FastWan) presets its own.
@@ -397,6 +400,7 @@ class VideoGenerator:
         if req is not None and height is None and width is None:
             multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
             height, width = default_size(req.first, self.preset.height * self.preset.width, multiple)
+        guidance_scale, guidance_scale_2 = expert_guidance(self.preset, guidance_scale, guidance_scale_2)
         s = check_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
                                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
                            sampler, timesteps, flow_shift, num_inference_steps)
@@ -446,7 +450,7 @@ class VideoGenerator:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        do_cfg = s.guidance_scale > 1.0
+        do_cfg = runs_cfg(s)
         texts = [prompt, negative_prompt] if do_cfg else [prompt]
         with self._phase("encoding"):
             emb = encode_prompts(texts, self.tokenizer, self.text_encoder, device=dev, dtype=self.dtype)

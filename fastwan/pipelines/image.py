@@ -2,7 +2,12 @@
 is conditioned on, with the numerics of diffusers' ``WanImageToVideoPipeline``.
 
 * :func:`read_image`: a PIL image, an ``np.uint8`` array (H x W x 3, H x W x 4 or H x W) or a file path -> RGB
-  PIL image; anything else raises naming the value.
+  PIL image; anything else raises naming the value. Images of more than 8 bits per sample become 8-bit by fixed
+  rules, never by clipping: 16-bit greyscale (modes ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``, and ``I``, which
+  must hold 16-bit values 0..65535) keep the high byte (``value >> 8``, what Pillow itself does with 16-bit colour
+  PNGs, so grey and colour files of one picture read alike); float images (mode ``F``) must hold values in [0, 1]
+  and become ``round(value * 255)``. Values outside those ranges, and an image too large for Pillow to open
+  (its decompression-bomb limit), raise :class:`InvalidArgument` naming the image.
 * :func:`default_size`: the image's aspect ratio at a preset's pixel area, each side rounded down to the multiple
   the model needs (VAE factor x patch size), as the Wan and diffusers examples compute it.
 * :func:`condition_latents`: the first frame (and for first-last-frame, the last one) as a video with zeros
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,33 +32,90 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.vae.decode import vae_scale_factors
 
 
+SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})  # Pillow's 16-bit greyscale modes
+INT_MODE_MAX = 65535  # an "I" (32-bit integer) image is read as 16-bit data: values 0..65535
+
+
 def read_image(image: Any, name: str = "image"):
     """``image`` (PIL image, np.uint8 array H x W [x 3 or 4], or a file path) -> RGB ``PIL.Image.Image``."""
     from PIL import Image, UnidentifiedImageError
 
+    label = name
     if isinstance(image, (str, Path)):
+        label = f"{name}={str(image)!r}"
         path = Path(image).expanduser()
         try:
             with Image.open(path) as img:
                 img.load()
                 image = img.copy()
         except FileNotFoundError:
-            raise InvalidArgument(f"{name}={str(image)!r}: no such file; give the path of a PNG/JPEG/WebP image.") \
-                from None
+            raise InvalidArgument(f"{label}: no such file; give the path of a PNG/JPEG/WebP image.") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise InvalidArgument(f"{label} is too large to read: {_bomb_size(exc)}, Pillow's guard against "
+                                  "decompression bombs; resize it (a video frame needs about 1 megapixel, e.g. "
+                                  "1280 x 720) and pass the smaller file.") from None
         except (UnidentifiedImageError, OSError) as exc:
-            raise InvalidArgument(f"{name}={str(image)!r} is not a readable image ({exc}); give a PNG/JPEG/WebP "
-                                  "file.") from None
+            raise InvalidArgument(f"{label} is not a readable image ({exc}); give a PNG/JPEG/WebP file.") from None
     elif isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
             raise InvalidArgument(f"{name}: an array must be np.uint8 of shape H x W x 3 (or x 4, or H x W), got "
-                                  f"{image.dtype} {image.shape}; convert it (e.g. (x * 255).round().astype(np.uint8)).")
+                                  f"{image.dtype} {image.shape}; {_array_fix(image.dtype)}")
         image = Image.fromarray(image)
     elif not isinstance(image, Image.Image):
         raise InvalidArgumentType(f"{name}={type(image).__name__}: give a PIL image, an np.uint8 H x W x 3 array or "
                                   "an image file path.")
     if min(image.size) < 1:
-        raise InvalidArgument(f"{name} is {image.size[0]} x {image.size[1]} pixels; it must not be empty.")
-    return image.convert("RGB")
+        raise InvalidArgument(f"{label} is {image.size[0]} x {image.size[1]} pixels; it must not be empty.")
+    return _to_rgb(image, label)
+
+
+def _to_rgb(image, label: str):
+    """A PIL image of any mode -> RGB, with the 16-bit and float rules of the module docstring."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode in SIXTEEN_BIT_MODES or mode == "I":
+        values = np.asarray(image)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi > INT_MODE_MAX:
+            raise InvalidArgument(f"{label}: a mode {mode!r} image is read as 16-bit greyscale (values 0..65535), "
+                                  f"but it holds values {lo}..{hi}; convert it to an 8-bit 'L' or 'RGB' image "
+                                  "first.")
+        image = Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8))
+    elif mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        if not np.isfinite(values).all():
+            raise InvalidArgument(f"{label}: a float (mode 'F') image must hold finite values in [0, 1], but it "
+                                  "holds NaN or infinity; replace them, or convert it to an 8-bit 'L' or 'RGB' "
+                                  "image first.")
+        lo, hi = float(values.min()), float(values.max())
+        if lo < 0 or hi > 1:
+            raise InvalidArgument(f"{label}: a float (mode 'F') image must hold values in [0, 1] (scaled by 255), "
+                                  f"but it holds {lo:g}..{hi:g}; rescale it to [0, 1], or convert it to an 8-bit "
+                                  "'L' or 'RGB' image first.")
+        image = Image.fromarray(np.round(values * 255).astype(np.uint8))
+    try:
+        return image.convert("RGB")
+    except ValueError as exc:
+        raise InvalidArgument(f"{label}: Pillow cannot convert a mode {mode!r} image to RGB ({exc}); convert it "
+                              "to an 8-bit 'RGB' image first.") from None
+
+
+def _array_fix(dtype) -> str:
+    """The conversion to suggest for an array of ``dtype`` (the rules of the module docstring)."""
+    if dtype == np.uint16:
+        return "convert it (16-bit data keeps its high byte: (x >> 8).astype(np.uint8))."
+    if np.issubdtype(dtype, np.floating):
+        return "convert it (values in [0, 1]: (x * 255).round().astype(np.uint8))."
+    return "convert it (e.g. values in [0, 255]: x.astype(np.uint8))."
+
+
+def _bomb_size(exc: Exception) -> str:
+    """The pixel count and limit in Pillow's decompression-bomb message (the message itself if it has none)."""
+    found = re.search(r"\((\d+) pixels\) exceeds limit of (\d+) pixels", str(exc))
+    if found is None:
+        return str(exc)
+    return f"{int(found[1]):,} pixels, over the limit of {int(found[2]):,}"
 
 
 def default_size(image, area: int, multiple: int) -> tuple[int, int]:

@@ -16,11 +16,11 @@ RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from
 
 
 def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
-                 scheduler, max_grid: int | None = None) -> None:
+                 scheduler, max_grid: int | None = None, experts: int = 1) -> None:
     """``prompt``/``negative_prompt`` and the resolved settings ``s`` (a Preset) for a VAE of (temporal, spatial)
-    ``vae_factors``, a DiT of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and ``scheduler`` (the
-    diffusers scheduler that will run the steps; None for fastwan's own samplers, whose timesteps were checked);
-    raises InvalidArgument/InvalidArgumentType."""
+    ``vae_factors``, ``experts`` DiTs of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and
+    ``scheduler`` (the diffusers scheduler that will run the steps; None for fastwan's own samplers, whose
+    timesteps were checked); raises InvalidArgument/InvalidArgumentType."""
     if not isinstance(prompt, str):
         raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
     if not prompt.strip():
@@ -53,11 +53,37 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
     _check_number("guidance_scale", s.guidance_scale)
     if s.guidance_scale_2 is not None:
         _check_number("guidance_scale_2", s.guidance_scale_2)
+        if experts == 1:
+            raise InvalidArgument(
+                f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
+                "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
     if not is_int(s.fps) or s.fps < 1:
         raise InvalidArgument(f"fps={s.fps!r} must be a positive int (e.g. 16).")
     _check_seed(seed)
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))
+
+
+def expert_guidance(preset, guidance_scale, guidance_scale_2) -> tuple:
+    """The call's (guidance_scale, guidance_scale_2) before the preset fills what is None. Rule (diffusers'): on a
+    two-expert checkpoint a guidance_scale given without guidance_scale_2 sets both experts' scales; neither
+    given: the preset's pair."""
+    if guidance_scale_2 is None and guidance_scale is not None and preset.guidance_scale_2 is not None:
+        return guidance_scale, guidance_scale
+    return guidance_scale, guidance_scale_2
+
+
+def runs_cfg(s) -> bool:
+    """Rule: a video runs CFG (and encodes the negative prompt) when some expert's guidance scale is above 1; a
+    step then runs the unconditional pass unless its expert's scale is exactly 1 (its prediction is the
+    conditional one). diffusers looks at ``guidance_scale`` alone, ignoring ``guidance_scale_2`` when it is 1."""
+    return s.guidance_scale > 1.0 or (s.guidance_scale_2 is not None and s.guidance_scale_2 > 1.0)
+
+
+def token_grid(s, vae_factors: tuple[int, int], patch: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The DiT's (frames, height, width) token grid of a checked video ``s``."""
+    vt, vs = vae_factors
+    return ((s.num_frames - 1) // vt + 1) // patch[0], s.height // (vs * patch[1]), s.width // (vs * patch[2])
 
 
 def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid: int | None) -> None:

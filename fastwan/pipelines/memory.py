@@ -143,9 +143,10 @@ def job_footprint(ckpt, weights: dict[str, int], s, dtype, quantization, cfg_bat
     """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) for ``ckpt``'s
     :func:`weight_bytes` ``weights``, where ``cfg_batched(tokens)`` says whether CFG runs as one batch of 2, with
     ``vae_chunk`` ("auto" or latent frames per decoder call)."""
+    from fastwan.pipelines.inputs import runs_cfg
     from fastwan.vae.decode import auto_chunk_frames
 
-    cfg = s.guidance_scale > 1.0
+    cfg = runs_cfg(s)
     batch = 2 if cfg and cfg_batched(video_tokens(ckpt.transformer_config, s.height, s.width, s.num_frames)) else 1
     chunk = auto_chunk_frames(s.height, s.width, VAE_FACTORS[0]) if vae_chunk == "auto" else vae_chunk
     return estimate_footprint(ckpt, weights, dtype=dtype, quantization=quantization, height=s.height,

@@ -38,8 +38,12 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType, OutputExistsErr
 VIDEO_SUFFIX = ".mp4"
 # Suffixes that name a video or image file of a format fastwan does not write (refused rather than made a folder).
 REFUSED_SUFFIXES = frozenset({
-    ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv", ".flv", ".ogv", ".3gp", ".ts",
-    ".gif", ".png", ".jpg", ".jpeg", ".webp", ".apng",
+    # video
+    ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv", ".flv", ".ogv", ".3gp", ".3g2", ".ts",
+    ".mts", ".m2ts", ".mxf", ".vob", ".f4v", ".h264", ".h265", ".hevc", ".y4m",
+    # image
+    ".gif", ".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".apng", ".bmp", ".tif", ".tiff", ".avif", ".heic",
+    ".heif", ".jxl", ".jp2", ".ico", ".tga", ".exr", ".svg",
 })
 SLUG_CHARS = 60  # the readable part of an automatic name
 DIGEST_HEX = 10  # hex digits of the settings digest in an automatic name

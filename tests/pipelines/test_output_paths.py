@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
+from fastwan.pipelines.output import check_output_path
 
 SMALL = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
 
@@ -225,12 +226,20 @@ def test_unwritable_folder_fails_before_compute(no_compute, tmp_path):
         folder.chmod(0o700)
 
 
-@pytest.mark.parametrize("name", ["clip.mov", "clip.AVI", "clip.gif", "clip.webm"])
+@pytest.mark.parametrize("name", ["clip.mov", "clip.AVI", "clip.gif", "clip.webm", "clip.mkv", "clip.webp",
+                                  "clip.png", "clip.jpg", "clip.JPEG", "clip.bmp", "clip.tif", "clip.TIFF",
+                                  "clip.avif", "clip.heic", "clip.HEIF"])
 def test_other_video_formats_are_refused_before_compute(no_compute, tmp_path, name):
     with pytest.raises(ValueError) as e:
-        no_compute.generate_video("a cat", seed=0, output_path=tmp_path / name, **SMALL)
-    assert name in str(e.value) and "mp4" in str(e.value)
-    assert files(tmp_path) == []
+        no_compute.generate_video("a cat", seed=0, output_path=tmp_path / "out" / name, **SMALL)
+    assert name in str(e.value) and "mp4" in str(e.value) and "'/'" in str(e.value)
+    assert files(tmp_path) == []  # no folder named after the file
+
+
+@pytest.mark.parametrize("name", ["clip.mp4", "clip.Mp4", "CLIP.MP4"])
+def test_mp4_in_any_case_names_the_file(name):
+    target = check_output_path(Path("out") / name, False)
+    assert (target.folder, target.explicit) == (Path("out"), Path("out") / name)
 
 
 def test_tilde_is_the_home_folder(gen, tmp_path, monkeypatch):
