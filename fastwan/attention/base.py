@@ -7,10 +7,13 @@ turns that data plus the actual tensors into a list of human-readable reasons. A
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from fastwan.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from fastwan.attention.sparse.layout import TokenLayout
@@ -110,6 +113,22 @@ def reasons_cannot_run(
     return reasons
 
 
+def reject_unknown(backend: str, unknown: Iterable, valid: Sequence[str], hint: str = "") -> None:
+    """Raise :class:`InvalidArgument` when ``unknown`` (config keys) is not empty: it names the keys, the backend
+    and the keys it accepts (or that it takes none); ``hint`` is appended (e.g. which backends take them)."""
+    unknown = sorted(unknown, key=str)
+    if not unknown:
+        return
+    names = ", ".join(repr(k) for k in unknown)
+    if valid:
+        rule = f"valid keys are {', '.join(valid)}"
+        fix = "Check the spelling in attention_config / FASTWAN_ATTENTION_CONFIG"
+    else:
+        rule = "it takes no settings"
+        fix = "Remove attention_config / FASTWAN_ATTENTION_CONFIG, or name the backend these settings are for"
+    raise InvalidArgument(f"{backend}: unknown config key(s) {names}; {rule}. {fix}{hint}.")
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Validate shapes/dtypes/devices of a [B, S, H, D] attention call; raises ValueError/TypeError."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -142,6 +161,9 @@ class AttentionBackend:
     name: ClassVar[str] = "BASE"
     capabilities: ClassVar[Capabilities] = Capabilities()
     sparse: ClassVar[bool] = False  # sparse backends need a TokenLayout and only serve self-attention
+    # Constructor keywords a config (attention_config / FASTWAN_ATTENTION_CONFIG) may set; any other key is
+    # rejected by registry.create_backend before the backend is built.
+    KEYS: ClassVar[tuple[str, ...]] = ()
 
     def reasons(
         self,

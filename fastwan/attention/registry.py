@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastwan import envs
-from fastwan.attention.base import AttentionBackend
+from fastwan.attention.base import AttentionBackend, reject_unknown
 from fastwan.errors import InvalidArgument, InvalidArgumentType, UserError
 
 logger = logging.getLogger("fastwan.attention")
@@ -59,12 +59,31 @@ def _check_name(name: str, source: str) -> str:
     return key
 
 
-def create_backend(name: str, config: Mapping[str, Any] | None = None, *, source: str = "attention_backend"):
-    """Instantiate a backend by name (case-insensitive); ``config`` goes to its constructor."""
-    key = _check_name(name, source)
+def _backend_class(key: str) -> type[AttentionBackend]:
     module, cls = BACKENDS[key].split(":")
-    klass = getattr(importlib.import_module(module), cls)
-    return klass(**dict(config or {}))
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_backend(name: str, config: Mapping[str, Any] | None = None, *, source: str = "attention_backend"):
+    """Instantiate a backend by name (case-insensitive); ``config`` goes to its constructor.
+
+    Every key of ``config`` must be one of the backend's declared ``KEYS``; others raise
+    :class:`InvalidArgument` (naming the keys, the backend, the keys it accepts and the backends that take
+    them) before the backend is built."""
+    key = _check_name(name, source)
+    if config is not None and not isinstance(config, Mapping):
+        raise InvalidArgumentType(
+            f"attention config {config!r} must be a dict of {key}'s settings (keyword -> value), got "
+            f"{type(config).__name__}."
+        )
+    config = dict(config or {})
+    klass = _backend_class(key)
+    unknown = [k for k in config if k not in klass.KEYS]
+    if unknown:
+        takers = {k: [n for n in BACKENDS if n != key and k in _backend_class(n).KEYS] for k in unknown}
+        hint = "; ".join(f"{k!r} is a setting of {' / '.join(v)}" for k, v in takers.items() if v)
+        reject_unknown(key, unknown, klass.KEYS, hint=f" ({hint})" if hint else "")
+    return klass(**config)
 
 
 _CURRENT: contextvars.ContextVar[AttentionBackend | str | None] = contextvars.ContextVar(
@@ -115,9 +134,17 @@ def resolve_backend(
     """Return a backend that can run (device, dtype, head_dim); raise if an explicit one cannot."""
     choice, source = requested_backend(requested, env)
     if choice is not None:
-        backend = (
-            choice if isinstance(choice, AttentionBackend) else create_backend(choice, config, source=source)
-        )
+        if isinstance(choice, AttentionBackend):
+            if config:
+                raise InvalidArgument(
+                    f"an attention config ({sorted(config, key=str)}) was given with an already-built "
+                    f"{choice.name} backend instance (requested by {source}); a config cannot change a built "
+                    f"backend. Pass these settings to its constructor (e.g. create_backend({choice.name!r}, "
+                    f"config)), or pass the backend by name ({choice.name!r}) together with the config."
+                )
+            backend = choice
+        else:
+            backend = create_backend(choice, config, source=source)
         reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
         if reasons:
             raise BackendUnavailableError(
@@ -148,15 +175,14 @@ def auto_backend(
     seq_q: int | None = None,
     seq_kv: int | None = None,
 ) -> AttentionBackend:
-    """The first backend of :data:`AUTO_ORDER` that can run; skips are logged at debug level."""
+    """The first backend of :data:`AUTO_ORDER` that can run; skips are logged at debug level.
+
+    Only a backend's ``reasons`` (it cannot run here) or an unverified kernel let it be skipped. Constructing a
+    backend reads the user's settings (e.g. ``FASTWAN_SDPA_KERNEL``, ``FASTWAN_FLASH_ATTN_VERSION``); an error
+    there is the user's to fix and propagates, whatever the device."""
     skipped = []
     for name in AUTO_ORDER:
-        try:
-            backend = create_backend(name)
-        except Exception as exc:  # a backend whose constructor fails is simply not available
-            skipped.append(f"{name}: {exc}")
-            logger.debug("auto attention: skip %s (%s)", name, exc)
-            continue
+        backend = create_backend(name)
         reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
         if not reasons:
             why = backend.unverified(device, head_dim)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.sparse.layout import choose_tile
+from fastwan.attention.sparse.layout import choose_tile, default_block_size
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse.masks import na_mask_1d
 from fastwan.attention.sparse.vsa import topk_count
@@ -327,3 +327,41 @@ def test_na_auto_tile_follows_a_block_sized_stride():
     assert plan.token_pred is None  # windows on tile boundaries: blocks are full or empty
     small = create_backend("NEIGHBORHOOD_ATTN", {"kernel_size": [3, 3, 3], "stride": [1, 2, 2]})
     assert small.tile_for((21, 30, 52)) == choose_tile((21, 30, 52))  # a 4-token stride is no tile
+
+
+# ------------------------------------------------------------------------------------------ tiles larger than the grid
+BIG_TILE_GRID, BIG_TILE, CLAMPED = (3, 5, 7), (4, 2, 9), (3, 2, 7)  # T and W tiles exceed the grid, H does not
+
+
+@pytest.mark.parametrize(
+    "name,conf,reference",
+    [
+        ("SLIDING_TILE_ATTN", {"window": [1, 3, 1]}, lambda q, k, v, tile: ref_attention(
+            q, k, v, sta_ref_mask(BIG_TILE_GRID, tile, (1, 3, 1)))),
+        ("VIDEO_SPARSE_ATTN", {"sparsity": 0.5}, lambda q, k, v, tile: vsa_reference(
+            q, k, v, BIG_TILE_GRID, tile, 0.5)),
+        ("NEIGHBORHOOD_ATTN", {"kernel_size": [3, 3, 5]}, lambda q, k, v, tile: ref_attention(
+            q, k, v, na_ref_mask(BIG_TILE_GRID, (3, 3, 5), (1, 1, 1), (1, 1, 1), (False,) * 3))),
+    ],
+)
+def test_tile_larger_than_grid_is_clamped(name, conf, reference):
+    """The tile is clamped per dimension to the grid: the same output as the clamped tile (and as the reference
+    with the tile as given), in no more slots than the clamped tiles need."""
+    big = create_backend(name, {**conf, "tile": list(BIG_TILE)})
+    small = create_backend(name, {**conf, "tile": list(CLAMPED)})
+    layout = big.layout(BIG_TILE_GRID, "cpu")
+    assert layout.tile == CLAMPED and layout.tile_grid == (1, 3, 1)
+    assert layout.padded_tokens == 3 * default_block_size(CLAMPED) == 3 * 64  # not 3 * 128 for the 72-token tile
+    q, k, v = qkv(BIG_TILE_GRID, seed=7)
+    out = run(big, BIG_TILE_GRID, q, k, v)
+    torch.testing.assert_close(out, run(small, BIG_TILE_GRID, q, k, v), atol=1e-6, rtol=1e-6)
+    close(out, reference(q, k, v, BIG_TILE))
+
+
+def test_tile_larger_than_the_whole_grid_needs_no_padding():
+    grid = (5, 8, 8)
+    b = create_backend("SLIDING_TILE_ATTN", {"tile": [16, 32, 32]})
+    layout = b.layout(grid, "cpu")
+    assert layout.tile == grid and layout.padded_tokens == math.prod(grid)  # was 16384 slots for 320 tokens
+    q, k, v = qkv(grid, heads=2, batch=1, seed=8)
+    close(run(b, grid, q, k, v), ref_attention(q, k, v, torch.ones(1, dtype=torch.bool)))

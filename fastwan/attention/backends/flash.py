@@ -115,6 +115,7 @@ class FlashAttnBackend(AttentionBackend):
         max_head_dim=256,
         min_compute_capability=(8, 0),
     )
+    KEYS = ("version", "nvfp4", "fa4_tile_m", "fa4_split")
 
     def __init__(self, version: int | str | None = None, nvfp4: bool | None = None, fa4_tile_m: int | str = "auto",
                  fa4_split: bool = True):
@@ -123,7 +124,7 @@ class FlashAttnBackend(AttentionBackend):
         if version is not None:
             if isinstance(version, str) and version.strip() in ("2", "3", "4"):
                 version = int(version)
-            if version not in VARIANTS or isinstance(version, bool):
+            if isinstance(version, bool) or not isinstance(version, int) or version not in VARIANTS:
                 raise InvalidArgument(
                     f"FLASH_ATTN version={version!r} is not 2, 3 or 4; leave it unset to use the best installed."
                 )

@@ -59,6 +59,7 @@ class SageAttnBackend(AttentionBackend):
         max_head_dim=128,
         packages=(("sageattention", INSTALL),),
     )
+    KEYS = ()  # takes no settings
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None) -> list[str]:
         reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)

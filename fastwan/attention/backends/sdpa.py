@@ -75,12 +75,13 @@ def _probe(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
     capabilities = Capabilities(dtypes=_ALL)
+    KEYS = ("kernel",)
 
     def __init__(self, kernel: str | None = None):
-        kernel = (kernel or envs.sdpa_kernel()).lower()
-        if kernel not in envs.SDPA_KERNELS:
+        kernel = kernel or envs.sdpa_kernel()
+        if not isinstance(kernel, str) or kernel.lower() not in envs.SDPA_KERNELS:
             raise InvalidArgument(f"SDPA kernel {kernel!r} is unknown; use one of {', '.join(envs.SDPA_KERNELS)}.")
-        self.kernel = kernel
+        self.kernel = kernel.lower()
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
         device = torch.device(device)

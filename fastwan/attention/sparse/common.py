@@ -36,8 +36,9 @@ def _device_key(device: torch.device | str) -> torch.device:
 class SparseVideoBackend(AttentionBackend):
     """Base of STA / NA / VSA. Subclasses implement :meth:`plan` (or override :meth:`forward`).
 
-    Common config keys: ``tile`` ([t, h, w] tokens, or "auto" where allowed), ``block_size`` (slots per
-    tile; default: tile tokens rounded up to a multiple of 64, 128 for "auto"), ``dense_steps`` (the first
+    Common config keys: ``tile`` ([t, h, w] tokens, clamped per dimension to the grid; or "auto" where
+    allowed), ``block_size`` (slots per tile; default: the clamped tile's tokens rounded up to a multiple of
+    64, 128 for "auto"), ``dense_steps`` (the first
     denoising steps use full attention), ``kernel`` (auto | flex | sdpa | fa4) and ``kernel_options`` (extra
     FlexAttention kernel options, e.g. {"num_stages": 2}).
     """
@@ -63,9 +64,12 @@ class SparseVideoBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ layout
     def tile_for(self, grid) -> tuple[int, int, int]:
+        """The tile used on ``grid``: an explicit tile clamped per dimension to the grid. A tile entry >= the
+        grid size already covers that whole dimension with one tile, so clamping keeps the tile grid (STA
+        windows, VSA tiles and their pooling are unchanged) and only drops the dummy slots past the grid."""
         if self.tile == "auto":
             return choose_tile(grid, self.block_size or 128)
-        return self.tile
+        return tuple(min(t, g) for t, g in zip(self.tile, grid))
 
     def layout(self, grid, device: torch.device | str) -> TokenLayout:
         """The TokenLayout for ``grid`` on ``device`` (built once, cached)."""

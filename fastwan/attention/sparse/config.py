@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastwan.attention.base import reject_unknown  # noqa: F401  (the sparse backends call cfg.reject_unknown)
 from fastwan.errors import InvalidArgument
 
 Triple = tuple[int, int, int]
@@ -60,15 +61,6 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
             f"got a JSON {type(data).__name__}."
         )
     return data
-
-
-def reject_unknown(backend: str, unknown: Mapping[str, Any], valid: Sequence[str]) -> None:
-    if unknown:
-        names = ", ".join(repr(k) for k in sorted(unknown))
-        raise InvalidArgument(
-            f"{backend}: unknown config key(s) {names}; valid keys are {', '.join(valid)}. "
-            "Check the spelling in attention_config / FASTWAN_ATTENTION_CONFIG."
-        )
 
 
 def _is_int(x: Any) -> bool:
