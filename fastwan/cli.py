@@ -7,6 +7,7 @@ exception is a bug and propagates with its traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -19,9 +20,17 @@ USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
 USER_ERROR_EXIT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as fastwan's user errors: one line on stderr, exit 2 (no usage dump)."""
+
+    def error(self, message: str):
+        print(f"fastwan: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="make a video from a text prompt (and an image)")
-    p.add_argument("--prompt", required=True, help="what the video shows")
+    p.add_argument("--prompt", required=True, type=_prompt_arg, help="what the video shows")
     p.add_argument("--model", default="tiny",
                    help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v / "
                         "tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b (default: tiny)")
@@ -29,21 +38,21 @@ def _generate_parser(sub) -> None:
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
     p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
     p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints): an image file")
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--num-frames", type=int, default=None, help="4k+1 frames, e.g. 81")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps")
+    p.add_argument("--height", type=_positive_int, default=None)
+    p.add_argument("--width", type=_positive_int, default=None)
+    p.add_argument("--num-frames", type=_positive_int, default=None, help="4k+1 frames, e.g. 81")
+    p.add_argument("--steps", type=_positive_int, default=None, help="denoising steps")
     p.add_argument("--sampler", choices=("default", "euler", "dmd"), default=None,
                    help="default: the checkpoint's (its scheduler; dmd for FastWan); euler for step-distilled LoRAs")
     p.add_argument("--timesteps", type=_timesteps_arg, default=None, metavar="T1,T2,...",
                    help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)")
-    p.add_argument("--flow-shift", type=float, default=None, help="default: the checkpoint's (8 for FastWan)")
-    p.add_argument("--guidance-scale", type=float, default=None)
-    p.add_argument("--guidance-scale-2", type=float, default=None,
+    p.add_argument("--flow-shift", type=_shift_arg, default=None, help="default: the checkpoint's (8 for FastWan)")
+    p.add_argument("--guidance-scale", type=_scale_arg, default=None)
+    p.add_argument("--guidance-scale-2", type=_scale_arg, default=None,
                    help="low-noise expert's scale (Wan2.2 A14B; default: --guidance-scale when given, else the "
                         "preset's)")
-    p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
-    p.add_argument("--fps", type=int, default=None)
+    p.add_argument("--seed", type=_seed_arg, default=None, help="default: a random seed (printed)")
+    p.add_argument("--fps", type=_positive_int, default=None)
     p.add_argument("--output", default="outputs/", help="folder, or a path ending in .mp4")
     p.add_argument("--overwrite", action="store_true", help="replace an existing video at the output path")
     p.add_argument("--attention-backend", default=None,
@@ -88,6 +97,43 @@ def _quantize_parser(sub) -> None:
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available)")
 
 
+def _prompt_arg(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty; describe the video, e.g. 'a cat surfing a wave'")
+    return text
+
+
+def _real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
+
+
+def _scale_arg(text: str) -> float:
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (e.g. 5.0; 1.0 or less: no CFG)")
+    return value
+
+
+def _shift_arg(text: str) -> float:
+    value = _real(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0 (e.g. 3.0 at 480p, 5.0 at 720p)")
+    return value
+
+
+def _seed_arg(text: str) -> int:
+    value = _positive_int(text, "an int in [0, 2**64)", minimum=0)
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"{value} must be < 2**64")
+    return value
+
+
 def _timesteps_arg(text: str) -> list[float]:
     """'1000,757,522' -> [1000.0, 757.0, 522.0] (the generator checks the values)."""
     try:
@@ -104,13 +150,13 @@ def _chunk_arg(text: str):
     return _positive_int(text, "'auto' or an int >= 1", " (1 = frame-by-frame decode)")
 
 
-def _positive_int(text: str, what: str = "an int >= 1", note: str = "") -> int:
+def _positive_int(text: str, what: str = "an int >= 1", note: str = "", minimum: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1{note}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}{note}")
     return value
 
 
@@ -144,8 +190,12 @@ def _run_generate(args) -> int:
 
     from fastwan import VideoGenerator
     from fastwan.options import DiTOptions
+    from fastwan.pipelines.image import read_image
 
     _check_output(args)
+    for name in ("image", "last_image"):  # an unreadable image fails before the model loads
+        if getattr(args, name) is not None:
+            read_image(getattr(args, name), name)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _dtype_name(args, device))
     gen = VideoGenerator.from_pretrained(
@@ -222,7 +272,10 @@ def _report_user_errors(run: Callable[[], int]) -> int:
     try:
         return run()
     except USER_ERRORS as exc:
-        launched = envs.torchrun_env()
+        try:
+            launched = envs.torchrun_env()
+        except USER_ERRORS:  # a bad launcher variable is reported by the run itself when it matters
+            launched = None
         rank = f"rank {launched[0]}: " if launched is not None and launched[2] > 1 else ""  # which process said it
         print(f"fastwan: error: {rank}{one_line(exc)}", file=sys.stderr)
         return USER_ERROR_EXIT
@@ -232,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "env":
         return _report_user_errors(lambda: _run_env(argv[1:]))
-    parser = argparse.ArgumentParser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
+    parser = _Parser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _quantize_parser(sub)

@@ -235,12 +235,14 @@ def parse_lora_spec(spec) -> list[tuple[str, float]]:
     if spec is None:
         return []
     items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
     out = []
     for item in items:
         if isinstance(item, (str, Path)):
             item = (item, 1.0)
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)) \
-            and isinstance(item[1], (int, float)) and not isinstance(item[1], bool)
+            and isinstance(item[1], numbers.Real) and not isinstance(item[1], bool)
         if not ok:
             raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
         if not _finite(item[1]):

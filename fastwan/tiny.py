@@ -196,8 +196,14 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
     final = tiny_cache_dir() / f"{variant}-v{_FORMAT}"
     if (final / "model_index.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-", dir=final.parent))
+    except OSError as exc:
+        raise MissingFileError(
+            f"the tiny checkpoint cannot be written under {final.parent} ({exc.strerror or exc}); point "
+            "FASTWAN_CACHE (or XDG_CACHE_HOME) at a folder you can write to."
+        ) from None
     try:
         write_tiny_checkpoint(tmp, variant)
         try:

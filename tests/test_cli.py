@@ -239,3 +239,44 @@ def test_cli_bad_timesteps_is_one_line(tmp_path, capsys):
     errors = [ln for ln in err.split("\n") if "error" in ln]
     assert "Traceback" not in err and len(errors) == 1 and "timesteps=[500.0, 750.0]" in errors[0], err
     assert "strictly decreasing" in errors[0]
+
+
+def _exit_code(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's errors end the program
+        return exc.code
+
+
+def test_argument_errors_are_one_line_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    """The rules an argument obeys without a model (ranges, an unreadable --image, argparse's own checks) fail as
+    one line and exit 2 before from_pretrained is called; argparse's usage text is not dumped."""
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", loaded)
+    base = ["generate", "--prompt", "a kite", "--output", str(tmp_path / "out")]
+    cases = [
+        (["--steps", "0"], ["--steps", "must be >= 1"]), (["--fps", "0"], ["--fps"]),
+        (["--num-frames", "-3"], ["--num-frames"]), (["--height", "48.0"], ["--height", "'48.0'"]),
+        (["--seed", "-1"], ["--seed", ">= 0"]), (["--seed", str(2**64)], ["--seed", "< 2**64"]),
+        (["--guidance-scale", "nan"], ["--guidance-scale", "finite"]), (["--guidance-scale-2", "-1"], [">= 0"]),
+        (["--flow-shift", "0"], ["--flow-shift", "> 0"]), (["--prompt", "  "], ["--prompt", "empty"]),
+        (["--vae-chunk-frames", "0"], ["--vae-chunk-frames"]), (["--dtype", "float64"], ["--dtype", "float64"]),
+        (["--image", str(tmp_path / "none.png")], ["none.png", "no such file"]),
+        (["--image", str(tmp_path)], ["not a readable image"]),
+    ]
+    for extra, words in cases:
+        capsys.readouterr()
+        assert _exit_code(base + extra) == 2, extra
+        assert_one_error_line(capsys.readouterr().err, words, extra)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_bad_launcher_variable_does_not_hide_the_user_error(monkeypatch, tmp_path, capsys):
+    existing = tmp_path / "v.mp4"
+    existing.write_bytes(b"kept")
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert cli.main(["generate", "--prompt", "p", "--output", str(existing)]) == 2
+    assert_one_error_line(capsys.readouterr().err, [str(existing), "--overwrite"], "WORLD_SIZE=abc")
+    assert existing.read_bytes() == b"kept"

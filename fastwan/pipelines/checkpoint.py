@@ -111,7 +111,7 @@ class Checkpoint:
     vsa_gates: bool = False  # the DiT was trained with VSA (it carries attn1.to_gate_compress)
     # the diffusers ``variant`` of each component's weight files (None: the plain files); from_pretrained passes
     # it to diffusers / transformers
-    variants: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    variants: dict = dataclasses.field(default_factory=dict)
 
     @property
     def needs_image(self) -> bool:
@@ -423,7 +423,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, gates[0],
-                      MappingProxyType({comp: weight_variant(fs) for comp, fs in files.items()}))
+                      {comp: weight_variant(fs) for comp, fs in files.items()})
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

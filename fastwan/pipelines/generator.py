@@ -217,17 +217,17 @@ class VideoGenerator:
         if budget is not None and device.type != "cuda":
             raise InvalidArgument(f"max_gpu_memory={max_gpu_memory!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
-        ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)
         cache = check_cache(cache)
+        check_chunk(vae_chunk_frames)
+        loras = parse_lora_spec(lora)
+        ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
-        loras = parse_lora_spec(lora)
         lora_files = check_loras(loras, ckpt.transformer_config)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
-        check_chunk(vae_chunk_frames)
         attention_backend, config = trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)

@@ -20,6 +20,7 @@ that asks for another step count without timesteps gets evenly spaced ones.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import replace
 
 import torch
@@ -42,7 +43,7 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
         raise InvalidArgument(f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
                               "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
     steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise InvalidArgument(f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled "
                               "models).")
     if timesteps is not None:
@@ -60,18 +61,18 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
         ts = preset.timesteps if preset.timesteps is not None and len(preset.timesteps) == steps else None
     shift = preset.flow_shift if flow_shift is None else flow_shift
     if shift is not None:
-        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
+        if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or not math.isfinite(shift) or shift <= 0:
             raise InvalidArgument(f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, "
                                   "8.0 for FastWan).")
         shift = float(shift)
-    return replace(preset, sampler=name, num_inference_steps=steps, timesteps=ts, flow_shift=shift)
+    return replace(preset, sampler=name, num_inference_steps=int(steps), timesteps=ts, flow_shift=shift)
 
 
 def _check_timesteps(timesteps) -> tuple[float, ...]:
     if isinstance(timesteps, (str, bytes)) or not hasattr(timesteps, "__iter__"):
         raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers, e.g. [1000, 757, 522].")
     ts = tuple(timesteps)
-    if not ts or any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in ts):
+    if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
     ts = tuple(float(t) for t in ts)
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
