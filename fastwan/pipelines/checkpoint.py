@@ -293,9 +293,9 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
                          i2v and _index_image_encoder(index, path), index.get("_class_name") == DMD_PIPELINE)
 
 
-# the configuration file each component folder must hold (valid JSON objects), and the tokenizer's files
-_COMPONENT_CONFIGS = {"transformer": "config.json", "transformer_2": "config.json", "text_encoder": "config.json",
-                      "vae": "config.json", "scheduler": "scheduler_config.json", "image_encoder": "config.json",
+# the configuration file (a JSON object) of each component loaded by diffusers / transformers; the DiTs' configs
+# and the scheduler's are read by their own checks (_expert_configs, check_scheduler_config)
+_COMPONENT_CONFIGS = {"text_encoder": "config.json", "vae": "config.json", "image_encoder": "config.json",
                       "image_processor": "preprocessor_config.json"}
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # UMT5's tokenizer: the fast one or its SentencePiece model
 

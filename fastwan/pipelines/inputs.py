@@ -92,8 +92,7 @@ def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid
     if frames % patch[0]:
         raise InvalidArgument(f"num_frames={s.num_frames} gives {frames} latent frames, not a multiple of the DiT's "
                               f"time patch {patch[0]}; use a num_frames of the form {vt * patch[0]}k+1.")
-    grid = {"num_frames": frames // patch[0], "height": s.height // (vs * patch[1]),
-            "width": s.width // (vs * patch[2])}
+    grid = dict(zip(("num_frames", "height", "width"), token_grid(s, (vt, vs), patch)))
     for name, n in grid.items():
         if max_grid is not None and n > max_grid:
             raise InvalidArgument(

@@ -34,6 +34,7 @@ from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
 from fastwan.offload.stream import held_tensors
 from fastwan.offload.plan import GiB, phase_peaks
+from fastwan.pipelines.inputs import runs_cfg
 
 logger = logging.getLogger("fastwan")
 
@@ -143,7 +144,6 @@ def job_footprint(ckpt, weights: dict[str, int], s, dtype, quantization, cfg_bat
     """The footprint of one video with settings ``s`` (a preset: height, width, frames, guidance) for ``ckpt``'s
     :func:`weight_bytes` ``weights``, where ``cfg_batched(tokens)`` says whether CFG runs as one batch of 2, with
     ``vae_chunk`` ("auto" or latent frames per decoder call)."""
-    from fastwan.pipelines.inputs import runs_cfg
     from fastwan.vae.decode import auto_chunk_frames
 
     cfg = runs_cfg(s)

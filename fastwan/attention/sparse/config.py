@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastwan.attention.base import reject_unknown  # noqa: F401  (the sparse backends call cfg.reject_unknown)
 from fastwan.errors import InvalidArgument
 
 Triple = tuple[int, int, int]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.base import AttentionMetadata, reject_unknown
 from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import masks
@@ -61,7 +61,7 @@ class NeighborhoodBackend(SparseVideoBackend):
         kernel_options: dict | None = None,
         **unknown: Any,
     ):
-        cfg.reject_unknown(self.name, unknown, self.KEYS)
+        reject_unknown(self.name, unknown, self.KEYS)
         super().__init__(tile=tile, block_size=block_size, dense_steps=dense_steps, kernel=kernel,
                          kernel_options=kernel_options)
         self.kernel_size_given = kernel_size is not None  # only the default is fitted to the grid

@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from fastwan.errors import InvalidArgument
-from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.base import AttentionMetadata, reject_unknown
 from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.attention.sparse import masks
@@ -58,7 +58,7 @@ class SlidingTileBackend(SparseVideoBackend):
         kernel_options: dict | None = None,
         **unknown: Any,
     ):
-        cfg.reject_unknown(self.name, unknown, self.KEYS)
+        reject_unknown(self.name, unknown, self.KEYS)
         super().__init__(tile=tile, block_size=block_size, dense_steps=dense_steps, kernel=kernel,
                          kernel_options=kernel_options)
         self.window = cfg.window(window, "window")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.base import AttentionMetadata, reject_unknown
 from fastwan.attention.sparse.layout import TokenLayout
 from fastwan.attention.sparse import config as cfg
 from fastwan.kernels import vsa as vsa_kernels
@@ -97,7 +97,7 @@ class VideoSparseBackend(SparseVideoBackend):
         kernel_options: dict | None = None,
         **unknown: Any,
     ):
-        cfg.reject_unknown(self.name, unknown, self.KEYS)
+        reject_unknown(self.name, unknown, self.KEYS)
         super().__init__(tile=tile, block_size=block_size, dense_steps=dense_steps, kernel=kernel,
                          kernel_options=kernel_options)
         self.sparsity = cfg.sparsity_option(sparsity)
