@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import statistics
@@ -114,8 +115,8 @@ def fastvideo_kernel():
 def fastvideo_fine_path() -> str:
     """The block-sparse kernel ``video_sparse_attn`` takes here, by the package's own rule: the sm90
     ThunderKittens extension when it loads on an sm90 GPU (and FASTVIDEO_VSA_TRITON is not 1), else Triton."""
-    try:
-        from fastvideo_kernel import block_sparse_attn as bsa
+    try:  # the submodule (the package re-exports a function of the same name)
+        bsa = importlib.import_module("fastvideo_kernel.block_sparse_attn")
 
         fwd, bwd = bsa._get_sm90_ops()
         if bsa._force_triton():

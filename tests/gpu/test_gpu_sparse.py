@@ -157,7 +157,10 @@ def test_vsa_kernels_match_torch_path(shape):
     assert "compact" in plan._cache and "compact" not in plan_t._cache  # kernel path vs PyTorch path
     scores_t, _ = b.coarse(q, k, v, layout, scale, with_output=False)
     kth = scores_t.topk(kk, dim=-1).values[..., -1:]
-    near = (scores_t - kth).abs() <= 1e-5 * float(scores_t.abs().max())
+    # bf16 inputs are ranked on bf16 scores (as FastVideo ranks them): the two paths pool in another order, so a
+    # score may round to the neighbouring bf16 value; a near tie is within two units in the last place of the k-th
+    ulp = torch.finfo(scores_t.dtype).eps
+    near = (scores_t.float() - kth.float()).abs() <= 2 * ulp * kth.float().abs() + 1e-5 * float(scores_t.abs().max())
     diff = plan.any != plan_t.any
     print(f"{shape[0]}: {int(diff.sum())} of {diff.numel()} (query, key) tile pairs differ (near ties only)")
     assert bool((~diff | near).all()) and float(diff.float().mean()) < 1e-3

@@ -157,8 +157,8 @@ class VideoSparseBackend(SparseVideoBackend):
         if gate is None:
             return fine
         B, P, H, D = q.shape
-        coarse_tokens = coarse.unsqueeze(2).expand(B, n, layout.block_size, H, D).reshape(B, P, H, D)
-        return fine + coarse_tokens * gate
+        per_tile = (B, n, layout.block_size, H, D)  # the coarse output of a tile broadcast to its slots
+        return torch.addcmul(fine.reshape(per_tile), coarse.unsqueeze(2), gate.reshape(per_tile)).reshape(B, P, H, D)
 
     def dense_mask(self, grid, **kwargs):
         raise TypeError(
