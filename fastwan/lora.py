@@ -258,7 +258,7 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
     check (file, keys, shapes, alphas, arguments) runs before any weight changes. Returns the number of modules
     changed."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
     if not _finite(scale):
         raise InvalidArgument(f"scale={scale!r} must be a finite number (the LoRA's strength, 1.0 as trained).")

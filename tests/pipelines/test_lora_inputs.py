@@ -139,6 +139,19 @@ def test_numpy_int_expert_merges_like_a_python_int(tiny_ckpts, tmp_path):
     assert [s.loaded for s in g._loras] == [[], [(str(path), 1.0)]]
 
 
+def test_numpy_float_scale_merges_like_a_python_float(gen, good):
+    """``load_lora`` takes the NumPy numbers ``from_pretrained(lora=[(path, np.float32(...))])`` takes."""
+    gen.load_lora(good, 0.5)
+    want = snapshot(gen)
+    gen.unload_lora()
+    gen.load_lora(good, np.float32(0.5))
+    try:
+        assert unchanged(gen, want)
+        assert [s.loaded for s in gen._loras] == [[(str(good), 0.5)]]
+    finally:
+        gen.unload_lora()
+
+
 def corrupt_files(good, tmp_path) -> dict:
     data = good.read_bytes()
     files = {"truncated header": data[:500], "truncated data": data[:-100], "empty": b"",
