@@ -68,9 +68,11 @@ def pool_reference(x: torch.Tensor, key_valid: torch.Tensor, counts: torch.Tenso
                    tile_tokens: int, prefix: bool) -> torch.Tensor:
     """Mean over each tile's real tokens: x [B, P, H, D] (layout order, P = n * block_size) -> fp32 [B, n, H, D].
 
-    ``prefix``: every tile's real tokens are its first ``tile_tokens`` slots (one fp32-accumulated sum over
-    them); otherwise a [1, slots] x [slots, H*D] product with the 0/1 ``key_valid`` weights of each tile, in x's
-    dtype (dummy slots add exactly zero). ``counts``: real tokens per tile [n].
+    The sum is accumulated in fp32 and rounded once, as the pooling kernel does (bf16 / fp16 callers round the
+    means to their dtype next: a sum rounded to bf16 first would shift some means by one unit and the top-k with
+    them). ``prefix``: every tile's real tokens are its first ``tile_tokens`` slots (a sum over them); otherwise
+    the dummy slots are replaced by zeros first (whatever they hold, inf and nan included). ``counts``: real
+    tokens per tile [n].
     """
     B, _, H, D = x.shape
     n = counts.numel()
@@ -78,8 +80,8 @@ def pool_reference(x: torch.Tensor, key_valid: torch.Tensor, counts: torch.Tenso
     if prefix:
         summed = xs[:, :, :tile_tokens].sum(2, dtype=torch.float32)
     else:
-        weights = key_valid.view(1, n, 1, block_size).to(x.dtype)
-        summed = torch.matmul(weights, xs).view(B, n, H * D).float()
+        real = key_valid.view(1, n, block_size, 1)
+        summed = torch.where(real, xs, xs.new_zeros(())).sum(2, dtype=torch.float32)
     return (summed / counts.to(torch.float32)[None, :, None]).view(B, n, H, D)
 
 

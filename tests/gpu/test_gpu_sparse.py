@@ -163,6 +163,7 @@ def test_vsa_kernels_match_torch_path(shape):
     near = (scores_t.float() - kth.float()).abs() <= 2 * ulp * kth.float().abs() + 1e-5 * float(scores_t.abs().max())
     diff = plan.any != plan_t.any
     print(f"{shape[0]}: {int(diff.sum())} of {diff.numel()} (query, key) tile pairs differ (near ties only)")
-    assert bool((~diff | near).all()) and float(diff.float().mean()) < 1e-3
+    assert bool((~diff | near).all()), "a tile pair differs that is no near tie of the k-th score"
+    assert float(diff.any(-1).float().mean()) < 0.05  # few rows have a near tie at the k-th place
     assert torch.equal(plan.any.sum(-1), torch.full_like(plan.any.sum(-1), kk))
     torch.testing.assert_close(coarse.float(), coarse_t.float(), rtol=1e-2, atol=1e-3)

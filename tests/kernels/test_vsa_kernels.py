@@ -324,3 +324,23 @@ def test_low_precision_ranking_follows_fastvideo():
     got = plan._selected.reshape(-1, kk)
     assert [sorted(r) for r in got.tolist()] == [sorted(r) for r in want]
     assert any((0 in r) != (1 in r) for r in want)  # the tie decides some rows
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan"), 1e4])
+def test_torch_path_pools_bf16_with_one_rounding(poison):
+    """The PyTorch pooling (CPU, or CUDA without Triton) of bf16 inputs on tiles with dummy slots inside: the fp64
+    mean of each tile's real tokens to fp32 precision (as the kernel accumulates; a sum rounded to bf16 first is
+    ~1e-3 off and moves the top-k), whatever the dummy slots hold."""
+    b = VideoSparseBackend(tile=[3, 5, 8], sparsity=0.8)
+    layout = b.layout((7, 11, 17), "cpu")
+    assert not layout.real_prefix_tiles and layout.has_dummies
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(1, layout.padded_tokens, 2, 16, generator=g) * 3 + 1).to(torch.bfloat16)
+    x[:, ~layout.key_valid] = poison
+    n, bs = layout.num_tiles, layout.block_size
+    real = layout.key_valid.view(n, bs, 1, 1)
+    xd = x.double().view(1, n, bs, 2, 16)
+    want = torch.where(real, xd, torch.zeros((), dtype=torch.float64)).sum(2) / real.sum(1).double()
+    got = tile_pool(x, layout)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)

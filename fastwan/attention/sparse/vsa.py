@@ -69,9 +69,9 @@ def rank_scores(qc: torch.Tensor, kc: torch.Tensor, dtype: torch.dtype, scale: f
 def tile_pool(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """Mean over each tile's real tokens: [B, P, H, D] (layout order) -> fp32 [B, n_tiles, H, D].
 
-    No copy of x: when every tile keeps its real tokens in its first ``tile_tokens`` slots (the tile divides
-    the grid) it is one fp32-accumulated sum over those slots; otherwise a batched [1, slots] x [slots, H*D]
-    product with 0/1 weights per tile (dummy slots contribute exactly zero whatever they hold), in x's dtype.
+    The sums accumulate in fp32, as the pooling kernel's do: over each tile's first ``tile_tokens`` slots when
+    every tile keeps its real tokens there (the tile divides the grid), else over all slots with the dummy ones
+    replaced by zeros (whatever they hold).
     """
     return vsa_kernels.pool_reference(x, layout.key_valid, layout.tile_valid_counts, layout.block_size,
                                       layout.tile_tokens, layout.real_prefix_tiles)
