@@ -18,7 +18,9 @@ blocks are replaced:
   the last residual). ``calibrate=True`` never skips and records the curve of the model it runs.
 * :class:`SkipSteps`: the listed steps reuse the last computed residual (a fixed schedule, e.g. for measurements).
 
-A threshold of 0 turns a method off (the request runs as without a cache, bit for bit).
+A threshold of 0 turns a method off (the request runs as without a cache, bit for bit; a calibrating MagCache,
+which never skips, still calibrates). A request whose step count leaves the method no step it could skip, or that
+lacks a step SkipSteps lists, is refused before its denoising loop.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import dataclasses
 import json
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -53,7 +56,7 @@ def _number(owner: str, name: str, value, *, lo: float = 0.0, hi: float = math.i
     if isinstance(value, bool) or not isinstance(value, kind):
         raise InvalidArgumentType(f"{owner}({name}={value!r}): must be {'an int' if integer else 'a number'}.")
     if not (lo <= value <= hi) or (not integer and not math.isfinite(value)):
-        raise InvalidArgument(f"{owner}({name}={value!r}): must be in [{lo}, {hi}].")
+        raise InvalidArgument(f"{owner}({name}={value!r}): must be a finite number in [{lo}, {hi}].")
     return value
 
 
@@ -121,10 +124,17 @@ class MagCache:
         _number("MagCache", "max_skip_steps", self.max_skip_steps, lo=1, integer=True)
         _number("MagCache", "retention_ratio", self.retention_ratio, hi=1.0)
         _flag("MagCache", "calibrate", self.calibrate)
+        if isinstance(self.mag_ratios, Mapping):
+            raise InvalidArgumentType(f"MagCache(mag_ratios=...): got a mapping with keys {sorted(self.mag_ratios)}; "
+                                      "pass one curve, e.g. result.cache['calibration']['cond'].")
         object.__setattr__(self, "mag_ratios", _floats("MagCache", "mag_ratios", self.mag_ratios, positive=True))
         if self.mag_ratios is None and not self.calibrate:
             raise InvalidArgument("MagCache(mag_ratios=None): the ratios are model-specific; pass the model's curve, "
-                                  "or run once with MagCache(calibrate=True) and pass result.cache['calibration'].")
+                                  "or run once with MagCache(calibrate=True) and pass "
+                                  "result.cache['calibration']['cond'].")
+        if self.mag_ratios is not None and self.calibrate:
+            raise InvalidArgument("MagCache(calibrate=True, mag_ratios=...): calibration never skips and records a "
+                                  "new curve, so the given ratios would be ignored; drop mag_ratios or calibrate.")
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,10 @@ class SkipSteps:
         if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
             raise InvalidArgumentType(f"SkipSteps(steps={self.steps!r}): must be a list of step indices.")
         steps = tuple(self.steps)
+        if not steps:
+            raise InvalidArgument("SkipSteps(steps=()): no step to skip; list the step indices (>= 1; step 0 always "
+                                  "computes), e.g. SkipSteps((10, 11, 12)) or 'skip_steps:steps=10-12', or pass "
+                                  "cache=None.")
         for s in steps:
             _number("SkipSteps", "steps", s, lo=1, integer=True)
         object.__setattr__(self, "steps", tuple(sorted(set(int(s) for s in steps))))
@@ -148,6 +162,13 @@ class SkipSteps:
 
 CACHES = {c.name: c for c in (FirstBlockCache, TeaCache, MagCache, SkipSteps)}
 CacheConfig = FirstBlockCache | TeaCache | MagCache | SkipSteps
+MAX_RANGE = 100_000  # the most steps one 'a-b' range of the CLI form may name
+# the form of each setting in the CLI form, for its error messages
+FORMS = {"threshold": "a number >= 0", "max_skip_steps": "an int >= 1", "retention_ratio": "a number in [0, 1]",
+         "coefficients": "numbers separated by '/' (highest power first), or @file.json",
+         "mag_ratios": "positive numbers separated by '/', or @file.json",
+         "steps": "step indices >= 1 separated by '/', ranges a-b (a <= b), or @file.json",
+         "use_ret_steps": "true or false", "calibrate": "true or false", "first_block": "true or false"}
 
 
 def check_cache(cache) -> CacheConfig | None:
@@ -162,7 +183,36 @@ def check_cache(cache) -> CacheConfig | None:
     if not isinstance(cache, tuple(CACHES.values())):
         raise InvalidArgumentType(f"cache={cache!r} must be one of {', '.join(c.__name__ for c in CACHES.values())}"
                                   " (from fastwan.cache), a string such as 'teacache:threshold=0.1', or None.")
+    if isinstance(cache, MagCache) and cache.calibrate:
+        return cache  # calibration never skips: its threshold does not turn it off
     return None if getattr(cache, "threshold", None) == 0 else cache  # SkipSteps has no threshold
+
+
+def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
+    """Raises when ``cache`` names steps that a request of ``num_steps`` steps does not have (SkipSteps), or when
+    its rule can skip none of them (a cache that cannot act is refused, not run as none; MagCache's calibration,
+    which never skips, excepted)."""
+    if isinstance(cache, SkipSteps):
+        beyond = [s for s in cache.steps if s >= num_steps]
+        if beyond:
+            raise InvalidArgument(f"SkipSteps(steps={list(cache.steps)}): step(s) {beyond[:8]} do not exist in this "
+                                  f"request of {num_steps} step(s) (indices 0..{num_steps - 1}; step 0 always "
+                                  "computes); list steps below the step count, or raise num_inference_steps.")
+        return
+    if cache is None or isinstance(cache, MagCache) and cache.calibrate:
+        return
+    # the steps the rule may skip: first..last (step 0 has no residual to reuse)
+    first, last, rule = 1, num_steps - 1, "step 0 always computes"
+    if isinstance(cache, TeaCache):
+        first, last = (5, num_steps - 1) if cache.use_ret_steps else (1, num_steps - 2)
+        rule = ("steps 0-4 always compute (use_ret_steps=True)" if cache.use_ret_steps
+                else "the first and the last step always compute (use_ret_steps=False)")
+    elif isinstance(cache, MagCache):
+        first = max(1, int(cache.retention_ratio * num_steps + 0.5))
+        rule = f"steps before round(retention_ratio * steps) = {first} always compute"
+    if first > last:
+        raise InvalidArgument(f"cache={cache!r} cannot skip any step of a request of {num_steps} step(s): {rule}. "
+                              "Run more steps, or pass cache=None (or 'none').")
 
 
 def _parse_value(name: str, field: str, text: str):
@@ -178,7 +228,11 @@ def _parse_value(name: str, field: str, text: str):
         for part in text.split("/"):
             if field == "steps" and "-" in part:
                 lo, _, hi = part.partition("-")
-                out.extend(range(int(lo), int(hi) + 1))
+                lo, hi = int(lo), int(hi)
+                if not 0 <= hi - lo <= MAX_RANGE:
+                    raise InvalidArgument(f"--cache {name}: steps range {part!r} must be a-b with a <= b and at most "
+                                          f"{MAX_RANGE} steps, e.g. 10-20.")
+                out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part) if field == "steps" else float(part))
         return out
@@ -205,10 +259,14 @@ def parse_cache(text: str) -> CacheConfig | None:
         key, eq, value = item.partition("=")
         if not eq or key not in fields:
             raise InvalidArgument(f"--cache {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(fields)}.")
+        if key in kwargs:
+            raise InvalidArgument(f"--cache {text!r}: {key} is given twice; give each setting once.")
         try:
             kwargs[key] = _parse_value(name, key, value)
+        except InvalidArgument:
+            raise
         except ValueError:
-            raise InvalidArgument(f"--cache {text!r}: {key}={value!r} is not a valid value.") from None
+            raise InvalidArgument(f"--cache {text!r}: {key}={value!r}: must be {FORMS[key]}.") from None
     return cls(**kwargs)
 
 
@@ -222,8 +280,12 @@ def teacache_model(variant: str, dim: int, height: int, width: int) -> str | Non
     return None
 
 
-def resolve_coefficients(cache: CacheConfig | None, variant: str, dim: int, height: int, width: int):
-    """TeaCache's coefficients for this request (its own, or the published ones); raises when there are none."""
+def resolve_coefficients(cache: CacheConfig | None, variant: str, dim: int, height: int, width: int,
+                         num_steps: int | None = None):
+    """TeaCache's coefficients for this request (its own, or the published ones); raises when there are none, or
+    (given ``num_steps``, the request's step count) as :func:`check_steps` does."""
+    if num_steps is not None:
+        check_steps(cache, num_steps)
     if not isinstance(cache, TeaCache) or cache.coefficients is not None:
         return None if not isinstance(cache, TeaCache) else cache.coefficients
     model = teacache_model(variant, dim, height, width)
@@ -338,6 +400,7 @@ class CacheRun:
     expert switch; and the report of the steps each pass computed."""
 
     def __init__(self, config: CacheConfig, num_steps: int, coefficients: tuple[float, ...] | None = None):
+        check_steps(config, num_steps)
         self.config, self.num_steps, self.coefficients = config, num_steps, coefficients
         self.expert: int | None = None
         self.passes: dict[str, PassCache] = {}
