@@ -6,8 +6,9 @@
 * Otherwise :class:`~fastwan.parallel.workers.ParallelGenerator` starts N worker processes itself, each of which
   joins as above.
 
-Rules: N must equal the launcher's world size; a CUDA run needs N visible GPUs; NVLink multicast is switched off
-(:func:`fastwan.envs.disable_multicast`) in every process before its process group starts.
+Rules: N must equal the launcher's world size; a CUDA run needs N visible GPUs, and each rank takes its own: the
+device is ``"cuda"`` without an index (a launcher's rank may name its own, ``cuda:LOCAL_RANK``); NVLink multicast is
+switched off (:func:`fastwan.envs.disable_multicast`) in every process before its process group starts.
 """
 from __future__ import annotations
 
@@ -45,11 +46,30 @@ def check_devices(num_gpus: int, device: torch.device) -> None:
                               "visible (CUDA_VISIBLE_DEVICES); use fewer, or device='cpu' for gloo processes.")
 
 
+def check_device_index(num_gpus: int, device: torch.device) -> None:
+    """Each rank runs on its own GPU: workers started here on GPUs 0..N-1 of the visible ones, a launcher's rank
+    on ``LOCAL_RANK``'s. A device index that says otherwise is refused rather than ignored (workers) or shared by
+    every rank (a launcher's job, where NCCL refuses two ranks on one GPU only at the first collective)."""
+    if device.type != "cuda" or device.index is None:
+        return
+    launched = envs.torchrun_env()
+    if launched is None and dist.is_initialized():
+        return  # a worker of this module (cuda:rank), or a job the caller initialised and placed itself
+    if launched is None:
+        raise InvalidArgument(f"device={str(device)!r} with num_gpus={num_gpus}: the {num_gpus} processes take "
+                              f"GPUs 0..{num_gpus - 1} of the visible ones, one each; pass device='cuda' and pick "
+                              "the GPUs with CUDA_VISIBLE_DEVICES.")
+    if device.index != launched[1]:
+        raise InvalidArgument(f"device={str(device)!r}, but this process is LOCAL_RANK={launched[1]} of a launched "
+                              f"job, whose GPU is cuda:{launched[1]} (each rank its own); pass device='cuda'.")
+
+
 def check(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> None:
     """Every check of a parallel generator that needs the checkpoint (its heads), the default step cache and the
     device, before any process starts or joins."""
     check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
     check_devices(num_gpus, device)
+    check_device_index(num_gpus, device)
 
 
 def rank_device(device: torch.device) -> torch.device:
@@ -80,7 +100,12 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -
     if not dist.is_initialized():  # a launcher's process (mode "join"): its GPU from LOCAL_RANK
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        except ValueError as exc:  # env:// rendezvous without RANK / MASTER_ADDR / MASTER_PORT: not a launcher's
+            raise InvalidArgument(f"WORLD_SIZE is set, so num_gpus={num_gpus} joins a launcher's job, but this "
+                                  f"process cannot: {exc}. Start it with torchrun, or unset WORLD_SIZE to let "
+                                  "fastwan start the processes.") from None
     device = rank_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

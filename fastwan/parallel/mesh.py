@@ -99,3 +99,16 @@ class Mesh:
         both = [torch.empty_like(mine) for _ in range(self.cfg_size)]
         dist.all_gather(both, mine, group=self.cfg_group)
         return both[0], both[1]
+
+    def cfg_report(self, report: dict) -> dict:
+        """With CFG parallelism: this rank's step-cache report -> the CFG group's: the conditional pass's entries
+        from group 0, the unconditional pass's from group 1 (the pass each group ran), equal on every rank."""
+        reports: list = [None] * self.cfg_size
+        dist.all_gather_object(reports, report, group=self.cfg_group)
+        merged = {key: value for key, value in reports[0].items() if key not in ("computed", "calibration")}
+        merged["computed"] = {}
+        for key in ("computed", "calibration"):
+            for index, name in enumerate(("cond", "uncond")):
+                if name in reports[index].get(key, {}):
+                    merged.setdefault(key, {})[name] = reports[index][key][name]
+        return merged

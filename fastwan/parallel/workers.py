@@ -6,10 +6,13 @@ initialises a gloo/NCCL process group through a file store, loads the model as o
 result back (it alone decodes and writes the video), the others send None.
 
 Errors: a worker sends its exception with its rank; the first failure to arrive is the one reported (the ranks
-that fail after it mostly fail because of it). When every rank failed with the same user error (an argument
-rule, checked before any compute on every rank alike), that error is raised and the workers stay. Any other failure
-(one rank raising, a process dying) ends every worker -- the ranks still waiting in a collective cannot finish --
-and raises :class:`ParallelError` naming the rank, so no call hangs on a failed rank.
+that fail after it mostly fail because of it). When every rank answered and each failure is a user error (an
+argument rule checked on every rank alike before any compute, or rank 0's video file that cannot be written after
+the others finished), that error is raised as itself and the workers stay: no rank waits in a collective. Any other
+failure (a rank raising anything else, a rank silent after the others' error, a process dying) ends every worker
+-- the ranks still waiting in a collective cannot finish -- and raises :class:`ParallelError` naming the rank, so
+no call hangs on a failed rank. A call left before every rank answered (Ctrl-C) ends every worker too: a late
+answer must never be taken as the next request's. Loading failures end the workers (they exit after reporting).
 """
 from __future__ import annotations
 
@@ -96,11 +99,37 @@ class ParallelGenerator:
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
-        info = self._collect()
+        info = self._collect(loading=True)
         self.checkpoint, self.preset, self.memory_plan = info["checkpoint"], info["preset"], info["memory_plan"]
 
-    def _collect(self):
-        """Every rank's reply -> rank 0's value; a failure raises as the module docstring says."""
+    def _collect(self, loading: bool = False):
+        """Every rank's reply -> rank 0's value; a failure raises as the module docstring says. ``loading``: the
+        replies to the workers' start (a worker that failed there has exited)."""
+        try:
+            replies, waiting = self._replies()
+        except BaseException:  # left early (Ctrl-C): a rank's late answer would be read as the next request's
+            self.close(force=True)
+            raise
+        failed = [r for r, v in replies.items() if v[0] != "ok"]  # in arrival order: the first is the cause
+        if not failed and not waiting:
+            return replies[0][1]
+        first = replies[failed[0]]
+        exc = first[2]
+        if not waiting and all(isinstance(replies[r][2], UserError) for r in failed):
+            if loading:  # the failed workers have exited; the others cannot form a job without them
+                self.close(force=True)
+            raise exc  # every rank answered: none waits in a collective
+        world, cause = len(self._conns), failed[0]
+        self.close(force=True)
+        trace = first[3]  # None for a process that died without a word
+        what = (f"the process died (exit code {self._exitcodes[cause]})" if trace is None
+                else trace.strip().splitlines()[-1])
+        raise ParallelError(f"rank {cause} of {world} failed: {what}; every worker was stopped"
+                            + ("" if trace is None else f" (rank {cause}'s traceback follows)\n{trace}")) from exc
+
+    def _replies(self) -> tuple[dict[int, tuple], dict]:
+        """Wait for every rank's reply, or, after a first failure, at most ``GRACE_S`` for the others ->
+        (the replies by rank, in arrival order; the connections of the ranks that did not answer)."""
         replies: dict[int, tuple] = {}
         waiting = dict(enumerate(self._conns))
         deadline = None
@@ -125,29 +154,18 @@ class ParallelGenerator:
                 waiting.pop(r)
             if deadline is None and any(v[0] != "ok" for v in replies.values()):
                 deadline = time.monotonic() + GRACE_S
-        failed = [r for r, v in replies.items() if v[0] != "ok"]  # in arrival order: the first is the cause
-        if not failed and not waiting:
-            return replies[0][1]
-        first = replies[failed[0]]
-        exc = first[2]
-        same = (not waiting and len(failed) == len(self._conns) and isinstance(exc, UserError)
-                and all(type(replies[r][2]) is type(exc) and str(replies[r][2]) == str(exc) for r in failed))
-        if same:  # raised alike on every rank before any compute: the workers stay usable
-            raise exc
-        world, cause = len(self._conns), failed[0]
-        self.close(force=True)
-        trace = first[3]  # None for a process that died without a word
-        what = (f"the process died (exit code {self._exitcodes[cause]})" if trace is None
-                else trace.strip().splitlines()[-1])
-        raise ParallelError(f"rank {cause} of {world} failed: {what}; every worker was stopped"
-                            + ("" if trace is None else f" (rank {cause}'s traceback follows)\n{trace}")) from exc
+        return replies, waiting
 
     def _call(self, name: str, args, kwargs):
         if not self._procs:
             raise ParallelError("this parallel generator's worker processes have ended (closed, or stopped after "
                                 "a failure); create a new one with VideoGenerator.from_pretrained(num_gpus=...).")
-        for c in self._conns:
-            c.send((name, args, kwargs))
+        try:
+            for c in self._conns:
+                c.send((name, args, kwargs))
+        except BaseException:  # some ranks got the request, others not: the job cannot stay in step
+            self.close(force=True)
+            raise
         return self._collect()
 
     def generate_video(self, prompt: str, **kwargs):

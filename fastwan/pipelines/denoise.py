@@ -93,6 +93,8 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
             pred = neg + gs * delta
         elif step_cfg:  # gated: reuse the last guidance direction, no uncond forward
             pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+            if split_cfg:  # every rank runs it; CFG group 0's counts (its step cache has the conditional history)
+                pos = par.cfg_pair(pos)[0]
             forwards += 1
             pred = pos + (gs - 1.0) * delta
         else:
@@ -102,6 +104,13 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
     if first_frame:
         latents = (1 - keep) * condition + keep * latents
     return latents, forwards
+
+
+def cache_report(run: CacheRun, par) -> dict:
+    """The request's step-cache report (:meth:`CacheRun.report`); with CFG parallelism (``par``: the generator's
+    Mesh) each pass as the CFG group that ran it decided, the same on every rank."""
+    report = run.report()
+    return par.cfg_report(report) if par is not None and par.cfg_size == 2 else report
 
 
 def _timestep(ckpt, t: torch.Tensor, tokens: int) -> torch.Tensor:
