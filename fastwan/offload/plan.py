@@ -192,21 +192,61 @@ def _check_budget(budget) -> int:
     return budget
 
 
+def reserve(total: int) -> int:
+    """Bytes of a budget ``total`` a plan leaves free for the CUDA caching allocator: max(1 GiB, 1/16 of it)
+    (:func:`fastwan.pipelines.memory.usable` says why)."""
+    return max(GiB, total // 16)
+
+
+def _gib_up(n: int) -> str:
+    """``n`` bytes as GiB rounded up to two decimals (a budget of that size holds ``n``)."""
+    return f"{math.ceil(n * 100 / GiB) / 100:.2f} GiB"
+
+
+class Usable(int):
+    """The bytes of a user's budget ``total`` that a plan may fill (``total - reserve(total)``): an int that keeps
+    ``total``, so that a budget too small is reported as the user gave it, with the budget the job needs."""
+
+    def __new__(cls, total: int) -> Usable:
+        total = _check_budget(total)
+        if total <= reserve(total):
+            raise InvalidArgument(f"max_gpu_memory={gib(total)} leaves nothing to plan with: {gib(reserve(total))} "
+                                  "of a budget stays free for the CUDA caching allocator (at least 1 GiB); give a "
+                                  "larger max_gpu_memory, e.g. '8GiB'.")
+        self = super().__new__(cls, total - reserve(total))
+        self.total = total
+        return self
+
+    @staticmethod
+    def needed(peak: int) -> int:
+        """The smallest budget whose usable part holds ``peak`` bytes."""
+        lo, hi = peak, peak + GiB + peak // 8 + 16  # total - reserve(total) never decreases as total grows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if mid - reserve(mid) >= peak else (mid + 1, hi)
+        return lo
+
+
 def _too_small(plan: OffloadPlan, budget: int) -> InvalidArgument:
     phase = max(PHASES, key=lambda p: plan.peaks[p])
     over = [p for p in PHASES if plan.peaks[p] > budget]
     peaks = ", ".join(f"{p} {gib(plan.peaks[p])}" for p in PHASES)
     levers = ", ".join(plan.levers()) or "none"
+    given, need = gib(budget), ""
+    if isinstance(budget, Usable):
+        given = gib(budget.total)
+        need = (f" With {gib(budget.total - budget)} of the budget kept free for the CUDA caching allocator, these "
+                f"levers need max_gpu_memory of at least {_gib_up(Usable.needed(plan.peak))}.")
     return InvalidArgument(
-        f"max_gpu_memory={gib(budget)} is too small for this job: the smallest reachable peak is "
-        f"{gib(plan.peak)} in the {phase} phase (levers: {levers}; {peaks}; over the budget: {', '.join(over)}). "
-        "Fix: quantization='fp8' for the DiT weights, a smaller video (fewer frames or pixels), or a larger "
+        f"max_gpu_memory={given} is too small for this job: the smallest reachable peak is "
+        f"{gib(plan.peak)} in the {phase} phase (levers: {levers}; {peaks}; over the budget: {', '.join(over)})."
+        f"{need} Fix: quantization='fp8' for the DiT weights, a smaller video (fewer frames or pixels), or a larger "
         "max_gpu_memory.")
 
 
 def plan_offload(fp: Footprint, budget: int | None) -> OffloadPlan:
-    """The levers that fit ``fp`` into ``budget`` bytes of GPU memory (None: no limit, everything resident).
-    Raises InvalidArgument when no plan fits."""
+    """The levers that fit ``fp`` into ``budget`` bytes of GPU memory (None: no limit, everything resident; a
+    :class:`Usable`: the part of a user's budget a plan may fill). Raises InvalidArgument when no plan fits."""
     plan = _make(fp)
     if budget is None:
         return plan
@@ -240,14 +280,14 @@ def parse_memory(value) -> int | None:
     if m is None:
         raise InvalidArgument(f"memory size {value!r} is not a number with a unit; write it like '24GiB' or '512MiB'.")
     num, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(num) or num <= 0:  # checked before the unit: no unit makes '0' or 'inf' a size
+        raise InvalidArgument(f"memory size {value!r} must be a finite positive size, e.g. '24GiB'.")
     if not unit:
         raise InvalidArgument(f"memory size {value!r} has no unit; add one, e.g. '{m.group(1)}GiB' (an int of "
                               "bytes needs no unit).")
     if unit not in _UNITS:
         raise InvalidArgument(f"memory size {value!r} has unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB or TiB "
                               "(K/KB, M/MB, G/GB, T/TB read as binary units).")
-    if not math.isfinite(num) or num <= 0:
-        raise InvalidArgument(f"memory size {value!r} must be a finite positive size, e.g. '24GiB'.")
     size = int(num * _UNITS[unit])
     if size <= 0:
         raise InvalidArgument(f"memory size {value!r} is less than one byte; give a size such as '512MiB'.")

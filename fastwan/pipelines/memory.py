@@ -10,7 +10,8 @@ peaks of a job:
   cross-attention keys and values (``layers * 2 * prompts * 512 * C * 2``) and a fixed 512 MiB (RoPE tables,
   modulation, allocator slack);
 * VAE decode: 2.8 KB per output pixel per frame of a decoder call (measured on an H100: 9.42 GiB at 720x1280 with
-  4 frames per call; 6.08 GiB at 480x832 with 8), tiled: the same for a 256x256 tile at 1.5x, at least 1 GiB;
+  4 frames per call; 6.08 GiB at 480x832 with 8; a call decodes at most the latent frames after the first),
+  tiled: the same for a 256x256 tile at 1.5x, at least 1 GiB;
 * text encoding: 512 MiB.
 
 :class:`Placement` carries a :class:`fastwan.offload.OffloadPlan` out: an offloaded component keeps its tensors in
@@ -33,7 +34,7 @@ import torch.nn as nn
 from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
 from fastwan.offload.stream import held_tensors
-from fastwan.offload.plan import GiB, phase_peaks
+from fastwan.offload.plan import Usable, phase_peaks
 from fastwan.pipelines.inputs import runs_cfg
 
 logger = logging.getLogger("fastwan")
@@ -71,6 +72,23 @@ def _bytes(named, dtype: torch.dtype, fp32=lambda name: False) -> int:
     return total
 
 
+def dit_quantization(ckpt, quantization: str | None) -> str | None:
+    """The DiT weights' format as they will load: ``quantization``, or "fp8" when ``ckpt``'s DiT files already
+    hold FP8 weights (a folder ``fastwan quantize`` wrote loads in FP8 whatever the argument); read from the
+    safetensors headers."""
+    from fastwan.models.loading import header_tensors, weight_files
+    from fastwan.models.wan.quantize import prequantized_layers
+
+    if quantization is not None:
+        return quantization
+    for e in ckpt.experts:
+        if not any(ckpt.folder(e).glob("*.safetensors")):  # pickle files (never FP8) or configs only
+            continue
+        if prequantized_layers(header_tensors(weight_files(ckpt.folder(e)))):
+            return "fp8"
+    return None
+
+
 def _dit_sizes(ckpt, dtype, quantization) -> tuple[tuple[int, ...], int, int]:
     """(each expert's weight bytes, the largest block's streamable bytes, streamable blocks per expert: all but
     block 0, whose two halves the CFG path calls outside the block loop)."""
@@ -97,7 +115,7 @@ def weight_bytes(ckpt, *, dtype: torch.dtype, vae_dtype: torch.dtype, quantizati
     from diffusers import AutoencoderKLWan
     from transformers import AutoConfig, UMT5EncoderModel
 
-    dit, block, blocks = _dit_sizes(ckpt, dtype, quantization)
+    dit, block, blocks = _dit_sizes(ckpt, dtype, dit_quantization(ckpt, quantization))
     with torch.device("meta"):
         te = UMT5EncoderModel(AutoConfig.from_pretrained(ckpt.folder("text_encoder")))
         vae = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(ckpt.folder("vae")))
@@ -126,7 +144,8 @@ def estimate_footprint(ckpt, weights: dict[str, int], *, dtype: torch.dtype, qua
     if quantization == "fp8":  # the FFN's GELU leaves the GEMM (its own output) and its input is quantized too
         acts += cfg_batch * tokens * (size + 1) * cfg.ffn_dim
     acts += cfg.num_layers * 2 * prompts * TEXT_TOKENS * cfg.inner_dim * size + 512 * MiB
-    frames_per_call = VAE_FACTORS[0] * vae_chunk
+    latent_frames = (num_frames - 1) // VAE_FACTORS[0] + 1  # the first decodes alone, the rest in chunks
+    frames_per_call = VAE_FACTORS[0] * min(vae_chunk, max(1, latent_frames - 1))
     decode = VAE_BYTES_PER_PIXEL_FRAME * height * width * frames_per_call
     tiled = max(int(1.5 * VAE_BYTES_PER_PIXEL_FRAME * vae_tiled_px**2 * frames_per_call), 1024 * MiB)
     return Footprint(**weights, text_activations=512 * MiB, dit_activations=acts, vae_decode=decode,
@@ -149,16 +168,18 @@ def job_footprint(ckpt, weights: dict[str, int], s, dtype, quantization, cfg_bat
     cfg = runs_cfg(s)
     batch = 2 if cfg and cfg_batched(video_tokens(ckpt.transformer_config, s.height, s.width, s.num_frames)) else 1
     chunk = auto_chunk_frames(s.height, s.width, VAE_FACTORS[0]) if vae_chunk == "auto" else vae_chunk
-    return estimate_footprint(ckpt, weights, dtype=dtype, quantization=quantization, height=s.height,
+    return estimate_footprint(ckpt, weights, dtype=dtype, quantization=dit_quantization(ckpt, quantization),
+                              height=s.height,
                               width=s.width, num_frames=s.num_frames, cfg_batch=batch, prompts=2 if cfg else 1,
                               vae_chunk=chunk)
 
 
-def usable(budget: int) -> int:
+def usable(budget: int) -> Usable:
     """The bytes of a budget the planner may fill: the caching allocator also holds reserved-but-unallocated blocks
     (1.66 GiB in an FP8 14B 720p run on an H100 at 24 GiB, which ran out with 22.12 GiB allocated), so a plan
-    leaves max(1 GiB, 1/16 of the budget) free."""
-    return budget - max(GiB, budget // 16)
+    leaves max(1 GiB, 1/16 of the budget) free (:func:`fastwan.offload.plan.reserve`). A :class:`Usable`, so
+    the planner names the budget as given, and the one a job needs; a budget of 1 GiB or less raises."""
+    return Usable(budget)
 
 
 def fits(plan: OffloadPlan, budget: int, fp: Footprint) -> bool:

@@ -1,0 +1,172 @@
+"""Memory budgets and FP8 exports at their edges: a budget too small is reported as the user gave it, with the
+budget the job needs (checked against the planner itself); a budget the allocator's reserve eats is refused by that
+rule; unit-less sizes that are no size at all; an FP8 folder loaded without ``quantization=`` is planned at its FP8
+size (the bytes its loaded DiT holds); ``export_fp8`` never deletes the source checkpoint or a folder that is not a
+checkpoint, checks its device and destination before reading a weight, and replaces a former export whatever
+lies beside it."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import shutil
+
+import pytest
+import torch
+
+from fastwan.cli import main
+from fastwan.errors import InvalidArgument, OutputPathError
+from fastwan.models import load_transformer
+from fastwan.offload import Footprint, parse_memory, plan_offload
+from fastwan.offload.plan import GiB
+from fastwan.pipelines import export
+from fastwan.pipelines.checkpoint import resolve
+from fastwan.pipelines.export import export_fp8
+from fastwan.pipelines.memory import job_footprint, usable, weight_bytes
+
+MiB = 2**20
+FP = Footprint(text_encoder=11000 * MiB, text_encoder_layer=420 * MiB, text_encoder_layers=24,
+               text_activations=5000 * MiB, image_encoder=1200 * MiB, vae=250 * MiB, dit=(14000 * MiB,) * 2,
+               dit_block=330 * MiB, dit_blocks=40, dit_activations=2000 * MiB, vae_decode=19000 * MiB,
+               vae_decode_tiled=1000 * MiB)
+
+
+@pytest.mark.parametrize("given, fp", [(3 * GiB, FP), (8000 * MiB, FP),
+                                       (24 * GiB, dataclasses.replace(FP, dit_activations=30000 * MiB))],
+                         ids=["3GiB", "8000MiB", "24GiB-reserve-1/16"])
+def test_too_small_names_the_budget_given_and_the_budget_needed(given, fp):
+    with pytest.raises(InvalidArgument) as err:
+        plan_offload(fp, usable(given))  # as from_pretrained plans
+    msg = str(err.value)
+    assert f"max_gpu_memory={given / GiB:.2f} GiB is too small" in msg
+    need = float(re.search(r"need max_gpu_memory of at least (\d+\.\d\d) GiB", msg).group(1))
+    plan_offload(fp, usable(int(need * GiB)))  # the budget named fits ...
+    with pytest.raises(InvalidArgument):  # ... and is the smallest, to the hundredth of a GiB shown
+        plan_offload(fp, usable(int((need - 0.01) * GiB)))
+
+
+@pytest.mark.parametrize("given", [512 * MiB, GiB, 1])
+def test_a_budget_the_allocator_reserve_takes_whole_is_refused_by_that_rule(given):
+    with pytest.raises(InvalidArgument, match=rf"max_gpu_memory={given / GiB:.2f} GiB leaves nothing to plan with: "
+                                              r"1\.00 GiB of a budget stays free .*at least 1 GiB"):
+        usable(given)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "-inf", "0.0"])
+def test_unitless_non_sizes_are_refused_as_non_sizes(value):
+    with pytest.raises(InvalidArgument, match=re.escape(f"memory size {value!r} must be a finite positive size")):
+        parse_memory(value)
+
+
+@pytest.mark.parametrize("variant, dtype", [("wan2.1", torch.bfloat16), ("wan2.2-a14b", torch.float32)])
+def test_an_fp8_folder_is_planned_at_the_bytes_it_loads_to(tiny_ckpts, tmp_path, variant, dtype):
+    out = export_fp8(tiny_ckpts[variant], tmp_path / "fp8", device="cpu")
+    ckpt = resolve(out)
+    loaded = []
+    for e in ckpt.experts:
+        dit = load_transformer(out / e, dtype=dtype, device="cpu")  # FP8 whatever quantization says
+        loaded.append(sum(t.numel() * t.element_size()
+                          for t in {id(t): t for t in [*dit.parameters(), *dit.buffers()]}.values()))
+    weights = weight_bytes(ckpt, dtype=dtype, vae_dtype=torch.float32, quantization=None)
+    assert list(weights["dit"]) == loaded
+    src = resolve(tiny_ckpts[variant])
+    fp8 = job_footprint(src, weight_bytes(src, dtype=dtype, vae_dtype=torch.float32, quantization="fp8"),
+                        src.preset, dtype, "fp8", lambda tokens: True, "auto")
+    assert job_footprint(ckpt, weights, ckpt.preset, dtype, None, lambda tokens: True, "auto") == fp8
+
+
+def tree(folder) -> dict[str, str]:
+    """Every file under ``folder`` -> its sha256 (links followed)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a weight was read before the checks finished")
+
+    monkeypatch.setattr("fastwan.models.load_transformer", boom)
+
+
+@pytest.mark.parametrize("where", ["source", "parent"])
+def test_export_never_replaces_the_source(tiny_ckpts, tmp_path, where, no_loading):
+    src = tmp_path / "ckpt" / "wan"
+    shutil.copytree(tiny_ckpts["wan2.1"], src)
+    (tmp_path / "ckpt" / "model_index.json").write_text("{}")  # the parent looks like a pipeline folder too
+    before = tree(tmp_path / "ckpt")
+    with pytest.raises(OutputPathError, match="part of the source checkpoint"):
+        export_fp8(src, src if where == "source" else src.parent, overwrite=True, device="cpu")
+    assert tree(tmp_path / "ckpt") == before and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_export_never_replaces_what_the_source_links_to(tiny_ckpts, tmp_path, monkeypatch):
+    """An FP8 folder re-exported onto the checkpoint its text encoder and VAE link to."""
+    orig = tmp_path / "orig"
+    shutil.copytree(tiny_ckpts["wan2.1"], orig)
+    first = export_fp8(orig, tmp_path / "fp8", device="cpu")
+    before = tree(orig)
+    monkeypatch.setattr("fastwan.models.load_transformer", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(OutputPathError, match=f"is or holds {orig}/"):
+        export_fp8(first, orig, overwrite=True, device="cpu")
+    assert tree(orig) == before
+
+
+def test_export_overwrites_only_a_checkpoint_folder(tiny_ckpts, tmp_path, no_loading):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match="holds no model_index.json: overwrite replaces only a pipeline"):
+        export_fp8(tiny_ckpts["wan2.1"], out, overwrite=True, device="cpu")
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_export_checks_device_and_destination_first(tiny_ckpts, tmp_path, monkeypatch, no_loading, capsys):
+    monkeypatch.setattr("fastwan.pipelines.checkpoint.resolve",
+                        lambda *a, **k: pytest.fail("the checkpoint was read first"))
+    for device in ("gpu", "meta", 3):
+        with pytest.raises(InvalidArgument, match=re.escape(f"device={device!r}")):
+            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="device='cuda' is not available here"):
+            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device="cuda")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputPathError, match="does not exist or is not a folder"):
+        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "file" / "out", device="cpu")
+    monkeypatch.setattr(export.os, "access", lambda path, mode: str(path) != str(tmp_path / "ro"))
+    (tmp_path / "ro").mkdir()
+    with pytest.raises(OutputPathError, match="is not writable"):
+        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "ro" / "out", device="cpu")
+    assert main(["quantize", "--model", str(tiny_ckpts["wan2.1"]), "--output", str(tmp_path / "b"),
+                 "--device", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastwan: error: device='gpu' is not a torch device") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]
+
+
+def test_export_expands_home_and_replaces_a_former_export(tiny_ckpts, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = export_fp8(tiny_ckpts["wan2.1"], "~/fp8", device="cpu")
+    assert out == tmp_path / "fp8" and (out / "transformer").is_dir()
+    first = tree(out)
+    (tmp_path / ".fp8.old").mkdir()  # something of the user's where a former export's folder could be parked
+    (tmp_path / ".fp8.old" / "keep").write_text("k")
+    again = export_fp8(tiny_ckpts["wan2.1"], tmp_path / "fp8", overwrite=True, device="cpu")
+    assert tree(again) == first and (tmp_path / ".fp8.old" / "keep").read_text() == "k"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fp8.old", "fp8"]
+
+
+@pytest.mark.parametrize("num_frames, chunk, calls", [(9, "auto", 2), (5, "auto", 1), (17, 2, 2), (81, 3, 3),
+                                                      (1, 4, 1)])
+def test_decode_is_sized_by_the_frames_a_call_can_hold(tiny_ckpts, num_frames, chunk, calls):
+    """A decoder call after the first holds at most the video's remaining latent frames: a short video is not sized
+    as a chunk the auto rule would give a long one (``calls``: latent frames of the largest call)."""
+    from types import SimpleNamespace
+
+    ckpt = resolve(tiny_ckpts["wan2.2-a14b"])
+    weights = weight_bytes(ckpt, dtype=torch.float32, vae_dtype=torch.float32, quantization=None)
+    s = SimpleNamespace(height=64, width=64, num_frames=num_frames, guidance_scale=5.0, guidance_scale_2=None)
+    fp = job_footprint(ckpt, weights, s, torch.float32, None, lambda tokens: True, chunk)
+    assert fp.vae_decode == 2800 * 64 * 64 * 4 * calls
+    if num_frames == 9:  # the tiny model's video fits a 2100 MiB budget (it was refused as needing 9.34 GiB)
+        assert plan_offload(fp, usable(2100 * MiB)).peak < 2100 * MiB
