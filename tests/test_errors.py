@@ -31,6 +31,7 @@ GOOD = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
     (dict(seed=1.5), TypeError, ["seed=1.5", "int"]),
     (dict(seed="3"), TypeError, ["seed"]),
     (dict(fps=0), ValueError, ["fps"]),
+    (dict(fps=2**31), ValueError, ["fps=2147483648", "[1, 1000]"]),
 ])
 def test_bad_generation_args(no_compute, tmp_path, kw, exc, words):
     out = tmp_path / "o"

@@ -13,6 +13,7 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
 RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
+MAX_FPS = 1000  # the mp4 writer (ffmpeg) clamps or refuses far larger frame rates, and only after the compute
 
 
 def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
@@ -57,8 +58,8 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
             raise InvalidArgument(
                 f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
                 "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
-    if not is_int(s.fps) or s.fps < 1:
-        raise InvalidArgument(f"fps={s.fps!r} must be a positive int (e.g. 16).")
+    if not is_int(s.fps) or not 1 <= s.fps <= MAX_FPS:
+        raise InvalidArgument(f"fps={s.fps!r} must be an int in [1, {MAX_FPS}] (e.g. 16).")
     _check_seed(seed)
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))

@@ -7,8 +7,8 @@ Rules (checked by :func:`check_output_path` and :func:`prepare_output` before an
   image formats (:data:`REFUSED_SUFFIXES`, e.g. ``.mov``, ``.avi``) are refused: only mp4 is written.
 - ``~`` and ``~user`` expand to the home folder.
 - The folder is created, and a probe file is created and removed in it, so an unwritable folder or a file in the
-  way fails at once. A ``.mp4`` path that is an existing folder is an error; an existing ``.mp4`` file is an error
-  unless ``overwrite=True``.
+  way fails at once. A ``.mp4`` path that is an existing folder is an error, and so is a file name the file system
+  refuses (e.g. too long) or a NUL character; an existing ``.mp4`` file is an error unless ``overwrite=True``.
 - Automatic name: ``<ASCII slug of the prompt>_<seed>_<digest>.mp4``; the digest covers everything that determines
   the video (model, prompt, negative prompt, settings, seed), so different videos get different names. A taken
   name is never replaced unless ``overwrite=True``: the video gets the first free ``-2``, ``-3``, ... variant, claimed
@@ -78,6 +78,9 @@ def check_output_path(output_path, overwrite) -> OutputTarget:
         )
     if not text.strip():
         raise InvalidArgument(f"output_path={output_path!r} is empty; pass a folder (e.g. 'outputs/') or a .mp4 file.")
+    if "\0" in text:
+        raise InvalidArgument(f"output_path={text!r} contains a NUL character, which no file name may hold; "
+                              "remove it.")
     path = _expand_home(text)
     names_folder = text.endswith(("/", os.sep)) or (os.altsep is not None and text.endswith(os.altsep))
     suffix = path.suffix.lower()
@@ -118,6 +121,13 @@ def prepare_output(target: OutputTarget) -> None:
     dest = target.explicit
     if dest is None:
         return
+    try:
+        dest.lstat()  # a name the file system refuses (e.g. longer than it allows) fails here, not after compute
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise OutputPathError(f"output file {dest} cannot be written ({exc.strerror or exc}); "
+                              "choose a shorter or different file name.") from None
     if dest.is_dir():
         raise OutputPathError(
             f"output_path {dest} is an existing folder, but a path ending in .mp4 names the video file. "

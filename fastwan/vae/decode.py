@@ -141,7 +141,7 @@ def vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
         raise InvalidArgumentType(
             f"vae_tiling={value!r} must be True, False or a dict with keys among {VAE_TILING_KEYS}."
         )
-    unknown = sorted(set(value) - set(VAE_TILING_KEYS))
+    unknown = sorted(set(value) - set(VAE_TILING_KEYS), key=repr)  # keys of any type
     if unknown:
         raise InvalidArgument(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
     from fastwan.models.loading import read_json
