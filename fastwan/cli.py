@@ -7,12 +7,13 @@ exception is a bug and propagates with its traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable
 
 from fastwan import envs
-from fastwan.errors import UserError, one_line
+from fastwan.errors import InvalidArgument, UserError, one_line
 from fastwan.options import BLOCKS
 
 # The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
@@ -161,8 +162,16 @@ def _positive_int(text: str, what: str = "an int >= 1", note: str = "", minimum:
 
 
 def _num_gpus(args) -> int | None:
-    """--sp and --cfg-parallel -> from_pretrained's num_gpus (None: one process)."""
+    """--sp and --cfg-parallel -> from_pretrained's num_gpus (None: one process). A torchrun job of several
+    processes must split the work with them: without, every process would make the same video."""
     if args.sp is None and not args.cfg_parallel:
+        launched = envs.torchrun_env()
+        if launched is not None and launched[2] > 1:
+            raise InvalidArgument(
+                f"this job runs {launched[2]} processes (WORLD_SIZE={launched[2]}) but neither --sp nor "
+                f"--cfg-parallel is given, so every process would make the same video; give --sp {launched[2]} "
+                f"(or --cfg-parallel with --sp {max(1, launched[2] // 2)}), or run without torchrun."
+            )
         return None
     return (args.sp or 1) * (2 if args.cfg_parallel else 1)
 
@@ -196,6 +205,7 @@ def _run_generate(args) -> int:
     for name in ("image", "last_image"):  # an unreadable image fails before the model loads
         if getattr(args, name) is not None:
             read_image(getattr(args, name), name)
+    num_gpus = _num_gpus(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _dtype_name(args, device))
     gen = VideoGenerator.from_pretrained(
@@ -204,7 +214,7 @@ def _run_generate(args) -> int:
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
         lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
-        num_gpus=_num_gpus(args), cfg_parallel=args.cfg_parallel, revision=args.revision,
+        num_gpus=num_gpus, cfg_parallel=args.cfg_parallel, revision=args.revision,
     )
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:
@@ -231,8 +241,9 @@ def _run_generate(args) -> int:
         print(f"{res.cache['type']} computed steps: " + "; ".join(
             f"{name} {len(steps)}/{res.settings['num_inference_steps']} {steps}"
             for name, steps in res.cache["computed"].items()))
-    if res.cache is not None and "calibration" in res.cache:
-        print(f"magcache calibration: {res.cache['calibration']}")
+    if res.cache is not None and "calibration" in res.cache:  # JSON per pass: a file for mag_ratios=@FILE
+        for name, ratios in res.cache["calibration"].items():
+            print(f"magcache calibration ({name}): {json.dumps(ratios)}")
     return 0
 
 

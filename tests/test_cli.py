@@ -1,5 +1,6 @@
 """The CLI: it makes an mp4 that imageio reads back; a user error is one line on stderr and exit code 2 (before
 any work), a bug keeps its traceback; its flags reach the generator."""
+import json
 import os
 import re
 import subprocess
@@ -280,3 +281,34 @@ def test_a_bad_launcher_variable_does_not_hide_the_user_error(monkeypatch, tmp_p
     assert cli.main(["generate", "--prompt", "p", "--output", str(existing)]) == 2
     assert_one_error_line(capsys.readouterr().err, [str(existing), "--overwrite"], "WORLD_SIZE=abc")
     assert existing.read_bytes() == b"kept"
+
+
+def test_torchrun_without_sp_or_cfg_parallel_is_refused_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    """Several torchrun processes with neither --sp nor --cfg-parallel would each make the same video."""
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded before the launch was checked")
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", loaded)
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "v.mp4"
+    assert cli.main(["generate", "--prompt", "p", "--output", str(out)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ["rank 1", "WORLD_SIZE=2", "--sp 2"], "torchrun")
+    assert not out.exists()
+
+
+def test_cli_magcache_calibration_prints_json_that_feeds_mag_ratios(tmp_path, capsys):
+    """Each pass's calibration is printed as a JSON list: written to a file, ``mag_ratios=@FILE`` takes it, and
+    the MagCache built from it has exactly the printed ratios."""
+    from fastwan.cache import check_cache
+
+    args = ["generate", "--prompt", "a fox", "--model", "tiny", "--seed", "1", "--steps", "5",
+            "--output", str(tmp_path / "fox.mp4"), "--cache", "magcache:calibrate=true"]
+    assert cli.main(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("magcache calibration")]
+    assert [ln.split(":")[0] for ln in lines] == ["magcache calibration (cond)", "magcache calibration (uncond)"]
+    ratios = json.loads(lines[0].split(": ", 1)[1])
+    assert len(ratios) == 5 and all(isinstance(r, float) for r in ratios)
+    path = tmp_path / "ratios.json"
+    path.write_text(lines[0].split(": ", 1)[1])
+    assert check_cache(f"magcache:mag_ratios=@{path}").mag_ratios == tuple(ratios)

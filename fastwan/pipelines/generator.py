@@ -44,7 +44,7 @@ from fastwan.pipelines.checkpoint import (
     resolve,
     with_overrides,
 )
-from fastwan.pipelines.denoise import denoise
+from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.memory import Placement, fits, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, expert_guidance, random_seed, runs_cfg, token_grid
@@ -85,9 +85,7 @@ class VideoGenerator:
         self.attention: AttentionDispatch = attention
         self.transformers = transformers  # one or two experts (high noise first)
         self.text_encoder, self.tokenizer, self.vae, self.scheduler = text_encoder, tokenizer, vae, scheduler
-        self.cfg_gate_step = cfg_gate_step
-        self.cfg_mode = cfg_mode
-        self.vae_chunk_frames = vae_chunk_frames
+        self.cfg_gate_step, self.cfg_mode, self.vae_chunk_frames = cfg_gate_step, cfg_mode, vae_chunk_frames
         self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
         self.preset = ckpt.preset
         # set by from_pretrained(max_gpu_memory=...); _weight_bytes: memory.weight_bytes, computed once
@@ -409,8 +407,9 @@ class VideoGenerator:
         cache = self.cache if cache is None else check_cache(cache)
         if self.parallel is not None:
             self.parallel.check_cache(cache)
-        cfg = self.checkpoint.transformer_config
-        coefficients = resolve_coefficients(cache, self.checkpoint.variant, cfg.inner_dim, s.height, s.width)
+        ck = self.checkpoint  # TeaCache's coefficients, and whether the cache can skip any of the request's steps
+        coefficients = resolve_coefficients(cache, ck.variant, ck.transformer_config.inner_dim, s.height, s.width,
+                                            s.num_inference_steps)
         if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
             raise InvalidArgumentType(
                 f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
@@ -470,7 +469,7 @@ class VideoGenerator:
         t3 = time.perf_counter()
         timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "total": t3 - t0}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-        return frames, forwards, timings, peak, None if run is None else run.report()
+        return frames, forwards, timings, peak, None if run is None else cache_report(run, self.parallel)
 
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
