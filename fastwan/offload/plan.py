@@ -240,8 +240,8 @@ def _too_small(plan: OffloadPlan, budget: int) -> InvalidArgument:
     return InvalidArgument(
         f"max_gpu_memory={given} is too small for this job: the smallest reachable peak is "
         f"{gib(plan.peak)} in the {phase} phase (levers: {levers}; {peaks}; over the budget: {', '.join(over)})."
-        f"{need} Fix: quantization='fp8' for the DiT weights, a smaller video (fewer frames or pixels), or a larger "
-        "max_gpu_memory.")
+        f"{need} Fix: FP8 DiT weights (quantization='fp8', unless they are already), a smaller video (fewer frames "
+        "or pixels), or a larger max_gpu_memory.")
 
 
 def plan_offload(fp: Footprint, budget: int | None) -> OffloadPlan:
@@ -283,8 +283,8 @@ def parse_memory(value) -> int | None:
     if not math.isfinite(num) or num <= 0:  # checked before the unit: no unit makes '0' or 'inf' a size
         raise InvalidArgument(f"memory size {value!r} must be a finite positive size, e.g. '24GiB'.")
     if not unit:
-        raise InvalidArgument(f"memory size {value!r} has no unit; add one, e.g. '{m.group(1)}GiB' (an int of "
-                              "bytes needs no unit).")
+        raise InvalidArgument(f"memory size {value!r} has no unit; add one, e.g. '{m.group(1)}GiB' (from Python, "
+                              "an int of bytes needs no unit).")
     if unit not in _UNITS:
         raise InvalidArgument(f"memory size {value!r} has unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB or TiB "
                               "(K/KB, M/MB, G/GB, T/TB read as binary units).")
