@@ -1,5 +1,6 @@
 """`fastwan env`: what this machine can run — device, library versions, and every attention backend with
-whether it is available here, its version and kernel, and why not.
+whether it is available here, its version and kernel, and why not; also the fastwan environment variables that are
+set, the error of each that does not parse, and the backend they request with whether it can run here.
 
 Usage: ``fastwan env [--json] [--device cuda:0] [--dtype bf16] [--head-dim 128]``.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from fastwan import envs
-from fastwan.errors import InvalidArgument
+from fastwan.errors import InvalidArgument, UserError, one_line
 
 PACKAGES = (
     "flash-attn",
@@ -34,6 +35,30 @@ DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32,
 }
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit code 2 (no usage dump), as fastwan's user errors."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_device(text: str, option: str = "--device") -> torch.device:
+    """``text`` as a torch device; :class:`InvalidArgument` when it is none, or names a CUDA index this machine
+    lacks (CUDA itself missing is left to the caller: ``fastwan env`` reports it)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"{text!r} (from {option}) is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'."
+                              ) from None
+    if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise InvalidArgument(f"{text!r} (from {option}) names a CUDA device this machine lacks: it has {count}, "
+                                  f"cuda:0 to cuda:{count - 1}.")
+    return device
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -107,19 +132,46 @@ def backend_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> lis
     return rows
 
 
+def _quiet_attention_log():
+    """Keep the backend choice's info line out of the report (the report already says it)."""
+    log = logging.getLogger("fastwan.attention")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    return lambda: log.setLevel(level)
+
+
 def auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     from fastwan.attention.registry import auto_backend
 
-    log = logging.getLogger("fastwan.attention")
-    level = log.level
-    log.setLevel(logging.WARNING)  # the table already says why; keep the info line out of the report
+    restore = _quiet_attention_log()
     try:
         b = auto_backend(device=device, dtype=dtype, head_dim=head_dim)
         return f"{b.name} ({b.kernel_name(device)})"
     except Exception as exc:
         return f"none: {exc}"
     finally:
-        log.setLevel(level)
+        restore()
+
+
+def requested_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The backend the environment asks for (FASTVIDEO_ATTENTION_BACKEND, FASTVIDEO_NVFP4_FA4) and whether it can
+    run here, or None when it asks for none (a variable that does not parse is in :func:`envs.problems`)."""
+    from fastwan.attention.registry import requested_backend, resolve_backend
+
+    try:
+        choice, source = requested_backend()
+    except UserError:
+        return None
+    if choice is None:
+        return None
+    restore = _quiet_attention_log()
+    try:
+        b = resolve_backend(None, device=device, dtype=dtype, head_dim=head_dim)
+        return f"{b.name} ({b.kernel_name(device)}), requested by {source}"
+    except UserError as exc:
+        return one_line(exc)
+    finally:
+        restore()
 
 
 def collect(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128):
@@ -128,6 +180,8 @@ def collect(device: torch.device | None = None, dtype: torch.dtype = torch.bfloa
         "device": device_info(device),
         "software": software_versions(),
         "env": envs.known_variables(),
+        "env_problems": envs.problems(),
+        "requested_backend": requested_choice(device, dtype, head_dim),
         "problem": {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim},
         "auto_backend": auto_choice(device, dtype, head_dim),
         "backends": backend_rows(device, dtype, head_dim),
@@ -154,6 +208,8 @@ def render(info: dict[str, Any], console=None) -> None:
     console.print(f"[bold]Packages[/]  {escape(pk)}")
     if info["env"]:
         console.print("[bold]Environment[/]  " + escape(", ".join(f"{k}={v}" for k, v in info["env"].items())))
+    for problem in info["env_problems"]:
+        console.print(f"[bold red]Environment error[/]  {escape(one_line(problem))}")
     p = info["problem"]
     table = Table(title=f"Attention backends on {p['device']} ({p['dtype']}, head dim {p['head_dim']})")
     for col in ("backend", "available", "version", "kernel", "why not / unverified"):
@@ -174,10 +230,12 @@ def render(info: dict[str, Any], console=None) -> None:
         )
     console.print(table)
     console.print(f"[bold]Automatic choice[/]  {escape(info['auto_backend'])}")
+    if info["requested_backend"]:
+        console.print(f"[bold]Requested[/]  {escape(info['requested_backend'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--device", default=None, help="device to check (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="bf16", help="dtype to check backends for (default bf16)")
@@ -187,14 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = parse_dtype(args.dtype)
     except ValueError as exc:
         parser.error(str(exc))
-    device = None
-    if args.device:
-        try:
-            device = torch.device(args.device)
-        except (RuntimeError, TypeError):
-            raise InvalidArgument(
-                f"--device {args.device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'."
-            ) from None
+    if args.head_dim < 1:
+        parser.error(f"--head-dim {args.head_dim} must be a positive integer (Wan's is 128)")
+    device = parse_device(args.device) if args.device else None
     info = collect(device, dtype, args.head_dim)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -204,4 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as exc:
+        print(f"fastwan env: error: {one_line(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None

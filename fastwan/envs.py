@@ -1,7 +1,8 @@
 """Every environment variable fastwan reads is parsed here, and only here.
 
-FastVideo's names are honoured so existing launch scripts keep working; the ``FASTWAN_`` spelling of the
-backend variable is accepted too; when both are set they must agree.
+FastVideo's names are honoured so existing launch scripts keep working; where a setting has both a ``FASTVIDEO_``
+and a ``FASTWAN_`` spelling, either may be set, and when both are set they must agree (else InvalidArgument).
+Errors name the variable the user set, with its value as set. An empty or all-blank value means unset.
 """
 from __future__ import annotations
 
@@ -20,22 +21,36 @@ def _get(env: Mapping[str, str] | None, name: str) -> str | None:
     return value.strip()
 
 
+def _aliased(env: Mapping[str, str] | None, names: tuple[str, str], same=None) -> tuple[str | None, str | None]:
+    """(value, the variable it came from) of a setting with two spellings, or (None, None) when neither is set.
+    When both are set, ``same(a, b)`` (default: equal after stripping) must hold, else :class:`InvalidArgument`."""
+    a, b = (_get(env, n) for n in names)
+    if a is not None and b is not None and not (same(a, b) if same else a == b):
+        raise InvalidArgument(
+            f"{names[0]}={a!r} and {names[1]}={b!r} disagree; set only one of them (or set both to the same value)."
+        )
+    if a is not None:
+        return a, names[0]
+    return (b, names[1]) if b is not None else (None, None)
+
+
+_BACKEND_VARS = ("FASTVIDEO_ATTENTION_BACKEND", "FASTWAN_ATTENTION_BACKEND")
+
+
 def attention_backend(env: Mapping[str, str] | None = None) -> str | None:
     """``FASTVIDEO_ATTENTION_BACKEND`` or ``FASTWAN_ATTENTION_BACKEND`` (upper-cased), or None."""
-    a = _get(env, "FASTVIDEO_ATTENTION_BACKEND")
-    b = _get(env, "FASTWAN_ATTENTION_BACKEND")
-    if a and b and a.upper() != b.upper():
-        raise InvalidArgument(
-            f"FASTVIDEO_ATTENTION_BACKEND={a!r} and FASTWAN_ATTENTION_BACKEND={b!r} disagree; "
-            "set only one of them (or set both to the same backend name)."
-        )
-    value = a or b
+    value, _ = _aliased(env, _BACKEND_VARS, same=lambda a, b: a.upper() == b.upper())
     return value.upper() if value else None
 
 
+def attention_backend_variable(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable :func:`attention_backend` took its value from (for messages), or None when neither is set."""
+    return _aliased(env, _BACKEND_VARS, same=lambda a, b: a.upper() == b.upper())[1]
+
+
 def attention_config(env: Mapping[str, str] | None = None) -> str | None:
-    """``FASTWAN_ATTENTION_CONFIG`` (or FastVideo's ``FASTVIDEO_ATTENTION_CONFIG``): a JSON file path."""
-    return _get(env, "FASTWAN_ATTENTION_CONFIG") or _get(env, "FASTVIDEO_ATTENTION_CONFIG")
+    """``FASTWAN_ATTENTION_CONFIG`` (or FastVideo's ``FASTVIDEO_ATTENTION_CONFIG``): a JSON file path (or JSON)."""
+    return _aliased(env, ("FASTWAN_ATTENTION_CONFIG", "FASTVIDEO_ATTENTION_CONFIG"))[0]
 
 
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
@@ -63,10 +78,10 @@ def flash_attn_version(env: Mapping[str, str] | None = None) -> int | None:
     return int(value)
 
 
-def _flag(env: Mapping[str, str] | None, name: str) -> bool:
+def _flag(env: Mapping[str, str] | None, name: str) -> bool | None:
     value = _get(env, name)
     if value is None:
-        return False
+        return None
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     if value.lower() in ("0", "false", "no", "off"):
@@ -76,19 +91,38 @@ def _flag(env: Mapping[str, str] | None, name: str) -> bool:
 
 def nvfp4_fa4(env: Mapping[str, str] | None = None) -> bool:
     """``FASTVIDEO_NVFP4_FA4`` (or ``FASTWAN_NVFP4_FA4``): NVFP4 Q/K in the FLASH_ATTN backend (sm100 only)."""
-    return _flag(env, "FASTVIDEO_NVFP4_FA4") or _flag(env, "FASTWAN_NVFP4_FA4")
+    a, b = _flag(env, "FASTVIDEO_NVFP4_FA4"), _flag(env, "FASTWAN_NVFP4_FA4")
+    if a is not None and b is not None and a != b:
+        raise InvalidArgument(
+            f"FASTVIDEO_NVFP4_FA4={_get(env, 'FASTVIDEO_NVFP4_FA4')!r} and "
+            f"FASTWAN_NVFP4_FA4={_get(env, 'FASTWAN_NVFP4_FA4')!r} disagree; set only one of them."
+        )
+    return bool(a if a is not None else b)
+
+
+_GATE_RULE = ("it is the fraction of steps run with full CFG (e.g. 0.5 skips the uncond forward in the second half; "
+              "1.0 turns gating off).")
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
 
 
 def cfg_gate_step(env: Mapping[str, str] | None = None) -> float | None:
-    """``FASTVIDEO_CFG_GATE_STEP``: fraction of the steps after which the uncond forward is skipped."""
-    value = _get(env, "FASTVIDEO_CFG_GATE_STEP") or _get(env, "FASTWAN_CFG_GATE_STEP")
+    """``FASTVIDEO_CFG_GATE_STEP`` (or ``FASTWAN_CFG_GATE_STEP``): fraction of the steps after which the uncond
+    forward is skipped."""
+    value, name = _aliased(env, ("FASTVIDEO_CFG_GATE_STEP", "FASTWAN_CFG_GATE_STEP"), same=_same_number)
     if value is None:
         return None
     try:
         x = float(value)
     except ValueError:
-        raise InvalidArgument(f"FASTVIDEO_CFG_GATE_STEP={value!r} is not a number; use a fraction in [0, 1].") from None
-    validate_cfg_gate_step(x, source="FASTVIDEO_CFG_GATE_STEP")
+        raise InvalidArgument(f"{name}={value!r} is not a number; use a fraction in [0, 1].") from None
+    if not math.isfinite(x) or not 0.0 <= x <= 1.0:
+        raise InvalidArgument(f"{name}={value!r} is outside [0, 1]; {_GATE_RULE}")
     return x
 
 
@@ -96,10 +130,7 @@ def validate_cfg_gate_step(x, source: str = "cfg_gate_step") -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise InvalidArgumentType(f"{source}={x!r} must be a float in [0, 1] (1.0 = gating off).")
     if not math.isfinite(x) or not 0.0 <= x <= 1.0:
-        raise InvalidArgument(
-            f"{source}={x!r} is outside [0, 1]; it is the fraction of steps run with full CFG "
-            "(e.g. 0.5 skips the uncond forward in the second half; 1.0 turns gating off)."
-        )
+        raise InvalidArgument(f"{source}={x!r} is outside [0, 1]; {_GATE_RULE}")
     return float(x)
 
 
@@ -164,3 +195,15 @@ def disable_multicast() -> None:
     those variables: called before a process group starts."""
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
+
+
+def problems(env: Mapping[str, str] | None = None) -> list[str]:
+    """The error of every parser in this module that rejects its variable as set (empty: every value parses)."""
+    out = []
+    for parse in (attention_backend, attention_config, sdpa_kernel, flash_attn_version, nvfp4_fa4, cfg_gate_step,
+                  torchrun_env):
+        try:
+            parse(env)
+        except InvalidArgument as exc:
+            out.append(str(exc))
+    return out

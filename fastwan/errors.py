@@ -43,7 +43,8 @@ class VideoWriteError(OutputPathError):
 
 def one_line(exc: BaseException) -> str:
     """``exc``'s message on one line (a multi-line message's lines joined with '; ')."""
-    lines = [ln.strip().lstrip("- ").strip() for ln in str(exc).splitlines()]
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    lines = [ln[2:].strip() if ln.startswith("- ") else ln for ln in lines]  # a "- " bullet, not "--flag" or "-1"
     out = ""
     for ln in filter(None, lines):
         out += ln if not out else (" " if out.endswith(":") else "; ") + ln

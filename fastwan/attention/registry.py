@@ -114,7 +114,7 @@ def requested_backend(
         return scoped, "attention_backend() context"
     name = envs.attention_backend(env)
     if name is not None:
-        return name, "FASTVIDEO_ATTENTION_BACKEND"
+        return name, envs.attention_backend_variable(env)
     if envs.nvfp4_fa4(env):  # asking for NVFP4 attention is asking for FLASH_ATTN: never skipped silently
         return "FLASH_ATTN", "FASTVIDEO_NVFP4_FA4=1"
     return None, "automatic"
@@ -145,6 +145,11 @@ def resolve_backend(
             backend = choice
         else:
             backend = create_backend(choice, config, source=source)
+        if backend.name != "FLASH_ATTN" and envs.nvfp4_fa4(env):
+            raise InvalidArgument(
+                f"FASTVIDEO_NVFP4_FA4 (or FASTWAN_NVFP4_FA4) asks for NVFP4 Q/K in the FLASH_ATTN backend, but "
+                f"{backend.name} was requested by {source}; unset the NVFP4 variable, or request FLASH_ATTN."
+            )
         reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
         if reasons:
             raise BackendUnavailableError(

@@ -50,7 +50,7 @@ def trained_attention(ckpt: Checkpoint, requested, config: dict | None):
         requested = name = "VIDEO_SPARSE_ATTN"
         logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "
                     "VIDEO_SPARSE_ATTN is the default", ckpt.root)
-    if isinstance(name, str) and name.upper() == "VIDEO_SPARSE_ATTN":
+    if isinstance(name, str) and name.strip().upper() == "VIDEO_SPARSE_ATTN":
         trained = {"sparsity": trained_vsa_sparsity(ckpt.transformer_config.inner_dim), "tile": list(VSA_TILE)}
         config = {**trained, **(config or {})}
     return requested, config

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from fastwan.attention.variants import BackendSpec, backend_specs
-from fastwan.envinfo import default_device, parse_dtype
+from fastwan.envinfo import OneLineParser, default_device, parse_device, parse_dtype
+from fastwan.errors import UserError
 from fastwan.profiler.problem import MODELS, Problem, model_grid
 from fastwan.profiler.output import render, report
 from fastwan.profiler.runner import plan, run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m fastwan.profiler",
         description="Time attention backends on Wan self-attention problems (NATTEN-style profiler).",
     )
@@ -36,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, help="timed calls (default 10 on GPU, 3 on CPU)")
     ap.add_argument("--dry-run", action="store_true", help="only say which backends can run and why not")
     ap.add_argument("--optimize", action="store_true", help="also try every kernel variant; report the fastest")
-    ap.add_argument("--step-index", type=int, default=49, help="denoising step passed to sparse backends")
+    ap.add_argument("--step-index", type=int, default=49,
+                    help="denoising step passed to sparse backends (0-based, below --num-steps)")
     ap.add_argument("--num-steps", type=int, default=50, help="denoising steps passed to sparse backends")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (replaces an existing file whole)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
                     help="settings for one backend, e.g. 'SLIDING_TILE_ATTN={\"window\": [5, 3, 3]}' "
                          "(repeatable; a JSON object, or a path to a JSON file)")
@@ -47,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def problem_from_args(args: argparse.Namespace) -> Problem:
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device) if args.device else default_device()
     dtype = parse_dtype(args.dtype)
     if args.model:
         preset = MODELS[args.model]
@@ -64,12 +69,16 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     for name, value in (("grid", min(grid)), ("batch", args.batch), ("heads", heads), ("head dim", head_dim)):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}.")
+    if args.num_steps < 1 or not 0 <= args.step_index < args.num_steps:
+        raise ValueError(f"--step-index {args.step_index} and --num-steps {args.num_steps}: need --num-steps >= 1 and "
+                         "0 <= --step-index < --num-steps (the step sparse backends are timed at).")
     return Problem(args.batch, heads, head_dim, grid, dtype, device)
 
 
-def parse_configs(items: Sequence[str]) -> dict[str, dict]:
-    """['NAME=JSON or path', ...] -> {NAME: config}; bad names or JSON raise ValueError."""
-    from fastwan.attention.registry import BACKENDS
+def parse_configs(items: Sequence[str], specs: Sequence[BackendSpec] = ()) -> dict[str, dict]:
+    """['NAME=JSON or path', ...] -> {NAME: config}. Raises ValueError for a bad name or JSON, a backend not among
+    ``specs``, a key the backend does not take, or a key one of ``specs`` fixes to another value (its variant)."""
+    from fastwan.attention.registry import BACKENDS, create_backend
     from fastwan.attention.sparse import load_attention_config
 
     out: dict[str, dict] = {}
@@ -79,7 +88,52 @@ def parse_configs(items: Sequence[str]) -> dict[str, dict]:
         if not sep or name not in BACKENDS:
             raise ValueError(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
         out[name] = load_attention_config(value)
+    selected = {sp.name for sp in specs}
+    for name, config in out.items():
+        if name not in selected:
+            raise ValueError(f"--config {name}=... is for a backend that is not profiled (profiled: "
+                             f"{', '.join(sorted(selected))}); add --backend {name} or drop this --config.")
+        try:  # unknown keys and bad values raise here
+            create_backend(name, config, source=f"--config {name}")
+        except UserError as exc:
+            raise ValueError(f"--config {name}: {exc}") from None
+        for sp in specs:
+            fixed = {k: v for k, v in sp.config.items() if k in config and config[k] != v}
+            if sp.name == name and fixed:
+                baseline = sp.suffix == "auto"
+                why = "the baseline every run times; --optimize times every SDPA kernel" if baseline else \
+                    "a variant --optimize adds"
+                raise ValueError(
+                    f"--config {name} sets {', '.join(f'{k}={config[k]!r}' for k in fixed)}, but the profiled variant "
+                    f"{sp.label} fixes {', '.join(f'{k}={v!r}' for k, v in fixed.items())} ({why}); leave "
+                    f"{', '.join(fixed)} out of --config{'' if baseline else ', or drop --optimize'}."
+                )
     return out
+
+
+def check_json_path(path: str) -> Path:
+    """Where ``--json`` writes, checked before any timing: an existing folder that can be written to."""
+    p = Path(path).expanduser()
+    folder = p.parent
+    if p.is_dir():
+        raise ValueError(f"--json {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'profile.json')!r}.")
+    if not folder.is_dir():
+        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} does not exist; create it first.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} is not writable; choose another path.")
+    return p
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file in the same folder, then a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,11 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         problem = problem_from_args(args)
         specs = backend_specs(args.backend, variants=args.optimize)
-        configs = parse_configs(args.config)
+        configs = parse_configs(args.config, specs)
         specs = [BackendSpec(sp.name, {**configs[sp.name], **sp.config}, sp.suffix) if sp.name in configs else sp
                  for sp in specs]
-    except ValueError as exc:
+        json_path = check_json_path(args.json) if args.json else None
+    except (ValueError, UserError) as exc:
         ap.error(str(exc))
+    if not args.dry_run and problem.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {problem.device} cannot be timed: CUDA is not available here; use --device cpu, or "
+                 "--dry-run to list why each backend cannot run on it")
     on_gpu = problem.device.type == "cuda"
     warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
     iters = args.iters if args.iters is not None else (10 if on_gpu else 3)
@@ -105,9 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run(problem, specs, warmup=warmup, iters=iters, step_index=args.step_index,
                       num_steps=args.num_steps, seed=args.seed)
     render(problem, results, mode=mode)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report(problem, results, mode=mode), f, indent=2, default=str)
+    if json_path is not None:
+        write_json(json_path, report(problem, results, mode=mode))
     if mode != "dry-run" and not any(r.median_ms for r in results):
         return 1
     return 0

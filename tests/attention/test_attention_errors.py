@@ -16,6 +16,7 @@ from fastwan.attention import (
     resolve_backend,
 )
 from fastwan.attention.backends import packages
+from fastwan.errors import InvalidArgument
 from fastwan.attention.backends.flash import FlashAttnBackend
 from fastwan.attention.registry import requested_backend
 from fastwan.attention.backends.sage import SageAttnBackend
@@ -37,7 +38,7 @@ def test_unknown_name_argument_lists_valid_names():
 def test_unknown_name_from_env_names_the_variable(var):
     with pytest.raises(ValueError) as e:
         resolve_backend(None, device="cpu", dtype=BF16, head_dim=128, env={var: "nonsense"})
-    assert "NONSENSE" in str(e.value) and "FASTVIDEO_ATTENTION_BACKEND" in str(e.value)
+    assert "NONSENSE" in str(e.value) and var in str(e.value)
     assert "TORCH_SDPA" in str(e.value)
 
 
@@ -46,9 +47,16 @@ def test_env_backend_is_honoured(var, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="fastwan.attention")
     b = resolve_backend(None, device="cpu", dtype=BF16, head_dim=128, env={var: "torch_sdpa"})
     assert b.name == "TORCH_SDPA"
-    assert "requested by FASTVIDEO_ATTENTION_BACKEND" in caplog.text
+    assert f"requested by {var}" in caplog.text
     monkeypatch.setenv(var, "TORCH_SDPA")  # the process environment too
     assert requested_backend()[0] == "TORCH_SDPA"
+
+
+@pytest.mark.parametrize("requested", ["TORCH_SDPA", None])
+def test_nvfp4_variable_with_another_backend_is_an_error(requested):
+    env = {"FASTWAN_NVFP4_FA4": "1", "FASTVIDEO_ATTENTION_BACKEND": "TORCH_SDPA"}
+    with pytest.raises(InvalidArgument, match="NVFP4 .*TORCH_SDPA was requested by"):
+        resolve_backend(requested, device="cpu", dtype=BF16, head_dim=128, env=env)
 
 
 def test_env_variables_that_disagree_are_an_error():
