@@ -1,16 +1,20 @@
 """Few-step generation: a FastWan (DMD-distilled) checkpoint with its own settings, or any Wan checkpoint with a
-step-distill LoRA sampled by 4-step Euler and no CFG.
+step-distill LoRA sampled by 4-step Euler and no CFG; the video goes to outputs/.
 
     python examples/distilled.py --model FastVideo/FastWan2.1-T2V-1.3B-Diffusers
     python examples/distilled.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers \\
         --lora wan2.1_t2v_14b_lora_rank64_lightx2v_4step.safetensors
     python examples/distilled.py --model tiny-fastwan2.1          # tiny random FastWan, runs on a CPU
+
+A mistake (a LoRA file or a model that does not exist) ends with one line, ``fastwan: error: ...``, and exit code 2.
 """
 import argparse
+import sys
 
 import torch
 
 from fastwan import VideoGenerator
+from fastwan.errors import UserError, one_line
 
 # lightx2v's 4-step distill LoRAs: these timesteps of the 1000-step grid, flow shift 5, guidance 1
 LORA_SAMPLING = dict(sampler="euler", timesteps=[1000, 750, 500, 250], flow_shift=5.0, guidance_scale=1.0)
@@ -36,4 +40,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)

@@ -1,25 +1,34 @@
-"""Image to video with fastwan (Wan2.1 I2V / FLF2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B).
+"""Image to video with fastwan (Wan2.1 I2V / FLF2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B); the video goes to outputs/.
 
     python examples/image_to_video.py --model Wan-AI/Wan2.1-I2V-14B-480P-Diffusers --image first.png
     python examples/image_to_video.py --model Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers --image a.png --last-image b.png
     python examples/image_to_video.py            # tiny random model and a generated picture, runs on a CPU
+
+A mistake (an image file that does not exist, a model that does not exist) ends with one line,
+``fastwan: error: ...``, and exit code 2.
 """
 import argparse
+import os
+import sys
 
 import numpy as np
 import torch
 
 from fastwan import VideoGenerator
+from fastwan.errors import MissingFileError, UserError, one_line
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-wan2.1-i2v")
     p.add_argument("--image", default=None, help="first frame (default: a generated gradient)")
     p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints)")
     p.add_argument("--prompt", default="the scene slowly comes to life, cinematic")
     p.add_argument("--seed", type=int, default=None, help="default: a random seed (printed)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for flag, path in (("--image", args.image), ("--last-image", args.last_image)):
+        if path is not None and not os.path.isfile(path):  # before the model loads
+            raise MissingFileError(f"the {flag} path {path!r} is not a file; give the path of a PNG/JPEG/WebP image.")
     image = args.image
     if image is None:  # a 2:1 gradient; the video takes its aspect ratio at the model's preset area
         ramp = np.linspace(0, 255, 128, dtype=np.float32)
@@ -32,4 +41,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)

@@ -1,17 +1,23 @@
-"""One video on several GPUs: sequence parallelism (and CFG parallelism) through torch.distributed.
+"""One video on several GPUs: sequence parallelism (and CFG parallelism) through torch.distributed; the video goes
+to outputs/.
 
     python examples/multi_gpu.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers --gpus 4 --cfg-parallel --height 720 \\
         --width 1280                                      # fastwan starts 4 processes (CFG 2 x sequence 2)
     torchrun --nproc_per_node 2 examples/multi_gpu.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers --gpus 2
     python examples/multi_gpu.py --model tiny --gpus 2 --cpu  # tiny random model, 2 gloo processes on a CPU
 
-Under torchrun every process runs this script and rank 0 alone gets the frames and writes the video.
+Under torchrun every process runs this script and rank 0 alone gets the frames and writes the video. A mistake
+(--gpus 0, more GPUs than the model's heads allow, a model that does not exist) ends with one line,
+``fastwan: error: ...``, and exit code 2.
 """
 import argparse
+import sys
 
 import torch
+import torch.distributed as dist
 
 from fastwan import VideoGenerator
+from fastwan.errors import UserError, one_line
 from fastwan.parallel.workers import ParallelGenerator
 
 
@@ -27,16 +33,26 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
-    gen = VideoGenerator.from_pretrained(args.model, device="cuda" if cuda else "cpu",
-                                         dtype=torch.bfloat16 if cuda else torch.float32, enable_torch_compile=cuda,
-                                         num_gpus=args.gpus, cfg_parallel=args.cfg_parallel)
-    res = gen.generate_video(args.prompt, height=args.height, width=args.width, seed=args.seed)
-    if res.video_path is not None:  # rank 0 (or this process, when fastwan started the workers)
-        print(f"{res.video_path}  (seed {res.seed})")
-        print({k: round(v, 2) for k, v in res.timings.items()})
-    if isinstance(gen, ParallelGenerator):  # fastwan started the worker processes: end them
-        gen.close()
+    gen = None
+    try:
+        gen = VideoGenerator.from_pretrained(args.model, device="cuda" if cuda else "cpu",
+                                             dtype=torch.bfloat16 if cuda else torch.float32,
+                                             enable_torch_compile=cuda, num_gpus=args.gpus,
+                                             cfg_parallel=args.cfg_parallel)
+        res = gen.generate_video(args.prompt, height=args.height, width=args.width, seed=args.seed)
+        if res.video_path is not None:  # rank 0 (or this process, when fastwan started the workers)
+            print(f"{res.video_path}  (seed {res.seed})")
+            print({k: round(v, 2) for k, v in res.timings.items()})
+    finally:
+        if isinstance(gen, ParallelGenerator):  # fastwan started the worker processes: end them
+            gen.close()
+        if dist.is_initialized():  # a launcher's rank: end its process group before the interpreter exits
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)

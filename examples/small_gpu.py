@@ -1,15 +1,21 @@
-"""Wan on a smaller GPU: FP8 DiT weights and a GPU memory budget that fastwan plans the offloading for.
+"""Wan on a smaller GPU: FP8 DiT weights and a GPU memory budget that fastwan plans the offloading for
+(the plan is printed); the video goes to outputs/.
 
     python examples/small_gpu.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers --budget 24GiB --fp8 --height 720 \\
         --width 1280
     python examples/small_gpu.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --budget 8GiB
     python examples/small_gpu.py --model tiny --fp8          # tiny random model on a CPU (no budget there)
+
+A mistake (a budget without a unit, a budget off CUDA, a model that does not exist) ends with one line,
+``fastwan: error: ...``, and exit code 2.
 """
 import argparse
+import sys
 
 import torch
 
 from fastwan import VideoGenerator
+from fastwan.errors import UserError, one_line
 
 
 def main(argv=None):
@@ -35,4 +41,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
