@@ -230,7 +230,7 @@ class VideoGenerator:
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
-                                              config=config)
+                                              config=config, model=ckpt.transformer_config)
         compile_kwargs = compile_kwargs_for(torch_compile_kwargs, attention) if enable_torch_compile else None
 
         plan = None
@@ -384,7 +384,8 @@ class VideoGenerator:
         :mod:`fastwan.pipelines.output`. Every check runs before any compute.
         ``image`` (and ``last_image``): for image-to-video checkpoints, the first (and last) frame: a PIL image, an
         np.uint8 H x W x 3 array or a file path (:mod:`fastwan.pipelines.image`); without height and width the
-        video takes the image's aspect ratio at the preset's pixel area, and the images are resized to the size.
+        video takes the image's aspect ratio at the preset's pixel area (one given: the other follows the image's
+        aspect ratio), and the images are resized to the size.
         ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
         steps each pass computed are in ``result.cache``.
         ``guidance_scale_2``: the low-noise expert's scale (two-expert checkpoints only; unset, it follows a given
@@ -395,9 +396,9 @@ class VideoGenerator:
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
         req = check_image_request(self.checkpoint, image, last_image)
-        if req is not None and height is None and width is None:
+        if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
             multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
-            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple)
+            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple, height, width)
         guidance_scale, guidance_scale_2 = expert_guidance(self.preset, guidance_scale, guidance_scale_2)
         s = check_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
                                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),

@@ -1,8 +1,10 @@
 """The image side of image-to-video: reading the user's image, the default video size for it, and what the DiT
 is conditioned on, with the numerics of diffusers' ``WanImageToVideoPipeline``.
 
-* :func:`read_image`: a PIL image, an ``np.uint8`` array (H x W x 3, H x W x 4 or H x W) or a file path -> RGB
-  PIL image; anything else raises naming the value. Images of more than 8 bits per sample become 8-bit by fixed
+* :func:`read_image`: a PIL image, an ``np.uint8`` array (H x W x 3, H x W x 4, H x W x 1 or H x W) or a local
+  file path (``str`` or ``os.PathLike``, ``~`` expanded; URLs are not fetched) -> RGB PIL image; anything else
+  raises naming the value. Files and PIL images are turned upright by their EXIF orientation (what diffusers'
+  ``load_image`` does: a phone photo reads as it is shown). Images of more than 8 bits per sample become 8-bit by fixed
   rules, never by clipping: 16-bit greyscale (modes ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``, and ``I``, which
   must hold 16-bit values 0..65535) keep the high byte (``value >> 8``, what Pillow itself does with 16-bit colour
   PNGs, so grey and colour files of one picture read alike); float images (mode ``F``) must hold values in [0, 1]
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,36 +41,72 @@ INT_MODE_MAX = 65535  # an "I" (32-bit integer) image is read as 16-bit data: va
 
 
 def read_image(image: Any, name: str = "image"):
-    """``image`` (PIL image, np.uint8 array H x W [x 3 or 4], or a file path) -> RGB ``PIL.Image.Image``."""
-    from PIL import Image, UnidentifiedImageError
+    """``image`` (PIL image, np.uint8 array H x W [x 1, 3 or 4], or a file path) -> RGB ``PIL.Image.Image``."""
+    from PIL import Image
 
     label = name
-    if isinstance(image, (str, Path)):
-        label = f"{name}={str(image)!r}"
-        path = Path(image).expanduser()
-        try:
-            with Image.open(path) as img:
-                img.load()
-                image = img.copy()
-        except FileNotFoundError:
-            raise InvalidArgument(f"{label}: no such file; give the path of a PNG/JPEG/WebP image.") from None
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise InvalidArgument(f"{label} is too large to read: {_bomb_size(exc)}, Pillow's guard against "
-                                  "decompression bombs; resize it (a video frame needs about 1 megapixel, e.g. "
-                                  "1280 x 720) and pass the smaller file.") from None
-        except (UnidentifiedImageError, OSError) as exc:
-            raise InvalidArgument(f"{label} is not a readable image ({exc}); give a PNG/JPEG/WebP file.") from None
+    if isinstance(image, (str, os.PathLike)):
+        label = f"{name}={os.fspath(image)!r}"
+        image = _open_file(image, label)
     elif isinstance(image, np.ndarray):
+        if image.ndim == 3 and image.shape[2] == 1:
+            image = image[..., 0]  # H x W x 1: greyscale, as H x W
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
-            raise InvalidArgument(f"{name}: an array must be np.uint8 of shape H x W x 3 (or x 4, or H x W), got "
-                                  f"{image.dtype} {image.shape}; {_array_fix(image.dtype)}")
+            raise InvalidArgument(f"{name}: an array must be np.uint8 of shape H x W x 3 (or x 4, x 1, or H x W), "
+                                  f"got {image.dtype} {image.shape}; {_array_fix(image)}")
         image = Image.fromarray(image)
-    elif not isinstance(image, Image.Image):
+    elif isinstance(image, Image.Image):
+        image = _upright(image, label)
+    else:
+        hint = (" For a C x H x W tensor in [0, 1]: (t.permute(1, 2, 0) * 255).round().byte().cpu().numpy()."
+                if isinstance(image, torch.Tensor) else "")
         raise InvalidArgumentType(f"{name}={type(image).__name__}: give a PIL image, an np.uint8 H x W x 3 array or "
-                                  "an image file path.")
+                                  f"an image file path.{hint}")
     if min(image.size) < 1:
         raise InvalidArgument(f"{label} is {image.size[0]} x {image.size[1]} pixels; it must not be empty.")
     return _to_rgb(image, label)
+
+
+def _open_file(path, label: str):
+    """A local image file -> an upright PIL image (its pixels loaded); unreadable files raise naming the file."""
+    from PIL import Image, ImageOps
+
+    text = os.fsdecode(path)
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", text):
+        raise InvalidArgument(f"{label} is a URL; fastwan reads local files only: download the image and pass its "
+                              "path (or a PIL image, e.g. diffusers.utils.load_image(url)).")
+    if not text:
+        raise InvalidArgument(f"{label} is an empty path; give the path of a PNG/JPEG/WebP image.")
+    path = Path(text).expanduser()
+    try:
+        if path.is_dir():
+            raise InvalidArgument(f"{label} is a folder, not a readable image; give the path of a PNG/JPEG/WebP "
+                                  "file.")
+        with Image.open(path) as img:
+            img.load()
+            return ImageOps.exif_transpose(img)
+    except FileNotFoundError:
+        raise InvalidArgument(f"{label}: no such file; give the path of a PNG/JPEG/WebP image.") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidArgument(f"{label} is too large to read: {_bomb_size(exc)}, Pillow's guard against "
+                              "decompression bombs; resize it (a video frame needs about 1 megapixel, e.g. "
+                              "1280 x 720) and pass the smaller file.") from None
+    except OSError as exc:  # UnidentifiedImageError is an OSError
+        raise InvalidArgument(f"{label} is not a readable image ({exc}); give a PNG/JPEG/WebP file.") from None
+
+
+def _upright(image, label: str):
+    """A PIL image's pixels loaded (a lazily opened file's decoded now) and turned by its EXIF orientation, as a new
+    image; pixels that cannot be decoded (a truncated or closed file) raise naming the image."""
+    from PIL import ImageOps
+
+    try:
+        image.load()
+    except (OSError, ValueError, AssertionError, AttributeError) as exc:  # Pillow asserts that the file is open
+        raise InvalidArgument(f"{label}: the pixels of this PIL image cannot be read ({str(exc) or 'file closed'}); "
+                              "pass the file path, or a PIL image whose pixels are loaded (img.load() or "
+                              "img.copy() before its file is closed).") from None
+    return ImageOps.exif_transpose(image)
 
 
 def _to_rgb(image, label: str):
@@ -101,11 +141,19 @@ def _to_rgb(image, label: str):
                               "to an 8-bit 'RGB' image first.") from None
 
 
-def _array_fix(dtype) -> str:
-    """The conversion to suggest for an array of ``dtype`` (the rules of the module docstring)."""
-    if dtype == np.uint16:
+def _array_fix(array: np.ndarray) -> str:
+    """The conversion to suggest for a refused array (the rules of the module docstring)."""
+    if array.dtype == np.uint8:
+        if array.ndim == 3 and array.shape[0] in (1, 3, 4):
+            return "a C x H x W array becomes H x W x C with x.transpose(1, 2, 0)."
+        if array.ndim == 4 and array.shape[0] == 1:
+            return "give one image, e.g. x[0]."
+        return "give one image of that shape."
+    if array.dtype == np.bool_:
+        return "convert it (a mask: x.astype(np.uint8) * 255)."
+    if array.dtype == np.uint16:
         return "convert it (16-bit data keeps its high byte: (x >> 8).astype(np.uint8))."
-    if np.issubdtype(dtype, np.floating):
+    if np.issubdtype(array.dtype, np.floating):
         return "convert it (values in [0, 1]: (x * 255).round().astype(np.uint8))."
     return "convert it (e.g. values in [0, 255]: x.astype(np.uint8))."
 
@@ -118,12 +166,24 @@ def _bomb_size(exc: Exception) -> str:
     return f"{int(found[1]):,} pixels, over the limit of {int(found[2]):,}"
 
 
-def default_size(image, area: int, multiple: int) -> tuple[int, int]:
-    """(height, width) with the image's aspect ratio and about ``area`` pixels, each rounded down to ``multiple``
-    (at least one multiple)."""
+def default_size(image, area: int, multiple: int, height=None, width=None) -> tuple[int, int]:
+    """(height, width) with the image's aspect ratio, each rounded down to ``multiple`` (at least one multiple):
+    neither given -> about ``area`` pixels; one given (a positive int) -> the other from it; both given -> as given.
+    A given side that is not a positive int is returned as is, for the size checks to name."""
     aspect = image.height / image.width
-    height = max(multiple, round(math.sqrt(area * aspect)) // multiple * multiple)
-    width = max(multiple, round(math.sqrt(area / aspect)) // multiple * multiple)
+
+    def side(x: float) -> int:
+        return max(multiple, round(x) // multiple * multiple)
+
+    def usable(x) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x > 0
+
+    if height is None and width is None:
+        return side(math.sqrt(area * aspect)), side(math.sqrt(area / aspect))
+    if width is None and usable(height):
+        return height, side(height / aspect)
+    if height is None and usable(width):
+        return side(width * aspect), width
     return height, width
 
 

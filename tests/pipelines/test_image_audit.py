@@ -1,0 +1,140 @@
+"""read_image on inputs a diffusers user hands over: EXIF-rotated photos read upright (as diffusers' load_image
+reads them, and as a direct rotation of the pixels gives), and the default video size follows the upright image;
+H x W x 1 arrays; URLs, empty paths, folders and os.PathLike paths; PIL images whose pixels cannot be decoded;
+and refused arrays and tensors with the conversion that fits them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.pipelines.image import read_image
+
+ORIENTATION = 0x0112  # the EXIF tag
+PIXELS = np.random.default_rng(0).integers(0, 256, (3, 5, 3), dtype=np.uint8)
+# what each EXIF orientation shows, written out with numpy (the TIFF/EXIF definitions)
+UPRIGHT = {1: PIXELS, 2: PIXELS[:, ::-1], 3: PIXELS[::-1, ::-1], 4: PIXELS[::-1],
+           5: PIXELS.transpose(1, 0, 2), 6: np.rot90(PIXELS, -1), 7: np.rot90(PIXELS, 2).transpose(1, 0, 2),
+           8: np.rot90(PIXELS, 1)}
+
+
+def tagged(path, array, orientation):
+    exif = Image.Exif()
+    exif[ORIENTATION] = orientation
+    Image.fromarray(array).save(path, exif=exif.tobytes())
+    return path
+
+
+@pytest.mark.parametrize("orientation", sorted(UPRIGHT))
+def test_exif_orientation_reads_upright_as_diffusers_load_image(tmp_path, orientation):
+    from diffusers.utils import load_image
+
+    path = tagged(tmp_path / "photo.png", PIXELS, orientation)
+    want = np.asarray(load_image(str(path)))
+    assert np.array_equal(want, UPRIGHT[orientation])
+    assert np.array_equal(np.asarray(read_image(path)), want)
+    with Image.open(path) as opened:
+        assert np.array_equal(np.asarray(read_image(opened)), want)  # load_image turns a PIL image alike
+
+
+def test_default_size_follows_the_upright_photo(tmp_path, monkeypatch):
+    """A phone photo stored 60 wide x 30 tall, shown rotated (orientation 6): 30 wide x 60 tall, so the default
+    video is portrait (the tiny preset's 64 x 64 area at 1:2, each side rounded down to 16)."""
+    from fastwan import VideoGenerator
+
+    photo = tagged(tmp_path / "phone.jpg", np.zeros((30, 60, 3), dtype=np.uint8), 6)
+    gen = VideoGenerator.from_pretrained("tiny-wan2.1-i2v", device="cpu", dtype=torch.float32)
+
+    class Sized(Exception):
+        pass
+
+    def stop(prompt, negative_prompt, s, *rest):
+        raise Sized(s.height, s.width)
+
+    monkeypatch.setattr(gen, "_generate", stop)
+    with pytest.raises(Sized) as got:
+        gen.generate_video("a fox", image=photo, save_video=False)
+    assert got.value.args == (80, 32)
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({"height": 96}, (96, 48)),  # a 1:2 (width:height) image: width = 96 / 2
+    ({"width": 48}, (96, 48)),
+    ({"height": 112}, (112, 48)),  # 56, rounded down to 16
+    ({"height": 96, "width": 96}, (96, 96)),  # both given: as given (the image is resized)
+])
+def test_one_given_side_takes_the_other_from_the_image(monkeypatch, given, expected):
+    """A portrait image with only height (or width) given: the other side keeps the image's aspect ratio, rounded
+    down to the tiny model's multiple of 16, instead of the preset's value."""
+    from fastwan import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained("tiny-wan2.1-i2v", device="cpu", dtype=torch.float32)
+
+    class Sized(Exception):
+        pass
+
+    def stop(prompt, negative_prompt, s, *rest):
+        raise Sized(s.height, s.width)
+
+    monkeypatch.setattr(gen, "_generate", stop)
+    with pytest.raises(Sized) as got:
+        gen.generate_video("a fox", image=np.zeros((60, 30, 3), dtype=np.uint8), save_video=False, **given)
+    assert got.value.args == expected
+
+
+def test_h_w_1_array_reads_as_greyscale():
+    grey = PIXELS[..., 0]
+    want = np.repeat(grey[..., None], 3, axis=2)
+    assert np.array_equal(np.asarray(read_image(grey[..., None])), want)
+    assert np.array_equal(np.asarray(read_image(grey)), want)
+
+
+def test_urls_empty_paths_and_folders_are_named(tmp_path):
+    with pytest.raises(InvalidArgument, match=r"image='https://example\.com/cat\.png' is a URL.*download"):
+        read_image("https://example.com/cat.png")
+    with pytest.raises(InvalidArgument, match=r"last_image='' is an empty path"):
+        read_image("", name="last_image")
+    with pytest.raises(InvalidArgument, match=r"is a folder, not a readable image; give the path"):
+        read_image(tmp_path)
+
+
+def test_any_os_pathlike_is_a_path(tmp_path):
+    path = tmp_path / "frame.png"
+    Image.fromarray(PIXELS).save(path)
+
+    class Located:
+        def __fspath__(self):
+            return str(path)
+
+    assert np.array_equal(np.asarray(read_image(Located())), PIXELS)
+
+
+def test_pil_image_whose_pixels_cannot_be_read_is_a_user_error(tmp_path):
+    path = tmp_path / "cut.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path)
+    path.write_bytes(path.read_bytes()[:600])  # the header is whole, the pixel data cut short
+    with Image.open(path) as lazy:
+        with pytest.raises(InvalidArgument, match=r"last_image: the pixels of this PIL image cannot be read"):
+            read_image(lazy, name="last_image")
+    Image.fromarray(PIXELS).save(tmp_path / "whole.png")
+    with Image.open(tmp_path / "whole.png") as im:
+        pass  # closed before its pixels were read
+    with pytest.raises(InvalidArgument, match=r"image: the pixels of this PIL image cannot be read"):
+        read_image(im)
+
+
+@pytest.mark.parametrize("array,fix", [
+    (np.zeros((3, 4, 5), dtype=np.uint8), r"x\.transpose\(1, 2, 0\)"),
+    (np.zeros((1, 4, 5, 3), dtype=np.uint8), r"x\[0\]"),
+    (np.zeros((4, 5), dtype=bool), r"x\.astype\(np\.uint8\) \* 255"),
+])
+def test_refused_arrays_name_the_fix_that_fits(array, fix):
+    with pytest.raises(InvalidArgument, match=rf"got {array.dtype} \({', '.join(map(str, array.shape))}\);.*{fix}"):
+        read_image(array)
+
+
+def test_tensor_is_refused_with_its_conversion():
+    with pytest.raises(InvalidArgumentType, match=r"image=Tensor: give a PIL image.*t\.permute\(1, 2, 0\)"):
+        read_image(torch.zeros(3, 4, 5))
