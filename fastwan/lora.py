@@ -10,14 +10,23 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
 * kohya / musubi-tuner: ``lora_unet_blocks_N_self_attn_q.lora_down.weight`` (the same parts): ``lora_unet_`` and
   the original module name with each dot written as an underscore (:func:`_kohya_name` reads it back).
 
-A module's update is ``W += scale * (alpha / rank) * B @ A`` (alpha defaults to the rank), ``W += scale * diff``,
+A module's update is ``W += scale * (alpha / rank) * B @ A``, ``W += scale * diff``,
 ``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype; an FP8 layer's weight is
 dequantized, updated in fp32 and quantized again (new per-channel scales). Merged weights cost nothing at run time;
 :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
 Deltas of norms (zeros in the files that carry them) are skipped.
+
+A module's alpha is its ``<module>.alpha`` tensor; else, for ``lora_A`` / ``lora_B`` keys, the LoraConfig that
+diffusers / PEFT save in the file's safetensors metadata (``lora_adapter_metadata``: ``lora_alpha``, its
+``alpha_pattern``, ``use_rslora`` for ``alpha / sqrt(rank)``; the ``transformer.``-prefixed entries of a pipeline
+save, or the unprefixed ones of a model save), as diffusers' ``load_lora_weights`` reads it; else the rank.
+Each module takes its update from one set of keys: two keys giving one module the same part (two formats or two
+names in one file) are an error, and so are other adapter kinds (DoRA, LyCORIS LoHa / LoKr / Tucker), whose
+updates are not ``B @ A``.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -55,14 +64,19 @@ KOHYA_PREFIX = "lora_unet_"
 # WAN_NAMES with every separating dot read as an underscore; each pattern spells its literal parts out in full and
 # matches a whole name, so the underscores inside names (self_attn, k_img, time_embedding) cannot split two ways.
 KOHYA_NAMES = tuple((re.compile(pattern.replace(r"\.", "_")), repl) for pattern, repl in WAN_NAMES)
+METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffusers / PEFT save a LoraConfig in
+# a marker in a key -> the adapter kind it belongs to (updates that are not B @ A, which fastwan does not merge)
+OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("hada_", "LyCORIS LoHa"),
+                  ("lokr_", "LyCORIS LoKr"), ("lora_mid", "LyCORIS Tucker (lora_mid)"))
+PART_NAMES = {"A": "lora_A / lora_down", "B": "lora_B / lora_up", "alpha": "alpha", "diff": "diff",
+              "diff_b": "diff_b / lora_B.bias"}
 PARTS = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "lora_up.weight": "B",
          "alpha": "alpha", "diff": "diff", "diff_b": "diff_b", "lora_B.bias": "diff_b"}
 
 
 def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     if not isinstance(path, (str, Path)):
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
@@ -77,11 +91,78 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
         raise InvalidArgument(f"LoRA file {str(path)!r} is not a .safetensors file; fastwan loads LoRAs from "
                               "safetensors only (convert pickle files with safetensors.torch.save_file).")
     try:
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except SafetensorError as exc:  # truncated or corrupt, or another format (e.g. a pickle) under this name
         raise CheckpointError(f"LoRA file {str(path)!r} is not a valid safetensors file ({exc}); it may be "
                               "truncated or corrupt (download it again), or another format such as a pickle "
                               "under a .safetensors name (convert it with safetensors.torch.save_file).") from exc
+    return {**tensors, **_metadata_alphas(tensors, _adapter_config(header, path), path)}
+
+
+def _adapter_config(header: dict, path: Path) -> dict:
+    """The DiT's LoraConfig entries that diffusers / PEFT saved in a LoRA file's safetensors ``header`` ({} when
+    there are none): the ``transformer.``-prefixed ones of a pipeline save, else a model save's unprefixed ones."""
+    raw = header.get(METADATA_KEY)
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"LoRA file {str(path)!r}: its metadata {METADATA_KEY!r} is not a JSON object "
+                              f"({str(raw)[:60]!r}); the file is corrupt: re-export it.")
+    prefixed = {k[len("transformer."):]: v for k, v in meta.items() if k.startswith("transformer.")}
+    return prefixed or (meta if "lora_alpha" in meta else {})
+
+
+def _metadata_alpha(config: dict, module: str, path: Path):
+    """The alpha a LoraConfig gives ``module`` (its ``alpha_pattern`` entry, matched as PEFT matches one: the
+    pattern is the module name's end, after a dot), or None when it sets no ``lora_alpha``."""
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata alpha_pattern is {patterns!r}, not an object of "
+                              "module pattern -> alpha; the file is corrupt: re-export it.")
+    try:
+        hit = next((p for p in patterns if re.fullmatch(rf"(.*\.)?({p})", module)), None)
+    except re.error as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r}: a metadata alpha_pattern key is not a valid pattern "
+                              f"({exc}); the file is corrupt: re-export it.") from None
+    alpha, what = (patterns[hit], f"alpha_pattern[{hit!r}]") if hit is not None else (config.get("lora_alpha"),
+                                                                                   "lora_alpha")
+    if alpha is None and hit is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not _finite(alpha):
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata {what} is {alpha!r}; a LoRA alpha must be one "
+                              "finite number (the file is corrupt: re-export it).")
+    return float(alpha)
+
+
+def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch.Tensor]:
+    """``<module>.alpha`` tensors for the ``lora_A`` modules of ``tensors`` that carry none, from ``config`` (the
+    file's LoraConfig; ``use_rslora`` scales by alpha / sqrt(rank): the alpha given is alpha x sqrt(rank))."""
+    if not config:
+        return {}
+    flags = {k: False if config.get(k) is None else config[k] for k in ("use_rslora", "use_dora")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise CheckpointError(f"LoRA file {str(path)!r}: metadata {k} is {v!r}, not true or false; the file is "
+                                  "corrupt: re-export it.")
+    if flags["use_dora"]:
+        raise InvalidArgument(f"LoRA file {str(path)!r} is a DoRA (its metadata sets use_dora); fastwan merges "
+                              "plain LoRAs only (W += alpha / rank x B @ A): merge it into a LoRA or the model with "
+                              "PEFT first.")
+    out = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight") or (module := key[: -len(".lora_A.weight")]) + ".alpha" in tensors:
+            continue
+        name = module[len("transformer."):] if module.startswith("transformer.") else module
+        alpha = _metadata_alpha(config, name, path)
+        if alpha is not None and a.dim() == 2:
+            out[module + ".alpha"] = torch.tensor(alpha * (math.sqrt(a.shape[0]) if flags["use_rslora"] else 1.0))
+    return out
 
 
 def _finite(x) -> bool:
@@ -134,6 +215,11 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unmatched = []
     for key, value in tensors.items():
+        kind = next((k for marker, k in OTHER_ADAPTERS if marker in key), None)
+        if kind is not None:
+            raise InvalidArgument(f"{source}: {key} is a {kind} tensor; fastwan merges plain LoRAs only (lora_A / "
+                                  "lora_down, lora_B / lora_up, alpha, diff, diff_b): merge it into a plain LoRA "
+                                  "or into the model first.")
         found = _module_name(key, set(linears) | norms)
         if found is None:
             unmatched.append(key)
@@ -141,7 +227,11 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
         name, part = found
         if name in norms:
             continue  # norm deltas: zeros in the files that carry them
-        updates.setdefault(name, {})[part] = (key, value)
+        if part in updates.setdefault(name, {}):
+            raise InvalidArgument(f"{source}: {updates[name][part][0]} and {key} both give the {PART_NAMES[part]} "
+                                  f"of {name} (two formats or two names of one module in one file); keep one of "
+                                  "them.")
+        updates[name][part] = (key, value)
     if not updates:
         raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a linear layer of this model, e.g. "
                               f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "

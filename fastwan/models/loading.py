@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import struct
 from pathlib import Path, PureWindowsPath
@@ -123,6 +124,9 @@ def _component_file(folder: Path, name: str, named_by: Path | None = None) -> Pa
     return path
 
 
+_SHARD_NAME = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")  # a shard's name: stem, number, shard count
+
+
 def _shard_files(folder: Path, index: Path) -> list[Path]:
     """The shards ``index`` lists: each entry must be a plain file name inside ``folder`` (see
     :func:`plain_name_problem`), and each shard must exist."""
@@ -156,12 +160,36 @@ def _shard_files(folder: Path, index: Path) -> list[Path]:
                 f"({problem}); a shard index may only name files in its own folder {folder} (outside files are "
                 "refused). The index is corrupt or was tampered with: download the checkpoint again."
             )
-    return [_component_file(folder, name, index) for name in sorted(set(weight_map.values()))]
+    named = sorted(set(weight_map.values()))
+    sets = {m.group(1, 3) for n in named if (m := _SHARD_NAME.fullmatch(n))}  # (stem, shard count)
+    unnamed = sorted(p.name for p in folder.glob("*.safetensors")
+                     if p.name not in named and (m := _SHARD_NAME.fullmatch(p.name)) and m.group(1, 3) in sets)
+    if unnamed:  # every shard holds tensors, so an index naming none of a shard's is incomplete
+        raise CheckpointError(
+            f"{index} names no tensor of {', '.join(unnamed)}, a shard of the set it reads ({', '.join(named[:2])}"
+            f"{', ...' if len(named) > 2 else ''}); the index is incomplete or from another download: download the "
+            "checkpoint again."
+        )
+    return [_component_file(folder, name, index) for name in named]
+
+
+_PICKLE_BASES = ("diffusion_pytorch_model", "pytorch_model", "model")  # pickle weight names (with -i-of-n shards)
+_SAFETENSORS_BASES = ("diffusion_pytorch_model", "model")  # what diffusers / transformers name safetensors weights
+
+
+def _weight_named(names: list[str], bases: tuple[str, ...] = _SAFETENSORS_BASES) -> list[str]:
+    """Of a folder's weight file ``names``, those named as diffusers / transformers save weights (``base``,
+    ``base.variant``, ``base-i-of-n``, their indexes) when there are any, as those libraries read only them (a
+    backup or a LoRA file beside them is not read); else all of them (a folder of other names)."""
+    named = [n for n in names if n.split(".")[0].split("-")[0] in bases]
+    return named or names
 
 
 def _pickle_files(folder: Path, *, allow_pickle: bool) -> list[Path]:
-    """A folder's pickle weight files when ``allow_pickle``; otherwise an error naming them (or no weights)."""
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    """A folder's pickle weight files when ``allow_pickle`` (those named as diffusers / transformers save weights,
+    ``diffusion_pytorch_model*`` / ``pytorch_model*`` / ``model*``, when it has any; else all); otherwise an error
+    naming them (or no weights)."""
+    pickles = _weight_named(sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES), _PICKLE_BASES)
     if pickles and allow_pickle:
         return [_component_file(folder, name) for name in pickles]
     if pickles:
@@ -212,8 +240,8 @@ def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingFileError(f"{folder} does not exist or is not a folder; download the checkpoint again.")
-    indexes = sorted(p.name for p in folder.glob("*.safetensors.index*.json"))
-    singles = sorted(p.name for p in folder.glob("*.safetensors"))
+    indexes = _weight_named(sorted(p.name for p in folder.glob("*.safetensors.index*.json")))
+    singles = _weight_named(sorted(p.name for p in folder.glob("*.safetensors")))
     variant = _chosen_variant(folder, indexes + singles)
     indexes = [n for n in indexes if file_variant(n) == variant]
     if indexes:  # the first index by name is the one read
@@ -274,6 +302,22 @@ def shape_error(source: str, key: str, got, want) -> CheckpointError:
     return CheckpointError(f"{source}: tensor {key!r} has shape {tuple(got)}, the config implies {tuple(want)}.")
 
 
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A pickle weight file's state dict (tensors only, ``weights_only``); a CheckpointError naming the file when it
+    is not one (corrupt, or another pickle such as training_args.bin)."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:  # what torch raises for a bad file
+        raise CheckpointError(f"{path} cannot be read as a weights-only state dict ({type(exc).__name__}); it is "
+                              "corrupt or not a weight file (move files such as training_args.bin out of the "
+                              "folder), or convert the weights to safetensors.") from None
+    if not (isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                             for k, v in loaded.items())):
+        raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a state dict of tensor name -> tensor; "
+                              "move it out of the folder or convert the weights to safetensors.")
+    return loaded
+
+
 class CheckpointTensors:
     """The tensors of a component's weight files, indexed by name and read one at a time.
 
@@ -290,7 +334,7 @@ class CheckpointTensors:
                 with safe_open(str(f), framework="pt", device="cpu") as sf:
                     names = list(sf.keys())
             else:  # only reached with allow_pickle=True
-                loaded = torch.load(f, map_location="cpu", weights_only=True)
+                loaded = _load_pickle(f)
                 self._pickled.update(loaded)
                 names = list(loaded)
             for key in names:

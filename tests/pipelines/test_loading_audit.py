@@ -1,0 +1,198 @@
+"""LoRA files and DiT folders that diffusers users have: a diffusers / PEFT LoRA's alphas saved in its safetensors
+metadata merge as diffusers' ``load_lora_adapter`` + ``fuse_lora`` do (the reference: diffusers' fused weights);
+a file giving one module the same part twice, or holding another adapter kind (DoRA, LyCORIS), is refused before
+any weight changes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fastwan.errors import CheckpointError, InvalidArgument
+from fastwan.lora import LoraState, apply_lora
+from fastwan.models.wan.loading import load_transformer
+from fastwan.tiny import tiny_checkpoint
+
+pytest.importorskip("peft")
+MODULES = ("blocks.0.attn1.to_q", "blocks.0.attn2.to_out.0", "blocks.1.ffn.net.0.proj")
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return tiny_checkpoint("wan2.1") / "transformer"
+
+
+def ours(folder):
+    return load_transformer(folder, dtype=torch.float32, device="cpu")
+
+
+def peft_lora(model, prefix: str, rank: int = 4) -> dict:
+    g = torch.Generator().manual_seed(0)
+    mods = dict(model.named_modules())
+    out = {}
+    for name in MODULES:
+        w = mods[name].weight
+        out[f"{prefix}{name}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.3
+        out[f"{prefix}{name}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.3
+    return out
+
+
+def diffusers_fused(folder, path, prefix, scale):
+    from diffusers import WanTransformer3DModel
+
+    ref = WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
+    ref.load_lora_adapter(str(path), prefix=prefix, adapter_name="x", low_cpu_mem_usage=False, use_safetensors=True)
+    ref.fuse_lora(lora_scale=scale)
+    ref.unload_lora()
+    return ref.state_dict()
+
+
+@pytest.mark.parametrize("prefix, config, scale", [
+    ("transformer", {"lora_alpha": 8}, 1.0),  # a pipeline save (save_lora_weights): "transformer." entries
+    ("transformer", {"lora_alpha": 8, "alpha_pattern": {"blocks.1.ffn.net.0.proj": 2}}, 0.5),
+    ("transformer", {"lora_alpha": 3, "use_rslora": True}, 1.0),  # alpha / sqrt(rank)
+    (None, {"lora_alpha": 16, "alpha_pattern": {"to_out.0": 1}}, 1.0),  # a model save: unprefixed entries
+])
+def test_metadata_alphas_merge_as_diffusers_fuses_them(folder, tmp_path, prefix, config, scale):
+    model = ours(folder)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lead = f"{prefix}." if prefix else ""
+    config = {"r": 4, "target_modules": list(MODULES), "use_dora": False, "use_rslora": False, **config}
+    path = tmp_path / "lora.safetensors"
+    save_file(peft_lora(model, lead), str(path), metadata={
+        "format": "pt", "lora_adapter_metadata": json.dumps({f"{lead}{k}": v for k, v in config.items()})})
+    apply_lora([model], [LoraState()], path, scale)
+    want = diffusers_fused(folder, path, prefix, scale)
+    for name in MODULES:
+        key = name + ".weight"
+        got_delta, want_delta = model.state_dict()[key] - before[key], want[key] - before[key]
+        assert want_delta.abs().max() > 0.1
+        torch.testing.assert_close(got_delta, want_delta, rtol=1e-5, atol=1e-6)
+
+
+def refused_before_any_change(folder, path, error, match):
+    model = ours(folder)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        apply_lora([model], [LoraState()], path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_one_module_twice_in_one_file_is_refused(folder, tmp_path):
+    """The same LoRA in the diffusers and the original Wan names: merging both (or silently one) is wrong."""
+    model = ours(folder)
+    lora = peft_lora(model, "transformer.")
+    for part, wan_part in (("A", "down"), ("B", "up")):
+        lora[f"diffusion_model.blocks.0.self_attn.q.lora_{wan_part}.weight"] = \
+            lora[f"transformer.blocks.0.attn1.to_q.lora_{part}.weight"].clone()
+    path = tmp_path / "mixed.safetensors"
+    save_file(lora, str(path))
+    refused_before_any_change(folder, path, InvalidArgument,
+                              r"diffusion_model\.blocks\.0\.self_attn\.q\.lora_down\.weight and transformer\.blocks\."
+                              r"0\.attn1\.to_q\.lora_A\.weight both give the lora_A / lora_down of blocks\.0\.attn1")
+
+
+@pytest.mark.parametrize("extra, kind", [
+    ("transformer.blocks.0.attn1.to_q.lora_magnitude_vector", "DoRA"),
+    ("lora_unet_blocks_0_self_attn_q.dora_scale", "DoRA"),
+    ("lora_unet_blocks_0_self_attn_q.hada_w1_a", "LyCORIS LoHa"),
+    ("lora_unet_blocks_0_self_attn_q.lokr_w1", "LyCORIS LoKr"),
+])
+def test_other_adapter_kinds_are_refused(folder, tmp_path, extra, kind):
+    """Their updates are not B @ A: merging the B @ A part alone (or nothing) would be silently wrong."""
+    lora = {**peft_lora(ours(folder), "transformer."), extra: torch.ones(24)}
+    path = tmp_path / "other.safetensors"
+    save_file(lora, str(path))
+    refused_before_any_change(folder, path, InvalidArgument, rf"{extra} is a {kind} tensor; fastwan merges plain")
+
+
+@pytest.mark.parametrize("meta, error, match", [
+    ("{not json", CheckpointError, "is not a JSON object"),
+    (json.dumps({"transformer.lora_alpha": "8"}), CheckpointError, r"metadata lora_alpha is '8'"),
+    (json.dumps({"transformer.lora_alpha": 8, "transformer.alpha_pattern": {"to_q(": 2}}), CheckpointError,
+     "not a valid pattern"),
+    (json.dumps({"transformer.lora_alpha": 8, "transformer.use_dora": True}), InvalidArgument, "is a DoRA"),
+])
+def test_bad_metadata_is_refused(folder, tmp_path, meta, error, match):
+    path = tmp_path / "meta.safetensors"
+    save_file(peft_lora(ours(folder), "transformer."), str(path), metadata={"lora_adapter_metadata": meta})
+    refused_before_any_change(folder, path, error, match)
+
+
+def pickle_folder(folder, tmp_path):
+    """``folder`` (a DiT) with its weights as diffusers' pickle file name, diffusion_pytorch_model.bin."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out = shutil.copytree(folder, tmp_path / "transformer")
+    torch.save(load_file(out / "diffusion_pytorch_model.safetensors"), out / "diffusion_pytorch_model.bin")
+    (out / "diffusion_pytorch_model.safetensors").unlink()
+    return out
+
+
+def test_pickle_folder_loads_its_weight_file_beside_other_pickles(folder, tmp_path):
+    """A training run's ``training_args.bin`` beside the weights (allow_pickle=True) is not a weight file: as
+    diffusers does, only the weight file loads."""
+    import argparse
+
+    out = pickle_folder(folder, tmp_path)
+    torch.save(argparse.Namespace(learning_rate=1e-4), out / "training_args.bin")
+    got = load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True).state_dict()
+    want = ours(folder).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("content", [b"not a pickle", None])
+def test_unreadable_pickle_weights_are_a_checkpoint_error(folder, tmp_path, content):
+    out = pickle_folder(folder, tmp_path)
+    if content is None:
+        torch.save([torch.zeros(2)], out / "diffusion_pytorch_model.bin")  # a pickle, not a state dict
+    else:
+        (out / "diffusion_pytorch_model.bin").write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.bin (cannot be read|holds a list)"):
+        load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True)
+
+
+def test_index_naming_only_some_shards_of_its_set_is_named(tmp_path):
+    """An index that names no tensor of shard 2 of 2 (a stale or partial download): the error names the index and
+    the shard, not a config mismatch."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from fastwan.pipelines.checkpoint import resolve
+
+    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
+    folder = root / "transformer"
+    tensors = load_file(folder / "diffusion_pytorch_model.safetensors")
+    (folder / "diffusion_pytorch_model.safetensors").unlink()
+    keys = sorted(tensors)
+    shards = {f"diffusion_pytorch_model-0000{i + 1}-of-00002.safetensors": keys[i::2] for i in range(2)}
+    for name, names in shards.items():
+        save_file({k: tensors[k] for k in names}, str(folder / name))
+    first = next(iter(shards))
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: first for k in shards[first]}}))
+    with pytest.raises(CheckpointError, match=r"index\.json names no tensor of diffusion_pytorch_model-00002-of-"
+                                              r"00002\.safetensors.*index is incomplete"):
+        resolve(root)
+
+
+@pytest.mark.parametrize("stray", ["diffusion_pytorch_model_backup.safetensors", "my_lora.safetensors"])
+def test_a_stray_safetensors_file_beside_the_weights_is_not_read(tmp_path, stray):
+    """As diffusers reads only ``diffusion_pytorch_model*`` (transformers ``model*``), a backup or a LoRA file left
+    beside the weights is not read: the checkpoint resolves and the DiT loads the same tensors."""
+    import shutil
+
+    from fastwan.pipelines.checkpoint import resolve
+
+    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
+    save_file({"blocks.0.lora_A.weight": torch.ones(2, 3)}, str(root / "transformer" / stray))
+    save_file({"shared.weight": torch.ones(2, 3)}, str(root / "text_encoder" / stray))
+    resolve(str(root))
+    got = ours(root / "transformer").state_dict()
+    want = ours(tiny_checkpoint("wan2.1") / "transformer").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
