@@ -40,8 +40,13 @@ class AttentionDispatch:
         head_dim: int,
         config: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        model: Any = None,
     ) -> AttentionDispatch:
+        """The backends for a DiT; ``model`` (its transformer config: ``num_attention_heads``, ``num_layers``), when
+        given, lets a sparse backend check its per-head and per-layer settings against the DiT now."""
         backend = resolve_backend(requested, device=device, dtype=dtype, head_dim=head_dim, config=config, env=env)
+        if backend.sparse and model is not None:
+            backend.check_model(model.num_attention_heads, model.num_layers)
         cross = None
         if backend.sparse:
             # sparse backends serve self-attention only; text cross-attention picks the best dense kernel

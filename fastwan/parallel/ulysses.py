@@ -104,9 +104,11 @@ class UlyssesDispatch:
 
     def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """q, k, v: this rank's tokens, [B, S_rank, H, D] -> [B, S_rank, H, D]."""
-        sizes = self.sizes
+        sizes, heads = self.sizes, q.shape[2]
         q, k, v = (self.sp.seq_to_heads(t, sizes) for t in (q, k, v))
-        if meta is not None and meta.extra and "gate_compress" in meta.extra:  # VSA's gate is per token and head
-            gate = self.sp.seq_to_heads(meta.extra["gate_compress"], sizes)
-            meta = dataclasses.replace(meta, extra={**meta.extra, "gate_compress": gate})
+        if meta is not None:  # this rank holds heads [rank * H / world, (rank + 1) * H / world) of the layer's H
+            extra = {**(meta.extra or {}), "head_range": (self.sp.rank * (heads // self.sp.world), heads)}
+            if "gate_compress" in extra:  # VSA's gate is per token and head
+                extra["gate_compress"] = self.sp.seq_to_heads(extra["gate_compress"], sizes)
+            meta = dataclasses.replace(meta, extra=extra)
         return self.sp.heads_to_seq(self.inner.self_attention(q, k, v, meta), sizes)

@@ -13,7 +13,8 @@
   t_i / 1000; x0 = x - sigma_i * v; then x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise with fresh Gaussian
   noise (from the request's seed), and the last step returns x0.
 
-``timesteps`` (euler and dmd only) are strictly decreasing numbers in (0, 1000]; given, they set the step count.
+``timesteps`` (euler and dmd only) are strictly decreasing numbers in (0, 1000] (a list, tuple or 1-d numpy array /
+torch tensor); given, they set the step count.
 A checkpoint's preset may carry a sampler, timesteps and flow shift (FastWan: dmd, (1000, 757, 522), 8); a call
 that asks for another step count without timesteps gets evenly spaced ones.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Set
 from dataclasses import replace
 
 import torch
@@ -49,7 +51,7 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
     if timesteps is not None:
         ts = _check_timesteps(timesteps)
         if name == "default":
-            raise InvalidArgument(f"timesteps={list(timesteps)!r} need sampler='euler' or 'dmd'; the default "
+            raise InvalidArgument(f"timesteps={list(ts)!r} need sampler='euler' or 'dmd'; the default "
                                   "sampler takes its timesteps from the checkpoint's scheduler (num_inference_steps).")
         if num_inference_steps is not None and num_inference_steps != len(ts):
             raise InvalidArgument(f"num_inference_steps={num_inference_steps!r} disagrees with the {len(ts)} "
@@ -69,9 +71,16 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
 
 
 def _check_timesteps(timesteps) -> tuple[float, ...]:
-    if isinstance(timesteps, (str, bytes)) or not hasattr(timesteps, "__iter__"):
-        raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers, e.g. [1000, 757, 522].")
-    ts = tuple(timesteps)
+    """Rule: an ordered sequence of real numbers (a list, tuple, generator, or a 1-d numpy array / torch tensor);
+    not a string, set or mapping (no order) and not a 0-d or n-d array."""
+    ndim = getattr(timesteps, "ndim", None)  # numpy arrays and scalars, torch tensors
+    if ndim is not None and ndim != 1:
+        raise InvalidArgumentType(f"timesteps={timesteps!r} is {ndim}-dimensional; it must be one list of numbers, "
+                                  "e.g. [1000, 757, 522].")
+    if isinstance(timesteps, (str, bytes, Set, Mapping)) or not hasattr(timesteps, "__iter__"):
+        raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers in order (from noise to "
+                                  "clean), e.g. [1000, 757, 522].")
+    ts = tuple(timesteps.tolist() if isinstance(timesteps, torch.Tensor) else timesteps)
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
     ts = tuple(float(t) for t in ts)

@@ -94,10 +94,16 @@ CASES = [
              per_token=True, cfg=False)),
     (2, dict(options="reference", backend="VIDEO_SPARSE_ATTN", conf={"tile": [1, 2, 2], "sparsity": 0.5},
              per_token=False, cfg=False)),
+    # per-head windows: each rank applies the windows of the heads it holds
+    (2, dict(options="reference", backend="SLIDING_TILE_ATTN", conf={"tile": [1, 2, 2], "window": 1, "strategy": {
+        "0_0_1": [3, 3, 3], "0_1_0": [3, 3, 3]}}, per_token=False, cfg=False)),
+    (2, dict(options="reference", backend="SLIDING_TILE_ATTN", conf={"tile": [1, 2, 2], "window": 1, "strategy": {
+        "*": {"*": [[1, 1, 1], [3, 3, 3], [1, 3, 1], [3, 1, 3]]}}}, per_token=False, cfg=False)),
 ]
 
 
-@pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c['options']}-{c['backend']}" for w, c in CASES])
+@pytest.mark.parametrize("world,case", CASES,
+                         ids=[f"{w}-{c['options']}-{c['backend']}-{i}" for i, (w, c) in enumerate(CASES)])
 def test_sequence_parallel_matches_one_process(world, case, tmp_path):
     run(world, str(tmp_path / "store"), **case)
 

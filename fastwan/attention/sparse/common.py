@@ -86,6 +86,9 @@ class SparseVideoBackend(AttentionBackend):
     def validate_grid(self, layout: TokenLayout) -> None:
         """Subclass hook: grid-dependent config checks (raise ValueError)."""
 
+    def check_model(self, num_heads: int, num_layers: int) -> None:
+        """Subclass hook: config checks against a DiT's head and layer counts (raise before any compute)."""
+
     # ------------------------------------------------------------------ kernels
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
         reasons = super().reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)

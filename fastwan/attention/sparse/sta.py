@@ -24,6 +24,11 @@ Config (constructor kwargs, or a JSON object via ``attention_config=`` / ``FASTW
 
 Lookup order for (step, layer): strategy[step][layer], strategy[step]["*"], strategy["*"][layer],
 strategy["*"]["*"], then ``window``. Calls without a step index (``meta.step_index`` None) only see "*" steps.
+Two keys naming the same step, layer or head ("0" and "00") are an error. Head indices are the layer's: a call
+that holds only some of them (Ulysses sequence parallelism) says which with ``meta.extra["head_range"] =
+(first, total)`` -- its heads are heads first .. first + H - 1 of the layer's ``total``.
+:meth:`SlidingTileBackend.check_model` checks every per-head and per-layer entry against a DiT's head and layer
+counts before any compute.
 Block masks are built once per (grid, device, per-head windows) and cached (LRU of 64).
 """
 from __future__ import annotations
@@ -69,18 +74,21 @@ class SlidingTileBackend(SparseVideoBackend):
         self._all_windows = sorted(windows)
 
     # ------------------------------------------------------------------ strategy
-    def windows_for(self, step: int | None, layer: int, heads: int) -> tuple[tuple[int, int, int], ...]:
-        """The window of every head (or one shared window: a 1-tuple) at (step, layer)."""
-        rule = None
-        steps = ([str(step)] if step is not None else []) + ["*"]
-        for s in steps:
+    def _lookup(self, step: int | None, layer: int):
+        """The strategy entry that applies at (step, layer) and its name, or (None, None)."""
+        for s in ([str(step)] if step is not None else []) + ["*"]:
             for lk in (str(layer), "*"):
                 if (s, lk) in self.rules:
-                    rule = self.rules[(s, lk)]
-                    where = f"strategy[{s!r}][{lk!r}]"
-                    break
-            if rule is not None:
-                break
+                    return self.rules[(s, lk)], f"strategy[{s!r}][{lk!r}]"
+        return None, None
+
+    def windows_for(self, step: int | None, layer: int, heads: int, key=None) -> tuple[tuple[int, int, int], ...]:
+        """The window of every head (or one shared window: a 1-tuple) at (step, layer); ``key``: the (step, layer)
+        key of the strategy entry to use instead of the lookup."""
+        if key is None:
+            rule, where = self._lookup(step, layer)
+        else:
+            rule, where = self.rules[key], f"strategy[{key[0]!r}][{key[1]!r}]"
         if rule is None:
             return (self.window,)
         kind, value = rule
@@ -105,8 +113,26 @@ class SlidingTileBackend(SparseVideoBackend):
 
     # ------------------------------------------------------------------ plans
     def plan(self, layout: TokenLayout, meta: AttentionMetadata, heads: int) -> BlockPlan:
-        wins = self.windows_for(meta.step_index, meta.layer_index, heads)
+        first, total = head_range(meta, heads)
+        wins = self.windows_for(meta.step_index, meta.layer_index, total)
+        if len(wins) > 1:  # this call's heads only
+            wins = wins[first:first + heads]
+            wins = (wins[0],) if len(set(wins)) == 1 else wins
         return self.plan_for_windows(layout, wins)
+
+    def check_model(self, num_heads: int, num_layers: int) -> None:
+        """Every strategy entry against a DiT of ``num_heads`` heads and ``num_layers`` layers: per-head lists of
+        ``num_heads`` windows, head indices below it, layer indices below ``num_layers`` (an entry for a layer
+        the DiT lacks would never apply); raises before any compute."""
+        for (step, layer), (kind, _) in self.rules.items():
+            if layer != "*" and int(layer) >= num_layers:
+                where = f"key '{step}_{layer}_...'" if kind == "dict" else f"[{step!r}][{layer!r}]"
+                raise InvalidArgument(
+                    f"{self.name}: strategy {where} names layer {layer} but the DiT has {num_layers} layers "
+                    f"(0..{num_layers - 1}); fix the layer index or remove the entry.")
+            if kind != "uniform":
+                self.windows_for(None if step == "*" else int(step), 0 if layer == "*" else int(layer), num_heads,
+                                 key=(step, layer))
 
     def plan_for_windows(self, layout: TokenLayout, windows) -> BlockPlan:
         """The cached block plan for one window per head (or a 1-tuple shared by all heads)."""
@@ -146,6 +172,8 @@ def _parse_strategy(strategy: Any) -> dict:
             s, lk, h = key.split("_")
             where = f"strategy[{key!r}]"
             rule = rules.setdefault((str(int(s)), str(int(lk))), ("dict", {}))
+            if int(h) in rule[1]:
+                _duplicate(where, f"'{int(s)}_{int(lk)}_{int(h)}'")
             rule[1][int(h)] = cfg.window(value, where)
         return rules
     for s, layers in strategy.items():
@@ -164,5 +192,23 @@ def _parse_strategy(strategy: Any) -> dict:
                     f"strategy[{s!r}] key {lk!r} is not a layer index; use \"0\", \"1\", ... or \"*\"."
                 )
             key = (s if s == "*" else str(int(s)), lk if lk == "*" else str(int(lk)))
+            if key in rules:
+                _duplicate(f"strategy[{s!r}][{lk!r}]", f"[{key[0]!r}][{key[1]!r}]")
             rules[key] = _parse_window_entry(value, f"strategy[{s!r}][{lk!r}]")
     return rules
+
+
+def _duplicate(where: str, same: str) -> None:
+    raise InvalidArgument(f"{where} names the same entry as another key (both are {same}); keep one of the two.")
+
+
+def head_range(meta: AttentionMetadata, heads: int) -> tuple[int, int]:
+    """(first, total): a call's ``heads`` heads are the layer's heads first .. first + heads - 1 of ``total``
+    (``meta.extra["head_range"]``; absent: all of them, (0, heads))."""
+    given = meta.extra.get("head_range") if meta.extra else None
+    if given is None:
+        return 0, heads
+    first, total = given
+    if not 0 <= first <= total - heads:
+        raise ValueError(f"meta.extra['head_range'] = {given!r} does not hold this call's {heads} heads")
+    return first, total
