@@ -213,7 +213,7 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))}
     norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    unmatched = []
+    unmatched, skipped_norms = [], []
     for key, value in tensors.items():
         kind = next((k for marker, k in OTHER_ADAPTERS if marker in key), None)
         if kind is not None:
@@ -225,8 +225,10 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
             unmatched.append(key)
             continue
         name, part = found
-        if name in norms:
-            continue  # norm deltas: zeros in the files that carry them
+        if name in norms:  # norm deltas are not applied (as in diffusers): zeros in the files that carry them
+            if value.count_nonzero():
+                skipped_norms.append(key)
+            continue
         if part in updates.setdefault(name, {}):
             raise InvalidArgument(f"{source}: {updates[name][part][0]} and {key} both give the {PART_NAMES[part]} "
                                   f"of {name} (two formats or two names of one module in one file); keep one of "
@@ -240,6 +242,9 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     if unmatched:  # e.g. text-encoder keys, or blocks this model does not have: the rest still applies
         logger.warning("%s: %d of its %d keys name no layer of this model and are not applied, e.g. %s",
                        source, len(unmatched), len(tensors), sorted(unmatched)[:3])
+    if skipped_norms:
+        logger.warning("%s: %d norm deltas hold non-zero values and are not applied (fastwan, like diffusers, merges "
+                       "linear layers only), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
     for name, parts in updates.items():
         weight = linears[name].weight
         if ("A" in parts) != ("B" in parts):

@@ -196,3 +196,21 @@ def test_a_stray_safetensors_file_beside_the_weights_is_not_read(tmp_path, stray
     got = ours(root / "transformer").state_dict()
     want = ours(tiny_checkpoint("wan2.1") / "transformer").state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("value, warned", [(0.0, False), (0.01, True)])
+def test_norm_deltas_with_values_are_named_not_skipped_silently(folder, tmp_path, caplog, value, warned):
+    """Norm deltas are not merged (as in diffusers, which drops them): zeros (what trainers save) pass quietly;
+    non-zero ones are named in a warning, and the linear layers still merge."""
+    import logging
+
+    model = ours(folder)
+    dim = model.blocks[0].norm2.weight.shape[0]
+    lora = peft_lora(model, "transformer.")
+    lora["diffusion_model.blocks.0.norm3.diff"] = torch.full((dim,), value)
+    path = tmp_path / "norms.safetensors"
+    save_file(lora, str(path))
+    caplog.set_level(logging.WARNING, logger="fastwan")
+    assert apply_lora([model], [LoraState()], path) == len(MODULES)
+    assert ("norm deltas hold non-zero values" in caplog.text) == warned
+    assert ("blocks.0.norm3.diff" in caplog.text) == warned
