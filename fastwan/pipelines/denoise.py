@@ -57,8 +57,10 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
     def cached(expert: int, name: str) -> dict:  # a step cache decides per pass: own forward and state
         return {} if run is None else {"cache": run.state(expert, name)}
 
-    # which expert runs each step, decided on the host once (no device sync inside the loop)
-    experts = [0 if boundary is None or tv >= boundary else 1 for tv in timesteps.tolist()]
+    # which expert runs each step, decided on the host once (no device sync inside the loop); compared as diffusers
+    # does, tensor against Python float in the timesteps' precision (float32 for integer timesteps): a boundary
+    # within that rounding above a timestep counts as reached
+    experts = [0] * n if boundary is None else [0 if high else 1 for high in (timesteps >= boundary).tolist()]
     for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
         expert = experts[i]
         if expert != current:
