@@ -99,8 +99,11 @@ def _quantize_parser(sub) -> None:
 
 
 def _prompt_arg(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the prompt is empty; describe the video, e.g. 'a cat surfing a wave'")
+    from fastwan.pipelines.text import clean_prompt
+
+    if not clean_prompt(text):  # what the text encoder reads: HTML entities decoded, whitespace dropped
+        raise argparse.ArgumentTypeError(f"the prompt {text!r} is empty once cleaned (HTML entities decoded, "
+                                         "whitespace dropped); describe the video, e.g. 'a cat surfing a wave'")
     return text
 
 

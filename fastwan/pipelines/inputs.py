@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.pipelines.text import clean_prompt
 
 SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
 RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
@@ -24,8 +25,10 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
     timesteps were checked); raises InvalidArgument/InvalidArgumentType."""
     if not isinstance(prompt, str):
         raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
-    if not prompt.strip():
-        raise InvalidArgument("prompt is empty; describe the video to generate, e.g. 'a cat surfing a wave'.")
+    if not clean_prompt(prompt):  # what the text encoder reads: HTML entities decoded, whitespace dropped
+        raise InvalidArgument(f"prompt={prompt!r} is empty once cleaned as the text encoder reads it (HTML entities "
+                              "decoded, whitespace dropped); describe the video to generate, e.g. 'a cat surfing a "
+                              "wave'.")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise InvalidArgumentType(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
     vt, vs = vae_factors
