@@ -35,7 +35,7 @@ from fastwan.offload import parse_memory, plan_offload
 from fastwan.options import DiTOptions
 from fastwan.parallel.launch import join, spawn
 from fastwan.parallel.launch import mode as parallel_mode
-from fastwan.vae.decode import check_chunk, decode_frames, vae_scale_factors, vae_tiling_kwargs
+from fastwan.vae.decode import check_chunk, decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.pipelines.checkpoint import (
@@ -326,7 +326,7 @@ class VideoGenerator:
         a = self.attention
         return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
-                "quantization": self.quantization,
+                "quantization": self.quantization, "vae_tiling": tiling_state(self.vae),
                 "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
                 "loras": [state.loaded for state in self._loras]}
 
@@ -389,7 +389,7 @@ class VideoGenerator:
         ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
         steps each pass computed are in ``result.cache``.
         ``guidance_scale_2``: the low-noise expert's scale (two-expert checkpoints only; unset, it follows a given
-        ``guidance_scale``); CFG runs where an expert's scale is above 1 (:mod:`fastwan.pipelines.inputs`).
+        ``guidance_scale``); CFG runs when a scale is above 1, then on every step whose scale is not 1 (``runs_cfg``).
         ``sampler`` ("default": the checkpoint's scheduler, "euler", "dmd"), ``timesteps`` (euler / dmd: strictly
         decreasing, in (0, 1000]) and ``flow_shift``: :mod:`fastwan.pipelines.sampling`; a distilled checkpoint
         (FastWan) presets its own.

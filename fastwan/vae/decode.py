@@ -132,6 +132,14 @@ VAE_TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_samp
 VAE_TILING_DEFAULTS = (256, 192)  # AutoencoderKLWan's tile_sample_min_* and tile_sample_stride_* (pixels)
 
 
+def tiling_state(vae) -> dict | None:
+    """The spatial tiling ``vae`` decodes with (its four tile sizes, pixels; a memory plan may have turned it on),
+    None when untiled: tiles change the decoded values, so this is part of what determines a video."""
+    if not getattr(vae, "use_tiling", False):
+        return None
+    return {key: int(getattr(vae, key)) for key in VAE_TILING_KEYS}
+
+
 def vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
     """vae_tiling (False / True / dict of tile sizes) -> enable_tiling kwargs, or None for no tiling. Checked
     against the VAE's config.json before anything is loaded."""
