@@ -276,15 +276,20 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
 
 
 class LoraState:
-    """The originals of the tensors a model's merged LoRAs changed (on the CPU), to restore them exactly."""
+    """The originals of the tensors a model's merged LoRAs changed (on the CPU), to restore them exactly.
+
+    Each is kept by where it lives (its module and attribute name), not by the tensor object: moving a model
+    (``.to()``, a memory plan's pinned or GPU copies) replaces an FP8 layer's buffers with new tensors, and the
+    restore must reach the live ones."""
 
     def __init__(self):
-        self.originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, original copy)
+        # (id(module), name) -> (module, name, original copy on the CPU)
+        self.originals: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor]] = {}
         self.loaded: list[tuple[str, float]] = []
 
-    def _keep(self, param: torch.Tensor) -> None:
-        if id(param) not in self.originals:
-            self.originals[id(param)] = (param, param.detach().to("cpu", copy=True))
+    def _keep(self, module: torch.nn.Module, name: str) -> None:
+        if (id(module), name) not in self.originals:
+            self.originals[(id(module), name)] = (module, name, getattr(module, name).detach().to("cpu", copy=True))
 
     @torch.no_grad()
     def merge(self, model: torch.nn.Module, updates: dict, scale: float) -> int:
@@ -302,16 +307,16 @@ class LoraState:
             if "diff" in parts:
                 delta += parts["diff"].to(w.device, torch.float32)
             if ("A" in parts or "diff" in parts) and isinstance(lin, Fp8Linear):  # requantized, new scales
-                self._keep(w)
-                self._keep(lin.weight_scale)
+                self._keep(lin, "weight")
+                self._keep(lin, "weight_scale")
                 w8, w_scale = quantize_weight(dequantize_weight(w, lin.weight_scale) + scale * delta)
                 w.copy_(w8)
                 lin.weight_scale.copy_(w_scale)
             elif "A" in parts or "diff" in parts:
-                self._keep(w)
+                self._keep(lin, "weight")
                 w.copy_((w.float() + scale * delta).to(w.dtype))
             if "diff_b" in parts:
-                self._keep(lin.bias)
+                self._keep(lin, "bias")
                 lin.bias.copy_((lin.bias.float() + scale * parts["diff_b"].to(w.device, torch.float32))
                                .to(lin.bias.dtype))
         return len(updates)
@@ -319,8 +324,9 @@ class LoraState:
     @torch.no_grad()
     def restore(self) -> None:
         """Every changed tensor back to its original, bit for bit."""
-        for param, original in self.originals.values():
-            param.copy_(original.to(param.device))
+        for module, name, original in self.originals.values():
+            live = getattr(module, name)
+            live.copy_(original.to(live.device))
         self.originals.clear()
         self.loaded.clear()
 
