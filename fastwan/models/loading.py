@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import struct
+import tempfile
 from pathlib import Path, PureWindowsPath
 
 import torch
@@ -386,3 +388,16 @@ def load_into(
         target = v.dtype if v.dtype in FP8 else torch.float32 if keep_fp32(k) else dtype
         cast[k] = v.to(device=device, dtype=target if v.is_floating_point() else v.dtype)
     model.load_state_dict(cast, strict=True, assign=True)
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then move it onto ``path``: the file is replaced whole
+    or not at all (the temporary file is removed when writing fails)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from fastwan.attention.variants import BackendSpec, backend_specs
 from fastwan.envinfo import OneLineParser, default_device, parse_device, parse_dtype
 from fastwan.errors import UserError
+from fastwan.models.loading import write_atomically
 from fastwan.profiler.problem import MODELS, Problem, model_grid
 from fastwan.profiler.output import render, report
 from fastwan.profiler.runner import plan, run
@@ -125,15 +125,8 @@ def check_json_path(path: str) -> Path:
 
 
 def write_json(path: Path, data) -> None:
-    """Write ``data`` to ``path`` whole or not at all: a temporary file in the same folder, then a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write ``data`` to ``path`` as JSON, whole or not at all."""
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ import torch.nn as nn
 
 from fastwan.errors import CheckpointError, InvalidArgument
 from fastwan.kernels.fp8 import E4M3, Fp8Linear, choose_route, fp8_state, quantize_weight
+from fastwan.models.loading import write_atomically
 
 logger = logging.getLogger("fastwan")
 
@@ -127,18 +126,7 @@ def save_fp8_transformer(model: nn.Module, source_config: str | Path, folder: st
                        "layers": "every linear layer inside blocks"}
     state = fp8_state(model)
     assert all(state[f"{n}.weight"].dtype == E4M3 for n in layers)
-    _atomic(folder / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={CONFIG_KEY: "fp8"}))
-    _atomic(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=2) + "\n"))
+    write_atomically(folder / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={CONFIG_KEY: "fp8"}))
+    write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=2) + "\n"))
     return folder
 
-
-def _atomic(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then move it onto ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
