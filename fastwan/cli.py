@@ -13,20 +13,17 @@ import sys
 from collections.abc import Callable
 
 from fastwan import envs
-from fastwan.errors import InvalidArgument, UserError, one_line
+from fastwan.errors import USER_ERROR_EXIT, InvalidArgument, OneLineParser, UserError, one_line
 from fastwan.options import BLOCKS
 
 # The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
 USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
-USER_ERROR_EXIT = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as fastwan's user errors: one line on stderr, exit 2 (no usage dump)."""
+class _Parser(OneLineParser):
+    """The fastwan command's parser (its subcommands' too): errors start with 'fastwan: error:'."""
 
-    def error(self, message: str):
-        print(f"fastwan: error: {message} (see '{self.prog} --help')", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT)
+    label = "fastwan"
 
 
 def _generate_parser(sub) -> None:

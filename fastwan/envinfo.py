@@ -6,7 +6,6 @@ Usage: ``fastwan env [--json] [--device cuda:0] [--dtype bf16] [--head-dim 128]`
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import platform
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from fastwan import envs
-from fastwan.errors import InvalidArgument, UserError, one_line
+from fastwan.errors import InvalidArgument, OneLineParser, UserError, one_line
 
 PACKAGES = (
     "flash-attn",
@@ -35,14 +34,6 @@ DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32,
 }
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line on stderr and exit code 2 (no usage dump), as fastwan's user errors."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
-        sys.exit(2)
 
 
 def parse_device(text: str, option: str = "--device") -> torch.device:

@@ -8,6 +8,11 @@ would catch (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError
 """
 from __future__ import annotations
 
+import argparse
+import sys
+
+USER_ERROR_EXIT = 2  # the exit code of a command that stops on a user error
+
 
 class UserError(Exception):
     """Base of every error caused by the caller's input, files or environment."""
@@ -49,3 +54,14 @@ def one_line(exc: BaseException) -> str:
     for ln in filter(None, lines):
         out += ln if not out else (" " if out.endswith(":") else "; ") + ln
     return out or type(exc).__name__
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are user errors: one line on stderr (``label``, default the program name, then the
+    message), exit code 2, no usage dump."""
+
+    label: str | None = None
+
+    def error(self, message: str):
+        print(f"{self.label or self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)

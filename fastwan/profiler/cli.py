@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from fastwan.attention.variants import BackendSpec, backend_specs
-from fastwan.envinfo import OneLineParser, default_device, parse_device, parse_dtype
-from fastwan.errors import UserError
+from fastwan.envinfo import default_device, parse_device, parse_dtype
+from fastwan.errors import OneLineParser, UserError
 from fastwan.models.loading import write_atomically
 from fastwan.profiler.problem import MODELS, Problem, model_grid
 from fastwan.profiler.output import render, report
