@@ -37,15 +37,19 @@ def _aliased(env: Mapping[str, str] | None, names: tuple[str, str], same=None) -
 _BACKEND_VARS = ("FASTVIDEO_ATTENTION_BACKEND", "FASTWAN_ATTENTION_BACKEND")
 
 
+def _same_name(a: str, b: str) -> bool:
+    return a.upper() == b.upper()
+
+
 def attention_backend(env: Mapping[str, str] | None = None) -> str | None:
     """``FASTVIDEO_ATTENTION_BACKEND`` or ``FASTWAN_ATTENTION_BACKEND`` (upper-cased), or None."""
-    value, _ = _aliased(env, _BACKEND_VARS, same=lambda a, b: a.upper() == b.upper())
+    value, _ = _aliased(env, _BACKEND_VARS, same=_same_name)
     return value.upper() if value else None
 
 
 def attention_backend_variable(env: Mapping[str, str] | None = None) -> str | None:
     """The variable :func:`attention_backend` took its value from (for messages), or None when neither is set."""
-    return _aliased(env, _BACKEND_VARS, same=lambda a, b: a.upper() == b.upper())[1]
+    return _aliased(env, _BACKEND_VARS, same=_same_name)[1]
 
 
 def attention_config(env: Mapping[str, str] | None = None) -> str | None:
@@ -121,16 +125,17 @@ def cfg_gate_step(env: Mapping[str, str] | None = None) -> float | None:
         x = float(value)
     except ValueError:
         raise InvalidArgument(f"{name}={value!r} is not a number; use a fraction in [0, 1].") from None
-    if not math.isfinite(x) or not 0.0 <= x <= 1.0:
-        raise InvalidArgument(f"{name}={value!r} is outside [0, 1]; {_GATE_RULE}")
-    return x
+    return validate_cfg_gate_step(x, source=name, shown=repr(value))
 
 
-def validate_cfg_gate_step(x, source: str = "cfg_gate_step") -> float:
+def validate_cfg_gate_step(x, source: str = "cfg_gate_step", shown: str | None = None) -> float:
+    """``x`` as a gating fraction in [0, 1]; errors name ``source`` with ``shown`` (the value as the user wrote it;
+    default ``repr(x)``)."""
+    shown = repr(x) if shown is None else shown
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise InvalidArgumentType(f"{source}={x!r} must be a float in [0, 1] (1.0 = gating off).")
+        raise InvalidArgumentType(f"{source}={shown} must be a float in [0, 1] (1.0 = gating off).")
     if not math.isfinite(x) or not 0.0 <= x <= 1.0:
-        raise InvalidArgument(f"{source}={x!r} is outside [0, 1]; {_GATE_RULE}")
+        raise InvalidArgument(f"{source}={shown} is outside [0, 1]; {_GATE_RULE}")
     return float(x)
 
 
