@@ -74,50 +74,46 @@ class SlidingTileBackend(SparseVideoBackend):
         self._all_windows = sorted(windows)
 
     # ------------------------------------------------------------------ strategy
-    def _lookup(self, step: int | None, layer: int):
-        """The strategy entry that applies at (step, layer) and its name, or (None, None)."""
+    def _lookup(self, step: int | None, layer: int) -> tuple[str, str] | None:
+        """The key of the strategy entry that applies at (step, layer), or None."""
         for s in ([str(step)] if step is not None else []) + ["*"]:
             for lk in (str(layer), "*"):
                 if (s, lk) in self.rules:
-                    return self.rules[(s, lk)], f"strategy[{s!r}][{lk!r}]"
-        return None, None
+                    return s, lk
+        return None
 
-    def windows_for(self, step: int | None, layer: int, heads: int, key=None) -> tuple[tuple[int, int, int], ...]:
-        """The window of every head (or one shared window: a 1-tuple) at (step, layer); ``key``: the (step, layer)
-        key of the strategy entry to use instead of the lookup."""
-        if key is None:
-            rule, where = self._lookup(step, layer)
-        else:
-            rule, where = self.rules[key], f"strategy[{key[0]!r}][{key[1]!r}]"
-        if rule is None:
-            return (self.window,)
-        kind, value = rule
+    def windows_for(self, step: int | None, layer: int, heads: int) -> tuple[tuple[int, int, int], ...]:
+        """The window of every head (or one shared window: a 1-tuple) at (step, layer)."""
+        key = self._lookup(step, layer)
+        return (self.window,) if key is None else self._entry_windows(key, heads)
+
+    def _entry_windows(self, key: tuple[str, str], heads: int) -> tuple[tuple[int, int, int], ...]:
+        """The windows strategy entry ``key`` gives a layer of ``heads`` heads (see :meth:`windows_for`); raises
+        when a per-head list or head index does not fit ``heads``."""
+        kind, value = self.rules[key]
         if kind == "uniform":
             return (value,)
         if kind == "list":
             if len(value) != heads:
                 raise InvalidArgument(
-                    f"{self.name}: {where} lists {len(value)} per-head windows but the layer has {heads} heads; "
-                    f"give exactly {heads} windows (or one window [wt, wh, ww] for all heads)."
+                    f"{self.name}: strategy[{key[0]!r}][{key[1]!r}] lists {len(value)} per-head windows but the "
+                    f"layer has {heads} heads; give exactly {heads} windows (or one window [wt, wh, ww] for all heads)."
                 )
-            wins = value
-        else:
-            too_big = [h for h in value if h >= heads]
-            if too_big:
-                raise InvalidArgument(
-                    f"{self.name}: strategy key '{step}_{layer}_{too_big[0]}' names head {too_big[0]} but the "
-                    f"layer has {heads} heads (0..{heads - 1}); fix the head index."
-                )
-            wins = tuple(value.get(h, self.window) for h in range(heads))
-        return (wins[0],) if len(set(wins)) == 1 else tuple(wins)
+            return _shared(value)
+        too_big = [h for h in value if h >= heads]
+        if too_big:
+            raise InvalidArgument(
+                f"{self.name}: strategy key '{key[0]}_{key[1]}_{too_big[0]}' names head {too_big[0]} but the "
+                f"layer has {heads} heads (0..{heads - 1}); fix the head index."
+            )
+        return _shared([value.get(h, self.window) for h in range(heads)])
 
     # ------------------------------------------------------------------ plans
     def plan(self, layout: TokenLayout, meta: AttentionMetadata, heads: int) -> BlockPlan:
         first, total = head_range(meta, heads)
         wins = self.windows_for(meta.step_index, meta.layer_index, total)
         if len(wins) > 1:  # this call's heads only
-            wins = wins[first:first + heads]
-            wins = (wins[0],) if len(set(wins)) == 1 else wins
+            wins = _shared(wins[first:first + heads])
         return self.plan_for_windows(layout, wins)
 
     def check_model(self, num_heads: int, num_layers: int) -> None:
@@ -130,9 +126,7 @@ class SlidingTileBackend(SparseVideoBackend):
                 raise InvalidArgument(
                     f"{self.name}: strategy {where} names layer {layer} but the DiT has {num_layers} layers "
                     f"(0..{num_layers - 1}); fix the layer index or remove the entry.")
-            if kind != "uniform":
-                self.windows_for(None if step == "*" else int(step), 0 if layer == "*" else int(layer), num_heads,
-                                 key=(step, layer))
+            self._entry_windows((step, layer), num_heads)
 
     def plan_for_windows(self, layout: TokenLayout, windows) -> BlockPlan:
         """The cached block plan for one window per head (or a 1-tuple shared by all heads)."""
@@ -196,6 +190,12 @@ def _parse_strategy(strategy: Any) -> dict:
                 _duplicate(f"strategy[{s!r}][{lk!r}]", f"[{key[0]!r}][{key[1]!r}]")
             rules[key] = _parse_window_entry(value, f"strategy[{s!r}][{lk!r}]")
     return rules
+
+
+def _shared(windows) -> tuple[tuple[int, int, int], ...]:
+    """Per-head windows as a tuple, or a 1-tuple when every head has the same one."""
+    windows = tuple(windows)
+    return windows[:1] if len(set(windows)) == 1 else windows
 
 
 def _duplicate(where: str, same: str) -> None:
