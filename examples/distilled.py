@@ -14,7 +14,7 @@ import sys
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.errors import UserError, one_line
+from fastwan.cli import report_user_errors
 
 # lightx2v's 4-step distill LoRAs: these timesteps of the 1000-step grid, flow shift 5, guidance 1
 LORA_SAMPLING = dict(sampler="euler", timesteps=[1000, 750, 500, 250], flow_shift=5.0, guidance_scale=1.0)
@@ -40,8 +40,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
-        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+    if code := report_user_errors(main):  # a mistake: one line and exit code 2, as the fastwan command does
+        sys.exit(code)

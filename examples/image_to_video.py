@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.errors import MissingFileError, UserError, one_line
+from fastwan.cli import report_user_errors
+from fastwan.errors import MissingFileError
 
 
 def main(argv=None):
@@ -41,8 +42,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as exc:  # the caller's mistake: one line and exit code 2, as the fastwan command does
-        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+    if code := report_user_errors(main):  # a mistake: one line and exit code 2, as the fastwan command does
+        sys.exit(code)

@@ -278,8 +278,9 @@ def _run_env(argv: list[str]) -> int:
     return env_main(argv)
 
 
-def _report_user_errors(run: Callable[[], int]) -> int:
-    """``run()``, with a user error (:data:`USER_ERRORS`) printed as one line on stderr and exit code 2."""
+def report_user_errors(run: Callable[[], int]) -> int:
+    """``run()``'s exit code, with a user error (:data:`USER_ERRORS`) printed as one line on stderr and exit code 2
+    (under a launcher, naming the rank). The examples' scripts end with it."""
     try:
         return run()
     except USER_ERRORS as exc:
@@ -295,7 +296,7 @@ def _report_user_errors(run: Callable[[], int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "env":
-        return _report_user_errors(lambda: _run_env(argv[1:]))
+        return report_user_errors(lambda: _run_env(argv[1:]))
     parser = _Parser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
@@ -304,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         try:
-            return _report_user_errors(lambda: _run_generate(args))
+            return report_user_errors(lambda: _run_generate(args))
         finally:  # under torchrun this process is a rank: its process group ends here, not at interpreter exit
             _leave_job()
     if args.command == "quantize":
-        return _report_user_errors(lambda: _run_quantize(args))
+        return report_user_errors(lambda: _run_quantize(args))
     return 0
 
 
