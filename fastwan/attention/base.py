@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from fastwan.errors import InvalidArgument
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
     from fastwan.attention.sparse.layout import TokenLayout
@@ -59,6 +59,20 @@ def package_available(name: str) -> bool:
         return False
 
 
+def cuda_capability(device: torch.device | str) -> tuple[tuple[int, int] | None, str | None]:
+    """(compute capability, None) of a CUDA ``device`` that exists here, else (None, why it cannot be used)."""
+    device = torch.device(device)
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    try:
+        return tuple(torch.cuda.get_device_capability(device)), None
+    except (AssertionError, RuntimeError, ValueError) as exc:  # torch: AssertionError('Invalid device id')
+        count = torch.cuda.device_count()
+        have = f"cuda:0 to cuda:{count - 1}" if count else "none"
+        return None, (f"CUDA device {device} cannot be used ({type(exc).__name__}: {exc}); this machine has {count} "
+                      f"CUDA device(s) ({have}): pick one of them")
+
+
 def reasons_cannot_run(
     caps: Capabilities,
     *,
@@ -79,10 +93,10 @@ def reasons_cannot_run(
     if device.type not in caps.device_types:
         reasons.append(f"device type '{device.type}' is not supported (needs {', '.join(caps.device_types)})")
     elif device.type == "cuda":
-        if not torch.cuda.is_available():
-            reasons.append("CUDA is not available")
+        cc, why = cuda_capability(device)
+        if why:
+            reasons.append(why)
         else:
-            cc = torch.cuda.get_device_capability(device)
             sm = f"sm{cc[0]}{cc[1]}"
             if caps.min_compute_capability and cc < caps.min_compute_capability:
                 need = caps.min_compute_capability
@@ -130,23 +144,26 @@ def reject_unknown(backend: str, unknown: Iterable, valid: Sequence[str], hint: 
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Validate shapes/dtypes/devices of a [B, S, H, D] attention call; raises ValueError/TypeError."""
+    """Validate shapes/dtypes/devices of a [B, S, H, D] attention call; raises :class:`InvalidArgument` /
+    :class:`InvalidArgumentType` (a ``ValueError`` / ``TypeError``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of shape [B, S, H, D], got {type(t).__name__}")
+            raise InvalidArgumentType(f"{name} must be a torch.Tensor of shape [B, S, H, D], got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{name} has rank {t.dim()} (shape {tuple(t.shape)}); attention takes [B, S, H, D] tensors. "
                 "Reshape with x.unflatten(-1, (heads, head_dim))."
             )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype first.")
+        raise InvalidArgumentType(
+            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype first.")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one.")
+        raise InvalidArgument(
+            f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one.")
     if k.shape != v.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}; they must match.")
+        raise InvalidArgument(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}; they must match.")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
+        raise InvalidArgument(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, heads and head dim ([B, S, H, D])."
         )
 

@@ -6,6 +6,8 @@ the :class:`~fastwan.attention.sparse.layout.TokenLayout` that the DiT applies o
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 
 from fastwan.attention.base import AttentionBackend, AttentionMetadata, check_qkv
 from fastwan.attention.registry import auto_backend, resolve_backend
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 
 class AttentionDispatch:
@@ -20,7 +23,8 @@ class AttentionDispatch:
         if cross_backend is None:
             cross_backend = self_backend
         if cross_backend.sparse:
-            raise ValueError(f"cross-attention needs a dense backend, got sparse {cross_backend.name}")
+            raise InvalidArgument(f"cross-attention needs a dense backend, got sparse {cross_backend.name}; pass a "
+                                  "dense one (e.g. create_backend('TORCH_SDPA')) as cross_backend.")
         self.self_backend = self_backend
         self.cross_backend = cross_backend
         # A sparse backend's call runs outside torch.compile graphs (one graph break per block): its block tables
@@ -99,13 +103,28 @@ def attention(
     ``backend`` (name or instance) > ``attention_backend()`` context > env var > automatic.
     """
     check_qkv(q, k, v)
+    scale = _check_scale(scale)
     b = resolve_backend(
         backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], config=config,
         seq_q=q.shape[1], seq_kv=k.shape[1],
     )
     if b.sparse:
-        raise ValueError(
+        raise InvalidArgument(
             f"{b.name} is a sparse video backend: call it inside the DiT (it needs a token layout), "
             "or build its layout and call backend(q, k, v, meta=...) directly."
         )
     return b(q, k, v, scale=scale)
+
+
+def _check_scale(scale) -> float | None:
+    """``scale`` as a float (None: the backend's default 1/sqrt(head_dim)); raised on before any work."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.dtype.is_complex:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InvalidArgumentType(
+            f"scale={scale!r} must be a real number (the softmax scale of q @ k^T), or None for 1/sqrt(head_dim).")
+    if not math.isfinite(scale):
+        raise InvalidArgument(f"scale={scale!r} must be finite; pass e.g. 1/sqrt(head_dim), or None for that default.")
+    return float(scale)

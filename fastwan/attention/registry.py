@@ -38,6 +38,47 @@ BACKENDS: dict[str, str] = {
 AUTO_ORDER: tuple[str, ...] = ("FLASH_ATTN", "TORCH_SDPA")
 
 
+# Names other libraries use for attention that fastwan does not register, with what to ask for instead. Keys are
+# upper-cased: FastVideo's AttentionBackendEnum names, diffusers' attention-dispatcher names and common spellings.
+OTHER_NAMES: dict[str, str] = {
+    "SAGE_ATTN_THREE": "FastVideo's SageAttention 3 (FP4) is not implemented; SAGE_ATTN runs SageAttention 1.x/2.x",
+    "SAGE_ATTN_3": "SageAttention 3 (FP4) is not implemented; SAGE_ATTN runs SageAttention 1.x/2.x",
+    "VIDEO_SPARSE_ATTN_H3": "FastVideo's H3 variant is not implemented; VIDEO_SPARSE_ATTN is video sparse attention",
+    "VMOBA_ATTN": "FastVideo's VMoBA is not implemented; the sparse backends are SLIDING_TILE_ATTN, "
+                  "VIDEO_SPARSE_ATTN and NEIGHBORHOOD_ATTN",
+    "SLA_ATTN": "FastVideo's SLA is not implemented; the sparse backends are SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN "
+                "and NEIGHBORHOOD_ATTN",
+    "SAGE_SLA_ATTN": "FastVideo's SageSLA is not implemented; SAGE_ATTN is SageAttention",
+    "BSA_ATTN": "FastVideo's block sparse attention is not implemented; the sparse backends are SLIDING_TILE_ATTN, "
+                "VIDEO_SPARSE_ATTN and NEIGHBORHOOD_ATTN",
+    "NABLA_ATTN": "FastVideo's NABLA is not implemented; the sparse backends are SLIDING_TILE_ATTN, "
+                  "VIDEO_SPARSE_ATTN and NEIGHBORHOOD_ATTN",
+    "NO_ATTENTION": "a Wan DiT cannot run without attention; leave the backend unset for automatic selection",
+    "SDPA": "PyTorch SDPA is TORCH_SDPA",
+    "NATIVE": "diffusers' 'native' (PyTorch SDPA) is TORCH_SDPA",
+    "_NATIVE_CUDNN": "diffusers' '_native_cudnn' is TORCH_SDPA with attention_config {\"kernel\": \"cudnn\"}",
+    "_NATIVE_FLASH": "diffusers' '_native_flash' is TORCH_SDPA with attention_config {\"kernel\": \"flash\"}",
+    "_NATIVE_EFFICIENT": "diffusers' '_native_efficient' is TORCH_SDPA with attention_config "
+                         "{\"kernel\": \"efficient\"}",
+    "_NATIVE_MATH": "diffusers' '_native_math' is TORCH_SDPA with attention_config {\"kernel\": \"math\"}",
+    "FLASH": "diffusers' 'flash' (FlashAttention 2) is FLASH_ATTN (pin it with attention_config {\"version\": 2})",
+    "FLASH_HUB": "diffusers' 'flash_hub' (FlashAttention 2) is FLASH_ATTN with attention_config {\"version\": 2}",
+    "_FLASH_3": "diffusers' '_flash_3' is FLASH_ATTN with attention_config {\"version\": 3}",
+    "_FLASH_3_HUB": "diffusers' '_flash_3_hub' is FLASH_ATTN with attention_config {\"version\": 3}",
+    "XFORMERS": "xFormers is not used; TORCH_SDPA with attention_config {\"kernel\": \"efficient\"} runs the same "
+                "memory-efficient kernel family",
+    "FA": "FlashAttention is FLASH_ATTN",
+    "FA2": "FlashAttention 2 is FLASH_ATTN with attention_config {\"version\": 2}",
+    "FA3": "FlashAttention 3 is FLASH_ATTN with attention_config {\"version\": 3}",
+    "FA4": "FlashAttention 4 is FLASH_ATTN with attention_config {\"version\": 4}",
+    "FLASH_ATTN_3": "FlashAttention 3 is FLASH_ATTN with attention_config {\"version\": 3}",
+    "SAGE": "diffusers' 'sage' is SAGE_ATTN",
+    "STA": "sliding tile attention is SLIDING_TILE_ATTN",
+    "VSA": "video sparse attention is VIDEO_SPARSE_ATTN",
+    "NATTEN": "neighborhood attention is NEIGHBORHOOD_ATTN",
+}
+
+
 class BackendUnavailableError(UserError, RuntimeError):
     """An explicitly requested backend cannot run; the message lists every reason."""
 
@@ -49,14 +90,32 @@ def backend_names() -> list[str]:
 def _check_name(name: str, source: str) -> str:
     if not isinstance(name, str):
         raise InvalidArgumentType(
-            f"{source}={name!r} must be a backend name string; valid names: {', '.join(BACKENDS)}."
+            f"{source}={name!r} must be a backend name (a string) or an AttentionBackend instance; valid names: "
+            f"{', '.join(BACKENDS)}."
         )
     key = name.strip().upper()
     if key not in BACKENDS:
+        spelled = "_".join(key.replace("-", " ").split())
+        hint = f"did you mean {spelled}" if spelled in BACKENDS else OTHER_NAMES.get(spelled)
         raise InvalidArgument(
-            f"Unknown attention backend {name!r} (from {source}); valid names: {', '.join(BACKENDS)}."
+            f"Unknown attention backend {name!r} (from {source}){f' ({hint})' if hint else ''}; valid names: "
+            f"{', '.join(BACKENDS)}."
         )
     return key
+
+
+def _check_problem(device, dtype, head_dim) -> torch.device:
+    """``device`` as a torch device; :class:`InvalidArgument` / :class:`InvalidArgumentType` for a device, dtype or
+    head dim that describes no attention problem (raised before any backend is judged on it)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'.") from None
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentType(f"dtype={dtype!r} must be a torch.dtype, e.g. torch.bfloat16 (not a string).")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, torch.SymInt)) or head_dim < 1:
+        raise InvalidArgument(f"head_dim={head_dim!r} must be a positive int (the last dim of q/k/v), e.g. 128.")
+    return dev
 
 
 def _backend_class(key: str) -> type[AttentionBackend]:
@@ -94,8 +153,8 @@ _CURRENT: contextvars.ContextVar[AttentionBackend | str | None] = contextvars.Co
 @contextlib.contextmanager
 def attention_backend(backend: AttentionBackend | str | None) -> Iterator[None]:
     """Scope a backend choice to a ``with`` block (context-local, not process-global)."""
-    if isinstance(backend, str):
-        _check_name(backend, "attention_backend")
+    if not (backend is None or isinstance(backend, AttentionBackend)):
+        _check_name(backend, "attention_backend()")
     token = _CURRENT.set(backend)
     try:
         yield
@@ -132,6 +191,7 @@ def resolve_backend(
     seq_kv: int | None = None,
 ) -> AttentionBackend:
     """Return a backend that can run (device, dtype, head_dim); raise if an explicit one cannot."""
+    device = _check_problem(device, dtype, head_dim)
     choice, source = requested_backend(requested, env)
     if choice is not None:
         if isinstance(choice, AttentionBackend):
@@ -185,6 +245,7 @@ def auto_backend(
     Only a backend's ``reasons`` (it cannot run here) or an unverified kernel let it be skipped. Constructing a
     backend reads the user's settings (e.g. ``FASTWAN_SDPA_KERNEL``, ``FASTWAN_FLASH_ATTN_VERSION``); an error
     there is the user's to fix and propagates, whatever the device."""
+    device = _check_problem(device, dtype, head_dim)
     skipped = []
     for name in AUTO_ORDER:
         backend = create_backend(name)

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastwan import envs
 from fastwan.attention import AttentionDispatch
+from fastwan.attention.registry import requested_backend
 from fastwan.errors import InvalidArgument
 from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
 
@@ -40,12 +41,12 @@ def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch)
 
 
 def trained_attention(ckpt: Checkpoint, requested, config: dict | None):
-    """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument or the environment names
-    another backend, with its trained tile and FastVideo's sparsity wherever ``attention_config`` leaves them
-    unset -> (backend request, backend config)."""
+    """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument, an ``attention_backend()``
+    context or the environment names another backend, with its trained tile and FastVideo's sparsity wherever
+    ``attention_config`` leaves them unset -> (backend request, backend config)."""
     if not ckpt.vsa_gates:
         return requested, config
-    name = requested if requested is not None else envs.attention_backend()
+    name = requested_backend(requested)[0]
     if name is None:
         requested = name = "VIDEO_SPARSE_ATTN"
         logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "

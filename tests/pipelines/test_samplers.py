@@ -144,6 +144,19 @@ def test_fastwan_checkpoint_gets_fastvideo_settings(fastwan_ckpt):
     assert res4.settings["timesteps"] is None and res4.num_transformer_forwards == 4  # evenly spaced
 
 
+def test_fastwan_default_yields_to_an_attention_backend_context(fastwan_ckpt):
+    """An ``attention_backend()`` context is a request like the argument: it replaces the trained VSA default;
+    naming VIDEO_SPARSE_ATTN there keeps the trained tile and sparsity."""
+    from fastwan.attention import attention_backend
+
+    with attention_backend("TORCH_SDPA"):
+        dense = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32)
+    assert dense.attention.self_backend.name == "TORCH_SDPA"
+    with attention_backend("video_sparse_attn"):
+        vsa = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32).attention.self_backend
+    assert vsa.name == "VIDEO_SPARSE_ATTN" and vsa.sparsity == 0.8 and tuple(vsa.tile) == (4, 4, 4)
+
+
 def test_fastwan_dense_matches_reference(fastwan_ckpt):
     """With dense attention the FastWan layout samples exactly as the DMD reference (gates unused)."""
     gen = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,

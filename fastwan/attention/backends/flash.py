@@ -20,7 +20,9 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan import envs
 from fastwan.attention.backends import fa4_plan, packages
 from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
-from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
+from fastwan.attention.base import (
+    AttentionBackend, AttentionMetadata, Capabilities, cuda_capability, reasons_cannot_run,
+)
 
 CC = tuple[int, int]
 logger = logging.getLogger("fastwan.attention")
@@ -129,7 +131,11 @@ class FlashAttnBackend(AttentionBackend):
                     f"FLASH_ATTN version={version!r} is not 2, 3 or 4; leave it unset to use the best installed."
                 )
         self.version: int | None = version
-        self.nvfp4: bool = envs.nvfp4_fa4() if nvfp4 is None else bool(nvfp4)
+        if nvfp4 is not None and not isinstance(nvfp4, bool):
+            raise InvalidArgumentType(
+                f"FLASH_ATTN nvfp4={nvfp4!r} must be True or False (NVFP4 Q/K on Blackwell), or unset for "
+                "FASTVIDEO_NVFP4_FA4 (default False); write a JSON true/false, not a string or a number.")
+        self.nvfp4: bool = envs.nvfp4_fa4() if nvfp4 is None else nvfp4
         self._picked: dict[tuple[int, int], int] = {}  # (CUDA device index, head dim) -> FA version
         if isinstance(fa4_tile_m, str) and fa4_tile_m.strip().isdigit():
             fa4_tile_m = int(fa4_tile_m)
@@ -150,9 +156,7 @@ class FlashAttnBackend(AttentionBackend):
     # ---- selection ---------------------------------------------------------------------------------
     @staticmethod
     def _cc(device: torch.device) -> CC | None:
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return None
-        return tuple(torch.cuda.get_device_capability(device))
+        return cuda_capability(device)[0] if device.type == "cuda" else None
 
     @staticmethod
     def _index(device: torch.device) -> int:

@@ -13,7 +13,9 @@ import torch
 
 from fastwan.attention.backends import packages
 from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
-from fastwan.attention.base import AttentionBackend, AttentionMetadata, Capabilities, reasons_cannot_run
+from fastwan.attention.base import (
+    AttentionBackend, AttentionMetadata, Capabilities, cuda_capability, reasons_cannot_run,
+)
 
 INSTALL = (
     "pip install sageattention==1.0.6 (needs triton), or build SageAttention 2 from github.com/thu-ml/SageAttention"
@@ -82,10 +84,10 @@ class SageAttnBackend(AttentionBackend):
     def unverified(self, device, head_dim=None) -> str | None:
         device = torch.device(device)
         major = packages.sage_major()
-        if device.type != "cuda" or not torch.cuda.is_available() or major not in SAGE_VARIANTS:
+        if device.type != "cuda" or major not in SAGE_VARIANTS:
             return None
-        cc = tuple(torch.cuda.get_device_capability(device))
-        if cc in SAGE_VARIANTS[major].verified_on:
+        cc = cuda_capability(device)[0]
+        if cc is None or cc in SAGE_VARIANTS[major].verified_on:
             return None
         return f"sageattention {major}.x has not been run by fastwan on sm{cc[0]}{cc[1]} (only against CPU fakes)"
 

@@ -78,10 +78,12 @@ class TorchSDPABackend(AttentionBackend):
     KEYS = ("kernel",)
 
     def __init__(self, kernel: str | None = None):
-        kernel = kernel or envs.sdpa_kernel()
-        if not isinstance(kernel, str) or kernel.lower() not in envs.SDPA_KERNELS:
-            raise InvalidArgument(f"SDPA kernel {kernel!r} is unknown; use one of {', '.join(envs.SDPA_KERNELS)}.")
-        self.kernel = kernel.lower()
+        shown = kernel
+        kernel = envs.sdpa_kernel() if kernel is None else kernel  # None: FASTWAN_SDPA_KERNEL, else auto
+        if not isinstance(kernel, str) or kernel.strip().lower() not in envs.SDPA_KERNELS:
+            raise InvalidArgument(f"SDPA kernel {shown!r} is unknown; use one of {', '.join(envs.SDPA_KERNELS)} "
+                                  "(or leave it unset for FASTWAN_SDPA_KERNEL, default auto).")
+        self.kernel = kernel.strip().lower()
 
     def reasons(self, *, device, dtype, head_dim, seq_q=None, seq_kv=None):
         device = torch.device(device)

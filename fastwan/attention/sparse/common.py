@@ -79,8 +79,9 @@ class SparseVideoBackend(AttentionBackend):
         if key not in self._layouts:
             tile = self.tile_for(grid)
             bs = self.block_size or (128 if self.tile == "auto" else default_block_size(tile))
-            self._layouts[key] = TokenLayout(grid, tile, bs, dev)
-            self.validate_grid(self._layouts[key])
+            layout = TokenLayout(grid, tile, bs, dev)
+            self.validate_grid(layout)  # a grid the config refuses is never cached: every call raises
+            self._layouts[key] = layout
         return self._layouts[key]
 
     def validate_grid(self, layout: TokenLayout) -> None:
