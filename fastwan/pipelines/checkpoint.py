@@ -350,6 +350,29 @@ def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
             "pipeline has one (Wan2.1 I2V / FLF2V). Download the checkpoint again.")
 
 
+def _check_clip(clip: dict, cfg: WanConfig, path: Path) -> None:
+    """Rules for the CLIP vision encoder beside the DiT: its width is the DiT's ``image_dim``, and an FLF2V DiT's
+    ``pos_embed_seq_len`` holds the tokens of two images (one per patch, plus the class token)."""
+    vision = clip.get("vision_config", clip)  # a whole CLIPModel's config nests the vision tower's
+    width, size, patch = (vision.get(k) for k in ("hidden_size", "image_size", "patch_size"))
+    if width != cfg.image_dim:
+        raise CheckpointError(
+            f"{path}: \"hidden_size\": {json_text(width)}, but the DiT's \"image_dim\" is {cfg.image_dim}; the CLIP "
+            "image encoder's hidden states enter the DiT's image embedder, so the two must be equal. Download the "
+            "checkpoint again.")
+    if cfg.pos_embed_seq_len is None:
+        return
+    if not (type(size) is int and type(patch) is int and 0 < patch <= size):
+        raise CheckpointError(f"{path}: \"image_size\": {json_text(size)}, \"patch_size\": {json_text(patch)} must be "
+                              "positive ints (patch_size <= image_size). Download the checkpoint again.")
+    tokens = (size // patch) ** 2 + 1
+    if cfg.pos_embed_seq_len != 2 * tokens:
+        raise CheckpointError(
+            f"{path}: a CLIP of image_size {size} and patch_size {patch} gives {tokens} tokens per image, but the "
+            f"DiT's \"pos_embed_seq_len\" is {cfg.pos_embed_seq_len}, not 2 x {tokens} (first and last frame). "
+            "Download the checkpoint again.")
+
+
 def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     """The experts' checked configs; rule: two experts share one architecture."""
     experts = meta.experts
@@ -402,6 +425,9 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
                          revision=root.name if HUB_COMMIT.match(root.name) else revision)
     _check_components(root, index_path, meta)
     configs = _expert_configs(root, meta)
+    if meta.image_encoder:
+        clip_path = root / "image_encoder" / "config.json"
+        _check_clip(read_json(clip_path, missing="the image_encoder component needs it."), configs[0], clip_path)
     files = {comp: weight_files(root / comp, allow_pickle=allow_pickle)
              for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())}
     gates = [check_transformer_files(files[e], cfg, str(root / e)) for e, cfg in zip(meta.experts, configs)]

@@ -153,3 +153,42 @@ def test_valid_edge_values_load(base, tmp_path, variant, file, key, value):
         assert cfg.out_channels == cfg.in_channels
     if key == "boundary_ratio":
         assert gen.checkpoint.boundary_ratio == (None if value is DELETE else value)
+
+
+@pytest.fixture(scope="module")
+def clip_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clip")
+    return {v: write_tiny_checkpoint(root / v, v) for v in ("wan2.1-i2v", "wan2.1-flf2v")}
+
+
+@pytest.mark.parametrize("variant,key,value,named", [
+    ("wan2.1-i2v", "hidden_size", 40, "image_dim"),
+    ("wan2.1-flf2v", "hidden_size", 40, "image_dim"),
+    ("wan2.1-flf2v", "image_size", 64, "pos_embed_seq_len"),
+    ("wan2.1-flf2v", "patch_size", 4, "pos_embed_seq_len"),
+    ("wan2.1-flf2v", "patch_size", "8", "patch_size"),
+])
+def test_clip_that_does_not_fit_the_dit_is_refused_before_weights(clip_ckpts, tmp_path, no_weights, variant, key,
+                                                                   value, named):
+    """The CLIP image encoder's width must be the DiT's image_dim; for FLF2V its token count per image (patches +
+    class token) must be half the DiT's pos_embed_seq_len."""
+    from fastwan.errors import CheckpointError
+
+    root, path = mutated(clip_ckpts, tmp_path, variant, "image_encoder/config.json", key, value)
+    with pytest.raises(CheckpointError) as e:
+        VideoGenerator.from_pretrained(root, device="cpu")
+    assert str(path) in str(e.value) and named in str(e.value)
+
+
+def test_clip_encoder_of_the_tiny_image_checkpoints_fits(clip_ckpts):
+    """The checks hold for the consistent layouts (the tokens are counted as the CLIP model counts them)."""
+    from transformers import CLIPVisionModel
+
+    for root in clip_ckpts.values():
+        gen = VideoGenerator.from_pretrained(root, device="cpu", dtype=torch.float32)
+        enc = CLIPVisionModel.from_pretrained(root / "image_encoder")
+        c = enc.config
+        tokens = enc(pixel_values=torch.zeros(1, 3, c.image_size, c.image_size)).last_hidden_state.shape[1]
+        cfg = gen.transformers[0].config
+        assert cfg.image_dim == c.hidden_size
+        assert cfg.pos_embed_seq_len in (None, 2 * tokens)

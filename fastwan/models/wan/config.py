@@ -108,6 +108,7 @@ class WanConfig:
     def from_dict(cls, raw: dict, source: str = "config") -> WanConfig:
         """The config a Diffusers ``config.json`` (``raw``, read from ``source``) describes, checked first."""
         _check_class_name(raw, source)
+        _check_not_quantized(raw, source)
         kwargs = {}
         for f in fields(cls):
             if f.name in raw:
@@ -138,6 +139,19 @@ def _check_class_name(raw: dict, source: str) -> None:
             f"_class_name in {WAN_CLASS_NAMES}). Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers "
             "layout."
         )
+
+
+def _check_not_quantized(raw: dict, source: str) -> None:
+    """Rule: no ``quantization_config`` (weights diffusers stored quantized, e.g. bitsandbytes, which fastwan does
+    not read; its own FP8 folders say ``fastwan_quantization``)."""
+    if "quantization_config" not in raw:
+        return
+    qc = raw["quantization_config"]
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    raise CheckpointError(
+        f"{source}: \"quantization_config\" (quant_method {json_text(method)}) says the weights were stored "
+        "quantized by diffusers, which fastwan does not load. Use the original (unquantized) checkpoint; for "
+        "smaller DiT weights pass quantization='fp8' (--quantization fp8).")
 
 
 def _check_value(source: str, key: str, value: object, rule: Rule, default: object) -> None:

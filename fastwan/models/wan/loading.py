@@ -32,11 +32,33 @@ from fastwan.options import DiTOptions
 
 
 VSA_GATE_KEY = "attn1.to_gate_compress.weight"  # the weight a VSA-trained DiT carries in every block
+# Tensors a checkpoint may carry that the DiT never reads, skipped as diffusers skips them (WanTransformer3DModel.
+# _keys_to_ignore_on_load_unexpected): the published Wan2.1 I2V / FLF2V checkpoints hold an unused
+# ``blocks.N.attn2.norm_added_q.weight`` per block.
+UNUSED_TENSOR_PARTS = ("norm_added_q",)
 
 
 def has_vsa_gates(keys) -> bool:
     """Whether tensor names ``keys`` include VSA's gate projections (the DiT was trained with VSA)."""
     return any(k.endswith(VSA_GATE_KEY) for k in keys)
+
+
+def unused_tensor(key: str) -> bool:
+    """Whether the tensor named ``key`` is one the DiT never reads (:data:`UNUSED_TENSOR_PARTS`)."""
+    return any(part in UNUSED_TENSOR_PARTS for part in key.split("."))
+
+
+class UsedTensors:
+    """A checkpoint's tensors (a :class:`fastwan.models.loading.CheckpointTensors`) without the unused ones."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return [k for k in self.state.keys() if not unused_tensor(k)]
+
+    def items(self):
+        return ((k, v) for k, v in self.state.items() if not unused_tensor(k))
 
 
 def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> bool:
@@ -46,7 +68,7 @@ def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> b
     when they load."""
     if not files or any(f.suffix != ".safetensors" for f in files):
         return False
-    found = header_tensors(files)
+    found = {k: v for k, v in header_tensors(files).items() if not unused_tensor(k)}
     gates = has_vsa_gates(found)
     with torch.device("meta"):
         model = WanTransformer(cfg, None, DiTOptions(block="reference"))
@@ -85,7 +107,7 @@ def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptio
     compute = torch.device(compute_device or device)
     with torch.device("meta"):
         model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(compute, dtype))
-    state = CheckpointTensors(files)
+    state = UsedTensors(CheckpointTensors(files))
     if has_vsa_gates(state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["WanTransformer", "keep_in_fp32"]
 
 
+def _shape(value) -> str:
+    """A tensor's shape as a list, or what else ``value`` is."""
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
+
+
 class WanTransformer(nn.Module):
     """Wan DiT. ``forward(latents [B, C, F, H, W], timestep [B] or [B, S], text [B, L, text_dim])``."""
 
@@ -134,12 +139,48 @@ class WanTransformer(nn.Module):
                                   "image per sample, or one for the whole batch.")
         return ctx.expand(batch, -1, -1)
 
+    def _check_inputs(self, latents, timestep, texts: tuple, image: torch.Tensor | None) -> None:
+        """Rules for a forward's inputs (their shapes only, nothing runs): latents [B, in_channels, F, H, W] on a grid
+        the patch size divides; timestep [B] or [1], or per-token [B or 1, tokens]; each text [B, L, text_dim];
+        image tokens exactly where the DiT reads them (:meth:`_check_image`)."""
+        cfg = self.config
+        if not (isinstance(latents, torch.Tensor) and latents.dim() == 5 and latents.shape[1] == cfg.in_channels):
+            raise InvalidArgument(f"latents {_shape(latents)} must be [B, {cfg.in_channels}, F, H, W] (this DiT reads "
+                                  f"in_channels={cfg.in_channels}); pass latents with the checkpoint's channels.")
+        B, sizes = latents.shape[0], latents.shape[2:]
+        if any(n % p for n, p in zip(sizes, cfg.patch_size)):
+            raise InvalidArgument(
+                f"latent grid {'x'.join(map(str, sizes))} is not divisible by patch_size {cfg.patch_size}; choose a "
+                "height/width that is a multiple of the VAE factor times the patch size.")
+        tokens = math.prod(n // p for n, p in zip(sizes, cfg.patch_size))
+        if not (isinstance(timestep, torch.Tensor) and timestep.dim() in (1, 2) and timestep.shape[0] in (1, B)
+                and timestep.shape[1:] in ((), (tokens,))):
+            shared = "" if B == 1 else f" (or [1] and [1, {tokens}]: the same for the whole batch)"
+            raise InvalidArgument(f"timestep {_shape(timestep)} must be [{B}], or per-token [{B}, {tokens}] (one per "
+                                  f"latent token){shared}; pass one of those shapes.")
+        for t in texts:
+            if not (isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == B and t.shape[2] == cfg.text_dim):
+                raise InvalidArgument(f"text {_shape(t)} must be [{B}, L, {cfg.text_dim}] (the latents' batch, this "
+                                      f"DiT's text_dim={cfg.text_dim}); pass the text encoder's output per sample.")
+        self._check_image(image)
+
     def _check_image(self, image: torch.Tensor | None) -> None:
-        if (image is None) != (self.condition_embedder.image_embedder is None):
+        embedder = self.condition_embedder.image_embedder
+        if (image is None) != (embedder is None):
             raise InvalidArgument(
                 "this Wan DiT reads CLIP image tokens (image_dim is set in its config): pass image=[B, N, image_dim]."
                 if image is None else
                 "this Wan DiT has no image embedder (image_dim is not set in its config); pass image=None.")
+        if image is None:
+            return
+        dim, pos = self.config.image_dim, self.config.pos_embed_seq_len
+        if not (isinstance(image, torch.Tensor) and image.dim() == 3 and image.shape[2] == dim):
+            raise InvalidArgument(f"image tokens {_shape(image)} must be [B, N, {dim}] (this DiT's image_dim={dim}); "
+                                  "pass the CLIP image encoder's hidden states of this checkpoint.")
+        if pos is not None and (image.shape[0] % 2 or 2 * image.shape[1] != pos):
+            raise InvalidArgument(
+                f"image tokens {_shape(image)}: this first-last-frame DiT reads both frames' tokens stacked on the "
+                f"batch, [2 B, N, {dim}] with 2 N = pos_embed_seq_len = {pos}; pass both frames' CLIP hidden states.")
 
     def _contexts(self, texts: tuple[torch.Tensor, ...], context: torch.Tensor | None = None,
                   image: torch.Tensor | None = None) -> list:
@@ -160,11 +201,6 @@ class WanTransformer(nn.Module):
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
         _, _, Fr, Hh, Ww = latents.shape
         pt, ph, pw = self.config.patch_size
-        if Fr % pt or Hh % ph or Ww % pw:
-            raise ValueError(
-                f"latent grid {Fr}x{Hh}x{Ww} is not divisible by patch_size {self.config.patch_size}; "
-                "choose a height/width that is a multiple of the VAE factor times the patch size."
-            )
         grid = (Fr // pt, Hh // ph, Ww // pw)
         # [B, S, C], contiguous: the fast block adds into it in place
         x = self.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
@@ -223,7 +259,7 @@ class WanTransformer(nn.Module):
         tokens [B or 1, N, image_dim] for image-conditioned checkpoints (see :meth:`image_context`), else None;
         cache: the step cache of this pass (:class:`fastwan.cache.PassCache`, with ``step_index``), which may skip
         the blocks -> prediction [B, C_out, F, H, W] in the dtype of the model."""
-        self._check_image(image)
+        self._check_inputs(latents, timestep, (text,), image)
         x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
         contexts = self._contexts((text,), image=image)
         args = (contexts, mod, rope, grid, layout, step_index, num_steps)
@@ -305,14 +341,14 @@ class WanTransformer(nn.Module):
         :meth:`forward` takes one; the passes then run one after the other, the shared start only when one of them
         computes) -> (cond, uncond), each [1, C_out, F, H, W].
         """
-        self._check_image(image)
-        if latents.shape[0] != 1 or text.shape[0] != 1 or text_uncond.shape[0] != 1:
-            raise ValueError(
-                f"forward_cfg takes one sample: latents batch {latents.shape[0]}, text batch {text.shape[0]}, "
-                f"text_uncond batch {text_uncond.shape[0]} (each must be 1); call forward() for batches."
-            )
+        if any(isinstance(a, torch.Tensor) and a.dim() == d and a.shape[0] != 1
+               for a, d in ((latents, 5), (text, 3), (text_uncond, 3))):
+            raise InvalidArgument(
+                f"forward_cfg takes one sample: latents {_shape(latents)}, text {_shape(text)}, text_uncond "
+                f"{_shape(text_uncond)} (each of batch 1); call forward() for batches.")
+        self._check_inputs(latents, timestep, (text, text_uncond), image)
         if text.shape[1:] != text_uncond.shape[1:]:
-            raise ValueError(
+            raise InvalidArgument(
                 f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
                 "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
             )
