@@ -160,6 +160,9 @@ def _norm_launch(x, y, gate, weight, bias, scale, shift, eps, r, offset=None):
     norm_rows = _kernels()[0]
     x = x.contiguous()
     B, S, C = x.shape
+    if (weight is None) != (bias is None):  # the kernel's affine step takes both: w = 1 and b = 0 are exact
+        weight = torch.ones_like(bias) if weight is None else weight
+        bias = torch.zeros_like(weight) if bias is None else bias
     h = torch.empty_like(x)
     y = y.contiguous() if y is not None else None
     gate, g_sb, g_ss = _row_strides(gate, S)
@@ -211,10 +214,31 @@ def rms_rope_triton(x, weight, table, eps: float, head_dim: int) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- ops
+def check_norm_args(name: str, x, weight, bias, scale, shift, **views) -> None:
+    """The shapes every norm op takes (ValueError naming the value and the rule): x [B, S, C]; weight, bias [C] or
+    None (each on its own); scale and shift both or neither; scale, shift and the ``views`` (gate, offset, ...)
+    [B or 1, S or 1, C] or None."""
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [B, S, C], got shape {tuple(x.shape)}")
+    B, S, C = x.shape
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != (C,):
+            raise ValueError(f"{name}: {what} must be [{C}] (x's channels) or None, got {tuple(t.shape)}")
+    if (scale is None) != (shift is None):
+        raise ValueError(f"{name}: scale and shift go together (both [B or 1, S or 1, C] or both None), got scale "
+                         f"{None if scale is None else tuple(scale.shape)} and shift "
+                         f"{None if shift is None else tuple(shift.shape)}")
+    for what, t in (("scale", scale), ("shift", shift), *views.items()):
+        if t is not None and (t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1] not in (1, S) or t.shape[2] != C):
+            raise ValueError(f"{name}: {what} must be [B or 1, S or 1, C] = [{B} or 1, {S} or 1, {C}], got "
+                             f"{tuple(t.shape)}")
+
+
 @torch.library.custom_op("fastwan::norm_mod", mutates_args=())
 def norm_mod(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
              shift: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over C (fp32 statistics) with optional affine and modulation; x [B, S, C] -> h like x."""
+    check_norm_args("norm_mod", x, weight, bias, scale, shift)
     if triton_runs(x, max_last_dim=MAX_C):
         return norm_mod_triton(x, weight, bias, scale, shift, eps)
     return norm_mod_reference(x, weight, bias, scale, shift, eps)
@@ -226,6 +250,7 @@ def offset_norm_mod(x: torch.Tensor, offset: torch.Tensor | None, weight: torch.
                     eps: float) -> torch.Tensor:
     """norm_mod of x + offset, offset an fp32 per-channel vector [B or 1, 1, C] added in fp32 and not stored
     (the residual stream's pending biases, see :func:`residual_linear_`); x [B, S, C] -> h like x."""
+    check_norm_args("offset_norm_mod", x, weight, bias, scale, shift, offset=offset)
     if triton_runs(x, max_last_dim=MAX_C):
         return offset_norm_mod_triton(x, offset, weight, bias, scale, shift, eps)
     return offset_norm_mod_reference(x, offset, weight, bias, scale, shift, eps)
@@ -264,10 +289,14 @@ def residual_bmm_(x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> None:
 def residual_norm_mod(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None,
                       bias: torch.Tensor | None, scale: torch.Tensor | None, shift: torch.Tensor | None,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = x + y [* gate] (rounded to x's dtype), h = norm_mod(r, ...): x, y [B, S, C] -> (r, h)."""
+    """r = x + y [* gate] (rounded to x's dtype), h = norm_mod(r, ...): x, y [B, S, C] -> (r, h), both
+    contiguous."""
+    check_norm_args("residual_norm_mod", x, weight, bias, scale, shift, gate=gate)
+    if y.shape != x.shape:
+        raise ValueError(f"residual_norm_mod: y must have x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
     if triton_runs(x, max_last_dim=MAX_C):
         return residual_norm_mod_triton(x, y, gate, weight, bias, scale, shift, eps)
-    r = residual_reference(x, y, gate)
+    r = residual_reference(x, y, gate).contiguous()  # the kernel's and the fake's layout, whatever x's strides
     return r, norm_mod_reference(r, weight, bias, scale, shift, eps)
 
 
@@ -276,10 +305,16 @@ def rms_rope(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor | None, 
              head_dim: int) -> torch.Tensor:
     """RMSNorm over C times ``weight`` (x's dtype), then RoPE with ``table`` [1, S, 1, 2 * head_dim] (None:
     no rotation). x [B, S, C] -> like x."""
-    if table is not None and (table.shape[1] != x.shape[1] or table.shape[-1] != 2 * head_dim):
+    check_norm_args("rms_rope", x, weight, None, None, None)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"rms_rope: weight is {weight.dtype} but x is {x.dtype}; the op rounds in x's dtype, so "
+                         "pass the weight in x's dtype (or use rms_rope_reference, which computes in the weight's)")
+    if table is not None and (table.shape != (1, x.shape[1], 1, 2 * head_dim) or head_dim % 2
+                              or x.shape[-1] % head_dim):
         raise ValueError(f"rms_rope: table {tuple(table.shape)} does not fit x {tuple(x.shape)} with head_dim "
-                         f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}])")
-    if triton_runs(x, max_last_dim=MAX_C) and weight.dtype == x.dtype:
+                         f"{head_dim} (expected [1, {x.shape[1]}, 1, {2 * head_dim}], an even head_dim dividing "
+                         f"C = {x.shape[-1]})")
+    if triton_runs(x, max_last_dim=MAX_C):
         return rms_rope_triton(x, weight, table, eps, head_dim)
     return rms_rope_reference(x, weight, table, eps, head_dim)
 

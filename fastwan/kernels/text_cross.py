@@ -104,7 +104,7 @@ def text_cross_attention_normq(q: torch.Tensor, weight: torch.Tensor, eps: float
     check_inputs_normq(q, weight, k, v, keys)
     H, D = k.shape[2:]
     if not kernel_runs(q, weight, k, v, head_dim=D):
-        return normq_reference(q, weight, eps, k, v, keys)
+        return normq_reference(q, weight, eps, k, v, keys).contiguous()  # SDPA may return a transposed layout
     q, weight, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, weight, k, v))
     B, S, C = q.shape
     out = torch.empty(B, S, H, D, device=q.device, dtype=q.dtype)

@@ -255,7 +255,11 @@ def stack_time_taps(x: torch.Tensor, cache: torch.Tensor | None, pad_t: int, kt:
 
     x: [B, C, T, H, W]; cache: [B, C, Tc, H, W] (the last frames of the previous chunk) or None. Returns
     [B * T, kt * C, H, W] channels-last whose frame (b, t) holds, in channel blocks i = 0..kt-1, frame t + i of
-    [zeros, last cached frames, x] (``pad_t`` frames in front of x, as :func:`time_pad` builds them)."""
+    [zeros, last cached frames, x] (``pad_t`` frames in front of x, as :func:`time_pad` builds them); ``pad_t``
+    must be at least ``kt - 1``, so that every tap of the last frame exists."""
+    if kt < 1 or pad_t < kt - 1:
+        raise ValueError(f"stack_time_taps: kt={kt} taps need pad_t >= kt - 1 = {kt - 1} frames in front of x, got "
+                         f"pad_t={pad_t} (a causal conv pads kt - 1)")
     n = 0 if cache is None else min(cache.shape[2], pad_t)
     _check_cache(x, cache, n)
     if triton_runs(x, dtypes=KERNEL_DTYPES):
