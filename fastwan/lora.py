@@ -229,6 +229,10 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
             if value.count_nonzero():
                 skipped_norms.append(key)
             continue
+        if part != "alpha" and value.is_floating_point() and not torch.isfinite(value).all():  # black videos
+            bad = int((~torch.isfinite(value)).sum())
+            raise InvalidArgument(f"{source}: {key} holds {bad} NaN or infinite values of {value.numel()}; the LoRA "
+                                  "file is corrupt (or was trained to divergence): use another copy or checkpoint.")
         if part in updates.setdefault(name, {}):
             raise InvalidArgument(f"{source}: {updates[name][part][0]} and {key} both give the {PART_NAMES[part]} "
                                   f"of {name} (two formats or two names of one module in one file); keep one of "

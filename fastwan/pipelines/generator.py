@@ -45,7 +45,7 @@ from fastwan.pipelines.checkpoint import (
     with_overrides,
 )
 from fastwan.pipelines.denoise import cache_report, denoise
-from fastwan.pipelines.memory import Placement, fits, job_footprint, usable, weight_bytes
+from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, expert_guidance, random_seed, runs_cfg, token_grid
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
@@ -169,8 +169,8 @@ class VideoGenerator:
         DiT in host memory while encoding and decoding, tiled VAE decoding, the DiT's last blocks streamed from
         pinned host memory with the next block's copy overlapping the current block's compute
         (:mod:`fastwan.pipelines.memory`). ``self.memory_plan`` describes the plan and its expected peak per phase; a
-        budget nothing fits raises before loading; a video too large for the plan gets a new one before compute
-        (or the planner's error).
+        budget nothing fits raises before loading; each video gets its own plan before compute (the same video
+        the same plan, whatever came before), or the planner's error.
 
         ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
         the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -331,15 +331,15 @@ class VideoGenerator:
                 "loras": [state.loaded for state in self._loras]}
 
     def _check_budget(self, s) -> None:
-        """Under a memory budget: a video the plan chosen so far does not fit gets a new plan (the planner raises
-        when nothing fits), carried out before any compute."""
+        """Under a memory budget: each video gets the plan the planner picks for it (the planner raises when
+        nothing fits), carried out before any compute when it differs from the current one."""
         if self.memory_plan is None:
             return
         fp = job_footprint(self.checkpoint, self._weight_bytes, s, self.dtype, self.quantization, self._cfg_batched,
                            self.vae_chunk_frames)
-        if fits(self.memory_plan, self.max_gpu_memory, fp):
-            return
         plan = plan_offload(fp, usable(self.max_gpu_memory))
+        if plan.levers() == self.memory_plan.levers():
+            return
         logger.info("max_gpu_memory: a %dx%dx%d video needs a new plan: %s", s.height, s.width, s.num_frames,
                     plan.describe())
         with self._lock:  # not while another thread's video runs

@@ -20,7 +20,8 @@ pinned host memory and gets device copies only inside its phase (:meth:`Placemen
 through a :class:`fastwan.offload.BlockStreamer` (the cross-attention key/value weights, which the prompt cache reads
 outside the block loop, stay with the rest of the DiT); the text encoder streams layer by layer through hooks.
 Between calls every offloaded tensor is at home on the host, so LoRA merges and the like change the host copies,
-and a new plan (a video too large for the one chosen at load) takes the modules over from there.
+and the plan of a video that needs other levers than the current one takes the modules over from there (each
+video gets the plan the planner picks for it, whatever came before).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch.nn as nn
 from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
 from fastwan.offload.stream import held_tensors
-from fastwan.offload.plan import Usable, phase_peaks
+from fastwan.offload.plan import Usable
 from fastwan.pipelines.inputs import runs_cfg
 
 logger = logging.getLogger("fastwan")
@@ -182,12 +183,6 @@ def usable(budget: int) -> Usable:
     return Usable(budget)
 
 
-def fits(plan: OffloadPlan, budget: int, fp: Footprint) -> bool:
-    """Whether a job of footprint ``fp`` stays within ``budget`` (its :func:`usable` part) with ``plan``'s levers."""
-    peaks = phase_peaks(fp, plan.text_encoder, plan.experts, plan.dit_offload, plan.vae_tiling, plan.streamed_blocks)
-    return max(peaks.values()) <= usable(budget)
-
-
 class Offloaded:
     """A module whose tensors (all but those whose storage pointer is in ``skip``) live in (pinned) host memory,
     with device copies made by :meth:`to_device` and dropped by :meth:`to_host`; a tensor held by several places
@@ -256,7 +251,9 @@ class Placement:
             else:
                 self.image = Offloaded(image_encoder, device)
         vae.to(device)
-        if plan.vae_tiling:
+        self.vae = vae
+        self.tiled = plan.vae_tiling and not getattr(vae, "use_tiling", False)  # turned on here, off in detach
+        if self.tiled:
             vae.enable_tiling()
         self._active: int | None = None
 
@@ -267,6 +264,8 @@ class Placement:
             self.te_streamer.detach_hooks()
         for t in self.transformers:
             t.streamer = None
+        if self.tiled:  # tiles change the decoded values: only a plan that needs them keeps them
+            self.vae.disable_tiling()
 
     @contextlib.contextmanager
     def encoding(self) -> Iterator[None]:
