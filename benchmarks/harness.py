@@ -260,7 +260,8 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
     text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
     folder links its weight files and adds ``gates.safetensors`` (random bf16 ``attn1.to_gate_compress``), listed
-    in its shard index when it has one."""
+    in its shard index (written when the plain checkpoint has a single weight file: a loader reads only the files
+    an index names or the ``diffusion_pytorch_model`` ones, never a stray file beside them)."""
     from safetensors.torch import save_file
 
     plain, root = Path(plain).resolve(), Path(root)
@@ -280,10 +281,17 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
             torch.bfloat16)
         gates[f"blocks.{i}.attn1.to_gate_compress.bias"] = torch.zeros(dim, dtype=torch.bfloat16)
     save_file(gates, str(dst / "gates.safetensors"))
-    for index in src.glob("*.safetensors.index.json"):
-        data = json.loads(index.read_text())
+    indexes = {index.name: json.loads(index.read_text()) for index in src.glob("*.safetensors.index.json")}
+    if not indexes:
+        from safetensors import safe_open
+
+        single = src / "diffusion_pytorch_model.safetensors"
+        with safe_open(str(single), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), single.name)
+        indexes = {f"{single.name}.index.json": {"metadata": {}, "weight_map": weight_map}}
+    for name, data in indexes.items():
         data["weight_map"].update({k: "gates.safetensors" for k in gates})
-        (dst / index.name).write_text(json.dumps(data))
+        (dst / name).write_text(json.dumps(data))
     model_index = json.loads((plain / "model_index.json").read_text())
     (root / "model_index.json").write_text(json.dumps({**model_index, "_class_name": "WanDMDPipeline"}))
     log(f"derived FastWan-layout checkpoint {root} from {plain}")

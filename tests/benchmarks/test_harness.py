@@ -100,3 +100,22 @@ def test_forward_14b_video_argument():
     for bad in ("480x832", "480x830x81", "480x832x80", "0x832x81", "axbxc"):
         with pytest.raises(ValueError, match="--video"):
             harness.parse_video(bad)
+
+
+def test_derived_fastwan_checkpoint_loads_its_gates(tmp_path):
+    """derive_fastwan on a single-file DiT: the gates are listed in a shard index, so the loader reads them and
+    the checkpoint runs VSA with them (a stray gates file beside the weights would be ignored)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.harness import derive_fastwan
+    from fastwan import VideoGenerator
+    from fastwan.tiny import write_tiny_checkpoint
+
+    plain = write_tiny_checkpoint(tmp_path / "plain", "wan2.1")
+    derive_fastwan(plain, tmp_path / "fw")
+    gen = VideoGenerator.from_pretrained(tmp_path / "fw", device="cpu", dtype=torch.float32)
+    assert gen.checkpoint.vsa_gates and gen.attention.self_backend.name == "VIDEO_SPARSE_ATTN"
+    gates = load_file(str(tmp_path / "fw" / "transformer" / "gates.safetensors"))
+    got = gen.transformers[0].blocks[1].attn1.to_gate_compress.weight
+    assert torch.equal(got, gates["blocks.1.attn1.to_gate_compress.weight"].float())
