@@ -353,8 +353,11 @@ def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
 def _check_clip(clip: dict, cfg: WanConfig, path: Path) -> None:
     """Rules for the CLIP vision encoder beside the DiT: its width is the DiT's ``image_dim``, and an FLF2V DiT's
     ``pos_embed_seq_len`` holds the tokens of two images (one per patch, plus the class token)."""
+    from transformers import CLIPVisionConfig
+
     vision = clip.get("vision_config", clip)  # a whole CLIPModel's config nests the vision tower's
-    width, size, patch = (vision.get(k) for k in ("hidden_size", "image_size", "patch_size"))
+    defaults = CLIPVisionConfig()  # what transformers reads for a key the file leaves out
+    width, size, patch = (vision.get(k, getattr(defaults, k)) for k in ("hidden_size", "image_size", "patch_size"))
     if width != cfg.image_dim:
         raise CheckpointError(
             f"{path}: \"hidden_size\": {json_text(width)}, but the DiT's \"image_dim\" is {cfg.image_dim}; the CLIP "

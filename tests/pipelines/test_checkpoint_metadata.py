@@ -192,3 +192,16 @@ def test_clip_encoder_of_the_tiny_image_checkpoints_fits(clip_ckpts):
         cfg = gen.transformers[0].config
         assert cfg.image_dim == c.hidden_size
         assert cfg.pos_embed_seq_len in (None, 2 * tokens)
+
+
+def test_clip_config_keys_left_out_take_transformers_defaults(clip_ckpts, tmp_path):
+    """A CLIP config.json without image_size (transformers' default 224 then applies) is judged with that default,
+    as CLIPVisionModel.from_pretrained reads it: the FLF2V DiT's pos_embed_seq_len is checked against 224."""
+    from transformers import CLIPVisionConfig
+
+    from fastwan.errors import CheckpointError
+
+    root, path = mutated(clip_ckpts, tmp_path, "wan2.1-flf2v", "image_encoder/config.json", "image_size", DELETE)
+    default = CLIPVisionConfig().image_size
+    with pytest.raises(CheckpointError, match=f"image_size {default} "):
+        VideoGenerator.from_pretrained(root, device="cpu")
