@@ -259,9 +259,9 @@ def _linked_copy(plain: Path, root: Path, skip: tuple[str, ...]) -> bool:
 def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
     text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
-    folder links its weight files and adds ``gates.safetensors`` (random bf16 ``attn1.to_gate_compress``), listed
-    in its shard index (written when the plain checkpoint has a single weight file: a loader reads only the files
-    an index names or the ``diffusion_pytorch_model`` ones, never a stray file beside them)."""
+    folder links its weight files and adds ``gates.safetensors`` (random bf16 ``to_gate_compress``, FastVideo's
+    names), listed in its shard index (written when the plain checkpoint has a single weight file: a loader reads
+    only the files an index names or the ``diffusion_pytorch_model`` ones, never a stray file beside them)."""
     from safetensors.torch import save_file
 
     plain, root = Path(plain).resolve(), Path(root)
@@ -277,9 +277,9 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     gates = {}
     for i in range(cfg["num_layers"]):
-        gates[f"blocks.{i}.attn1.to_gate_compress.weight"] = (torch.randn(dim, dim, generator=g) * dim ** -0.5).to(
+        gates[f"blocks.{i}.to_gate_compress.weight"] = (torch.randn(dim, dim, generator=g) * dim ** -0.5).to(
             torch.bfloat16)
-        gates[f"blocks.{i}.attn1.to_gate_compress.bias"] = torch.zeros(dim, dtype=torch.bfloat16)
+        gates[f"blocks.{i}.to_gate_compress.bias"] = torch.zeros(dim, dtype=torch.bfloat16)
     save_file(gates, str(dst / "gates.safetensors"))
     indexes = {index.name: json.loads(index.read_text()) for index in src.glob("*.safetensors.index.json")}
     if not indexes:

@@ -137,9 +137,9 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
             freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
             rope_max_seq_len=64, **image_cfg,
         )
-        if variant == "fastwan2.1":  # VSA's gate projections, saved as FastVideo's FastWan checkpoints carry them
+        if variant == "fastwan2.1":  # VSA's gate projections, named as FastVideo's FastWan checkpoints name them
             for blk in dit.blocks:
-                blk.attn1.to_gate_compress = torch.nn.Linear(dit.config.num_attention_heads *
+                blk.to_gate_compress = torch.nn.Linear(dit.config.num_attention_heads *
                                                              dit.config.attention_head_dim,
                                                              dit.config.num_attention_heads *
                                                              dit.config.attention_head_dim)

@@ -57,7 +57,7 @@ PRESETS = {
 DMD_SETTINGS = MappingProxyType(dict(num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None,
                                      sampler="dmd", timesteps=(1000.0, 757.0, 522.0), flow_shift=8.0))
 DISTILLED_SIZES = MappingProxyType({"wan2.1": MappingProxyType(dict(height=448, width=832, num_frames=61))})
-# VSA-trained checkpoints (the DiT carries attn1.to_gate_compress) run VSA by default, at FastVideo's sparsity for
+# VSA-trained checkpoints (the DiT carries to_gate_compress gates) run VSA by default, at FastVideo's sparsity for
 # FastWan: 0.9 for the 14B width (5120), 0.8 below; 4 x 4 x 4-token cubes as trained
 VSA_TILE = (4, 4, 4)
 
@@ -108,7 +108,7 @@ class Checkpoint:
     expand_timesteps: bool
     image_encoder: bool = False  # a CLIP image encoder (image_encoder/, image_processor/) to load
     distilled: bool = False  # DMD-distilled (FastWan): the preset samples with "dmd"
-    vsa_gates: bool = False  # the DiT was trained with VSA (it carries attn1.to_gate_compress)
+    vsa_gates: bool = False  # the DiT was trained with VSA (it carries to_gate_compress gates)
     # the diffusers ``variant`` of each component's weight files (None: the plain files); from_pretrained passes
     # it to diffusers / transformers
     variants: dict = dataclasses.field(default_factory=dict)

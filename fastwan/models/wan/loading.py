@@ -3,6 +3,7 @@ assigned in place (safetensors; the modules Diffusers keeps in fp32 stay fp32; F
 :mod:`fastwan.models.wan.quantize` rules)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -38,8 +39,14 @@ VSA_GATE_KEY = "attn1.to_gate_compress.weight"  # the weight a VSA-trained DiT c
 UNUSED_TENSOR_PARTS = ("norm_added_q",)
 
 
+# FastVideo's FastWan checkpoints name VSA's gate projection by FastVideo's module path, ``blocks.N.to_gate_compress``
+# (its loader and saver map no other name for it); the DiT holds it in the self-attention, ``blocks.N.attn1.``.
+_FASTVIDEO_GATE = re.compile(r"^(blocks\.\d+)\.to_gate_compress\.")
+
+
 def has_vsa_gates(keys) -> bool:
-    """Whether tensor names ``keys`` include VSA's gate projections (the DiT was trained with VSA)."""
+    """Whether tensor names ``keys`` (the DiT's names, :func:`dit_names`) include VSA's gate projections (the DiT
+    was trained with VSA)."""
     return any(k.endswith(VSA_GATE_KEY) for k in keys)
 
 
@@ -48,17 +55,36 @@ def unused_tensor(key: str) -> bool:
     return any(part in UNUSED_TENSOR_PARTS for part in key.split("."))
 
 
-class UsedTensors:
-    """A checkpoint's tensors (a :class:`fastwan.models.loading.CheckpointTensors`) without the unused ones."""
+def dit_names(keys, source: str) -> dict[str, str]:
+    """The DiT's name -> the checkpoint's name, for each tensor of ``keys`` the DiT reads (the unused ones left
+    out; FastVideo's gate names read as the DiT's). Rule: two checkpoint tensors may not name one DiT tensor."""
+    out: dict[str, str] = {}
+    for key in keys:
+        if unused_tensor(key):
+            continue
+        name = _FASTVIDEO_GATE.sub(r"\1.attn1.to_gate_compress.", key)
+        if name in out:
+            raise CheckpointError(
+                f"{source}: tensors {out[name]!r} and {key!r} are both the DiT's {name!r} (FastVideo and diffusers "
+                "names of one VSA gate); the checkpoint is inconsistent: keep one of them, or download it again.")
+        out[name] = key
+    return out
 
-    def __init__(self, state):
+
+class UsedTensors:
+    """A checkpoint's tensors (a :class:`fastwan.models.loading.CheckpointTensors`) the DiT reads, by the DiT's
+    names (:func:`dit_names`)."""
+
+    def __init__(self, state, source: str = "checkpoint"):
         self.state = state
+        self.names = dit_names(state.keys(), source)
+        self._dit_name = {key: name for name, key in self.names.items()}
 
     def keys(self) -> list[str]:
-        return [k for k in self.state.keys() if not unused_tensor(k)]
+        return list(self.names)
 
     def items(self):
-        return ((k, v) for k, v in self.state.items() if not unused_tensor(k))
+        return ((self._dit_name[k], v) for k, v in self.state.items() if k in self._dit_name)
 
 
 def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> bool:
@@ -68,7 +94,8 @@ def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> b
     when they load."""
     if not files or any(f.suffix != ".safetensors" for f in files):
         return False
-    found = {k: v for k, v in header_tensors(files).items() if not unused_tensor(k)}
+    header = header_tensors(files)
+    found = {name: header[key] for name, key in dit_names(header, source).items()}
     gates = has_vsa_gates(found)
     with torch.device("meta"):
         model = WanTransformer(cfg, None, DiTOptions(block="reference"))
@@ -107,7 +134,7 @@ def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptio
     compute = torch.device(compute_device or device)
     with torch.device("meta"):
         model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(compute, dtype))
-    state = UsedTensors(CheckpointTensors(files))
+    state = UsedTensors(CheckpointTensors(files), str(folder))
     if has_vsa_gates(state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()
