@@ -219,15 +219,17 @@ def test_schedule_sigmas_match_the_rule(rule, shift):
         assert abs(sched.sigmas[3] - 0.013) > 2e-3
 
 
-def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path):
-    """A WanDMDPipeline whose DiT is not FastWan's Wan2.1 layout (here the two A14B experts) still samples with
-    DMD: 3 steps at 1000/757/522, no CFG in either expert; no VSA gates, so dense attention."""
+@pytest.mark.parametrize("variant,shift", [("wan2.2-a14b", 8.0), ("wan2.2-ti2v", 5.0)])
+def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path, variant, shift):
+    """A WanDMDPipeline whose DiT is not FastWan's Wan2.1 layout (the two A14B experts; TI2V-5B, FastWan2.2) still
+    samples with DMD: 3 steps at 1000/757/522, no CFG in either expert; no VSA gates, so dense attention. The
+    shift is FastVideo's for that kind: 8 (its FastWan default), 5 for TI2V-5B (FastWan2_2_TI2V_5B_Config)."""
     import json
 
     from fastwan.pipelines.checkpoint import resolve
 
-    src = tiny_ckpts["wan2.2-a14b"]
-    dst = tmp_path / "a14b-dmd"
+    src = tiny_ckpts[variant]
+    dst = tmp_path / "dmd"
     dst.mkdir()
     for comp in src.iterdir():
         if comp.name != "model_index.json":
@@ -237,8 +239,8 @@ def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path
     ckpt = resolve(dst)
     p = ckpt.preset
     assert ckpt.distilled and not ckpt.vsa_gates
-    assert (p.sampler, p.timesteps, p.num_inference_steps, p.guidance_scale, p.guidance_scale_2) == (
-        "dmd", (1000.0, 757.0, 522.0), 3, 1.0, None)
+    assert (p.sampler, p.timesteps, p.num_inference_steps, p.guidance_scale, p.guidance_scale_2, p.flow_shift) == (
+        "dmd", (1000.0, 757.0, 522.0), 3, 1.0, None, shift)
 
 
 def test_euler_without_any_flow_shift_raises_before_compute(no_compute, monkeypatch):
