@@ -30,8 +30,9 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="make a video from a text prompt (and an image)")
     p.add_argument("--prompt", required=True, type=_prompt_arg, help="what the video shows")
     p.add_argument("--model", default="tiny",
-                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.2-a14b / tiny-wan2.2-ti2v / "
-                        "tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b (default: tiny)")
+                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.1 / tiny-wan2.2-a14b / tiny-wan2.2-ti2v "
+                        "/ tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b / tiny-fastwan2.1 (default: "
+                        "tiny)")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model (Hub ids only)")
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
     p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
@@ -55,7 +56,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing video at the output path")
     p.add_argument("--attention-backend", default=None,
                    help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN")
-    p.add_argument("--attention-config", default=None, help="JSON file with the sparse backend's settings")
+    p.add_argument("--attention-config", default=None,
+                   help="the backend's settings: a JSON file, or inline JSON such as '{\"sparsity\": 0.9}'")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks")
     p.add_argument("--dit-block", choices=BLOCKS, default="auto",
                    help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "

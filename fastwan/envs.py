@@ -35,6 +35,7 @@ def _aliased(env: Mapping[str, str] | None, names: tuple[str, str], same=None) -
 
 
 _BACKEND_VARS = ("FASTVIDEO_ATTENTION_BACKEND", "FASTWAN_ATTENTION_BACKEND")
+_CONFIG_VARS = ("FASTWAN_ATTENTION_CONFIG", "FASTVIDEO_ATTENTION_CONFIG")
 
 
 def _same_name(a: str, b: str) -> bool:
@@ -54,7 +55,12 @@ def attention_backend_variable(env: Mapping[str, str] | None = None) -> str | No
 
 def attention_config(env: Mapping[str, str] | None = None) -> str | None:
     """``FASTWAN_ATTENTION_CONFIG`` (or FastVideo's ``FASTVIDEO_ATTENTION_CONFIG``): a JSON file path (or JSON)."""
-    return _aliased(env, ("FASTWAN_ATTENTION_CONFIG", "FASTVIDEO_ATTENTION_CONFIG"))[0]
+    return _aliased(env, _CONFIG_VARS)[0]
+
+
+def attention_config_variable(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable :func:`attention_config` took its value from (for messages), or None when neither is set."""
+    return _aliased(env, _CONFIG_VARS)[1]
 
 
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")

@@ -39,7 +39,7 @@ TINY_IDS = {
     "tiny-fastwan2.1": "fastwan2.1",
 }
 CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
-_FORMAT = 1  # bump when the tiny layout changes, so cached copies are rebuilt
+_FORMAT = 2  # bump when the tiny layout changes, so cached copies are rebuilt
 
 TEXT_DIM = 32
 

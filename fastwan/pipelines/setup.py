@@ -61,9 +61,10 @@ def attention_config(value) -> dict | None:
     """attention_config kwarg (dict, JSON path or JSON string) or FASTWAN_ATTENTION_CONFIG -> backend kwargs."""
     from fastwan.attention.sparse import load_attention_config
 
+    given_by = "attention_config= (CLI --attention-config)"
     if value is None:
-        value = envs.attention_config()
-    return None if value is None else load_attention_config(value)
+        value, given_by = envs.attention_config(), envs.attention_config_variable()
+    return None if value is None else load_attention_config(value, given_by=given_by)
 
 
 def load_vae(folder: Path, dtype, device, fast: bool, tiling: dict | None, allow_pickle: bool,

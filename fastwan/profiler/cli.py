@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, help="timed calls (default 10 on GPU, 3 on CPU)")
     ap.add_argument("--dry-run", action="store_true", help="only say which backends can run and why not")
     ap.add_argument("--optimize", action="store_true", help="also try every kernel variant; report the fastest")
-    ap.add_argument("--step-index", type=int, default=49,
-                    help="denoising step passed to sparse backends (0-based, below --num-steps)")
-    ap.add_argument("--num-steps", type=int, default=50, help="denoising steps passed to sparse backends")
+    ap.add_argument("--step-index", type=int, default=None,
+                    help="denoising step passed to sparse backends (0-based, below --num-steps; default: the last)")
+    ap.add_argument("--num-steps", type=int, default=50,
+                    help="denoising steps passed to sparse backends (default 50)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (replaces an existing file whole)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
@@ -69,7 +70,9 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     for name, value in (("grid", min(grid)), ("batch", args.batch), ("heads", heads), ("head dim", head_dim)):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}.")
-    if args.num_steps < 1 or not 0 <= args.step_index < args.num_steps:
+    if args.step_index is None and args.num_steps >= 1:
+        args.step_index = args.num_steps - 1
+    if args.num_steps < 1 or args.step_index is None or not 0 <= args.step_index < args.num_steps:
         raise ValueError(f"--step-index {args.step_index} and --num-steps {args.num_steps}: need --num-steps >= 1 and "
                          "0 <= --step-index < --num-steps (the step sparse backends are timed at).")
     return Problem(args.batch, heads, head_dim, grid, dtype, device)
@@ -87,7 +90,7 @@ def parse_configs(items: Sequence[str], specs: Sequence[BackendSpec] = ()) -> di
         name = name.strip().upper()
         if not sep or name not in BACKENDS:
             raise ValueError(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
-        out[name] = load_attention_config(value)
+        out[name] = load_attention_config(value, given_by=f"--config {name}")
     selected = {sp.name for sp in specs}
     for name, config in out.items():
         if name not in selected:

@@ -19,8 +19,10 @@ Triple = tuple[int, int, int]
 KERNELS = ("auto", "flex", "sdpa", "fa4")
 
 
-def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) -> dict:
-    """Load a sparse-attention config: a JSON file path, a JSON string, a dict, or None (-> {}).
+def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, *,
+                          given_by: str = "attention_config=") -> dict:
+    """Load a sparse-attention config: a JSON file path, a JSON string, a dict, or None (-> {}); ``given_by``
+    (the argument, flag or variable it came from) is named in errors.
 
     The result is a plain dict of constructor keyword arguments for the chosen backend (see the backend
     modules for the keys each accepts). Paths usually come from ``FASTWAN_ATTENTION_CONFIG``
@@ -32,7 +34,7 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
         return dict(source)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidArgument(
-            f"attention config must be a JSON file path, a JSON object string or a dict, got "
+            f"attention config (from {given_by}) must be a JSON file path, a JSON object string or a dict, got "
             f"{type(source).__name__}."
         )
     text = str(source)
@@ -41,8 +43,8 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
         path = os.path.expanduser(text)
         if not os.path.isfile(path):
             raise InvalidArgument(
-                f"attention config file {text!r} does not exist (from FASTWAN_ATTENTION_CONFIG or "
-                "attention_config=); give the path of a JSON file, or a dict."
+                f"attention config file {text!r} does not exist (from {given_by}); give the path of a JSON file, "
+                "inline JSON ({...}) or a dict."
             )
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -51,12 +53,12 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None) 
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(
-            f"attention config {origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
-            "Fix the JSON (keys in double quotes, no trailing commas, no comments)."
+            f"attention config {origin} (from {given_by}) is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno}. Fix the JSON (keys in double quotes, no trailing commas, no comments)."
         ) from None
     if not isinstance(data, dict):
         raise InvalidArgument(
-            f"attention config {origin} must hold a JSON object ({{...}}) of backend options, "
+            f"attention config {origin} (from {given_by}) must hold a JSON object ({{...}}) of backend options, "
             f"got a JSON {type(data).__name__}."
         )
     return data
