@@ -138,11 +138,9 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
             rope_max_seq_len=64, **image_cfg,
         )
         if variant == "fastwan2.1":  # VSA's gate projections, named as FastVideo's FastWan checkpoints name them
+            dim = dit.config.num_attention_heads * dit.config.attention_head_dim
             for blk in dit.blocks:
-                blk.to_gate_compress = torch.nn.Linear(dit.config.num_attention_heads *
-                                                             dit.config.attention_head_dim,
-                                                             dit.config.num_attention_heads *
-                                                             dit.config.attention_head_dim)
+                blk.to_gate_compress = torch.nn.Linear(dim, dim)
         _randomize(dit, seed + 10 + i, std=0.1)
         dit.save_pretrained(path / name, safe_serialization=True, **shard)
 

@@ -37,6 +37,7 @@ from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
 from fastwan.offload.stream import held_tensors
 from fastwan.offload.plan import Usable
 from fastwan.pipelines.inputs import runs_cfg
+from fastwan.vae.decode import tiling_state
 
 logger = logging.getLogger("fastwan")
 
@@ -252,7 +253,7 @@ class Placement:
                 self.image = Offloaded(image_encoder, device)
         vae.to(device)
         self.vae = vae
-        self.tiled = plan.vae_tiling and not getattr(vae, "use_tiling", False)  # turned on here, off in detach
+        self.tiled = plan.vae_tiling and tiling_state(vae) is None  # turned on here, off in detach
         if self.tiled:
             vae.enable_tiling()
         self._active: int | None = None
