@@ -43,9 +43,9 @@ def _same_name(a: str, b: str) -> bool:
 
 
 def attention_backend(env: Mapping[str, str] | None = None) -> str | None:
-    """``FASTVIDEO_ATTENTION_BACKEND`` or ``FASTWAN_ATTENTION_BACKEND`` (upper-cased), or None."""
-    value, _ = _aliased(env, _BACKEND_VARS, same=_same_name)
-    return value.upper() if value else None
+    """``FASTVIDEO_ATTENTION_BACKEND`` or ``FASTWAN_ATTENTION_BACKEND`` as set (names are case-insensitive: the
+    registry matches them), or None."""
+    return _aliased(env, _BACKEND_VARS, same=_same_name)[0]
 
 
 def attention_backend_variable(env: Mapping[str, str] | None = None) -> str | None:

@@ -52,6 +52,7 @@ def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
             "64", "--num-frames", "5", "--steps", "1", "--device", "cpu", "--output", str(out)]
     cases = [  # (extra args, which win over base; words the message must hold): all before the model loads
         (["--attention-backend", "FLASH_ATTN"], ["FLASH_ATTN"]),  # a multi-line BackendUnavailableError
+        (["--attention-backend", "flash_atn"], ["'flash_atn'", "--attention-backend", "FLASH_ATTN"]),
         (["--attention-config", str(tmp_path / "missing.json")], ["missing.json", "does not exist"]),
         (["--attention-backend", "NEIGHBORHOOD_ATTN", "--attention-config", str(bad_json)], ["not valid JSON"]),
         (["--model", str(tmp_path / "no_such_model")], ["no_such_model"]),

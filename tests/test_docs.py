@@ -199,13 +199,13 @@ def test_readme_env_table_is_the_variables_envs_reads():
 
 
 def test_readme_env_table_values_are_the_ones_envs_accepts():
-    from fastwan.attention.registry import BACKENDS
+    from fastwan.attention.registry import BACKENDS, create_backend
 
     rows = env_rows()
     backends = set(re.findall(r"`([A-Z_]+)`", rows["FASTVIDEO_ATTENTION_BACKEND"].split(".")[0]))
     assert backends == set(BACKENDS)
     for name in backends:
-        assert envs.attention_backend({"FASTWAN_ATTENTION_BACKEND": name.lower()}) == name
+        assert create_backend(envs.attention_backend({"FASTWAN_ATTENTION_BACKEND": name.lower()})).name == name
     kernels = re.findall(r"`(\w+)`", rows["FASTWAN_SDPA_KERNEL"].split(" for ")[0])
     assert tuple(kernels) == envs.SDPA_KERNELS
     for k in kernels:

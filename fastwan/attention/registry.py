@@ -167,7 +167,7 @@ def requested_backend(
 ) -> tuple[AttentionBackend | str | None, str]:
     """Which backend was asked for, and by whom: (argument | context | env var | None)."""
     if explicit is not None:
-        return explicit, "argument attention_backend"
+        return explicit, "attention_backend= (CLI --attention-backend)"
     scoped = _CURRENT.get()
     if scoped is not None:
         return scoped, "attention_backend() context"
