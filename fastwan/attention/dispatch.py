@@ -45,10 +45,13 @@ class AttentionDispatch:
         config: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         model: Any = None,
+        source: str | None = None,
     ) -> AttentionDispatch:
         """The backends for a DiT; ``model`` (its transformer config: ``num_attention_heads``, ``num_layers``), when
-        given, lets a sparse backend check its per-head and per-layer settings against the DiT now."""
-        backend = resolve_backend(requested, device=device, dtype=dtype, head_dim=head_dim, config=config, env=env)
+        given, lets a sparse backend check its per-head and per-layer settings against the DiT now; ``source``: as
+        in :func:`resolve_backend`."""
+        backend = resolve_backend(requested, device=device, dtype=dtype, head_dim=head_dim, config=config, env=env,
+                                  source=source)
         if backend.sparse and model is not None:
             backend.check_model(model.num_attention_heads, model.num_layers)
         cross = None

@@ -87,6 +87,11 @@ def backend_names() -> list[str]:
     return list(BACKENDS)
 
 
+def backend_keys(name: str) -> tuple[str, ...]:
+    """The config keys backend ``name`` (a valid name, any case) accepts."""
+    return tuple(_backend_class(_check_name(name, "backend_keys")).KEYS)
+
+
 def _check_name(name: str, source: str) -> str:
     if not isinstance(name, str):
         raise InvalidArgumentType(
@@ -189,10 +194,12 @@ def resolve_backend(
     env: Mapping[str, str] | None = None,
     seq_q: int | None = None,
     seq_kv: int | None = None,
+    source: str | None = None,
 ) -> AttentionBackend:
-    """Return a backend that can run (device, dtype, head_dim); raise if an explicit one cannot."""
+    """Return a backend that can run (device, dtype, head_dim); raise if an explicit one cannot. ``source`` names
+    who asked for ``requested`` in messages when it is not the user's argument (e.g. a checkpoint's default)."""
     device = _check_problem(device, dtype, head_dim)
-    choice, source = requested_backend(requested, env)
+    choice, source = (requested, source) if requested is not None and source else requested_backend(requested, env)
     if choice is not None:
         if isinstance(choice, AttentionBackend):
             if config:

@@ -226,11 +226,11 @@ class VideoGenerator:
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
-        attention_backend, config = trained_attention(ckpt, attention_backend, config)
+        attention_backend, config, source = trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
-                                              config=config, model=ckpt.transformer_config)
+                                              config=config, model=ckpt.transformer_config, source=source)
         compile_kwargs = compile_kwargs_for(torch_compile_kwargs, attention) if enable_torch_compile else None
 
         plan = None

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastwan import envs
 from fastwan.attention import AttentionDispatch
-from fastwan.attention.registry import requested_backend
+from fastwan.attention.registry import backend_keys, requested_backend
 from fastwan.errors import InvalidArgument
 from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
 
@@ -43,18 +43,29 @@ def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch)
 def trained_attention(ckpt: Checkpoint, requested, config: dict | None):
     """A VSA-trained checkpoint (FastWan) runs VIDEO_SPARSE_ATTN unless the argument, an ``attention_backend()``
     context or the environment names another backend, with its trained tile and FastVideo's sparsity wherever
-    ``attention_config`` leaves them unset -> (backend request, backend config)."""
+    ``attention_config`` leaves them unset -> (backend request, backend config, who requested it for messages:
+    None when the user did)."""
     if not ckpt.vsa_gates:
-        return requested, config
+        return requested, config, None
+    source = None
     name = requested_backend(requested)[0]
     if name is None:
         requested = name = "VIDEO_SPARSE_ATTN"
+        source = "the checkpoint (its DiT carries VSA gates)"
+        foreign = sorted(k for k in (config or {}) if k not in backend_keys(name))
+        if foreign:
+            raise InvalidArgument(
+                f"attention_config keys {foreign} are not settings of VIDEO_SPARSE_ATTN, which {ckpt.root} runs by "
+                f"default (its DiT carries VSA gates; VSA takes {', '.join(backend_keys(name))}). Name the backend "
+                "these settings are for with attention_backend= (CLI --attention-backend, or "
+                "FASTVIDEO_ATTENTION_BACKEND), or drop them."
+            )
         logger.info("attention: %s was trained with video sparse attention (its DiT carries VSA gates); "
                     "VIDEO_SPARSE_ATTN is the default", ckpt.root)
     if isinstance(name, str) and name.strip().upper() == "VIDEO_SPARSE_ATTN":
         trained = {"sparsity": trained_vsa_sparsity(ckpt.transformer_config.inner_dim), "tile": list(VSA_TILE)}
         config = {**trained, **(config or {})}
-    return requested, config
+    return requested, config, source
 
 
 def attention_config(value) -> dict | None:

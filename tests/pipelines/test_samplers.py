@@ -157,6 +157,25 @@ def test_fastwan_default_yields_to_an_attention_backend_context(fastwan_ckpt):
     assert vsa.name == "VIDEO_SPARSE_ATTN" and vsa.sparsity == 0.8 and tuple(vsa.tile) == (4, 4, 4)
 
 
+def test_fastwan_default_is_logged_as_the_checkpoints_and_foreign_settings_are_refused(fastwan_ckpt, caplog):
+    """The trained VSA default is reported as the checkpoint's choice, not as the user's argument; settings of
+    another backend with no backend named are refused before weights load, naming the keys and the default."""
+    import logging
+
+    from fastwan.errors import InvalidArgument
+
+    caplog.set_level(logging.INFO, logger="fastwan")
+    VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32)
+    assert "VIDEO_SPARSE_ATTN (" in caplog.text and "requested by the checkpoint" in caplog.text
+    assert "requested by attention_backend=" not in caplog.text
+    with pytest.raises(InvalidArgument, match=r"\['kernel_size'\] are not settings of VIDEO_SPARSE_ATTN.*by default"):
+        VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", attention_config={"kernel_size": [3, 3, 3]})
+    nat = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,
+                                         attention_backend="NEIGHBORHOOD_ATTN",
+                                         attention_config={"kernel_size": [3, 3, 3]})
+    assert nat.attention.self_backend.name == "NEIGHBORHOOD_ATTN"
+
+
 def test_fastwan_dense_matches_reference(fastwan_ckpt):
     """With dense attention the FastWan layout samples exactly as the DMD reference (gates unused)."""
     gen = VideoGenerator.from_pretrained(fastwan_ckpt, device="cpu", dtype=torch.float32,
