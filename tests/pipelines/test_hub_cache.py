@@ -197,3 +197,31 @@ def test_lone_file_and_index_follow_one_rule(tmp_path):
     assert weight_files(linked / "transformer") == [weights]  # the same file named by an index
     shard = VideoGenerator.from_pretrained(linked, device="cpu", dtype=torch.float32).generate_video("a prompt", **GEN)
     assert np.array_equal(shard.frames, ref.frames)
+
+
+def test_a_folder_that_is_not_a_pipeline_gets_what_to_pass_instead(plain, tmp_path, monkeypatch):
+    """No model_index.json: the original Wan release layout (here and on the Hub) points at the Diffusers repos,
+    a component folder at its pipeline folder; nothing is loaded."""
+    import huggingface_hub.constants as constants
+
+    from fastwan.errors import MissingFileError
+
+    original = tmp_path / "Wan2.1-T2V-1.3B"
+    original.mkdir()
+    (original / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536}))
+    (original / "Wan2.1_VAE.pth").write_bytes(b"\0")
+    with pytest.raises(MissingFileError, match="original Wan release layout.*Diffusers-format"):
+        VideoGenerator.from_pretrained(original, device="cpu")
+    with pytest.raises(MissingFileError, match=f"'transformer' component.*pipeline folder '{plain}'"):
+        VideoGenerator.from_pretrained(plain / "transformer", device="cpu")
+    with pytest.raises(MissingFileError, match="not a Diffusers-format pipeline folder"):
+        VideoGenerator.from_pretrained(tmp_path, device="cpu")
+
+    cache = tmp_path / "hub"
+    write_hub_cache(original, cache, "Wan-AI/Wan2.1-T2V-1.3B")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with pytest.raises(MissingFileError, match="'Wan-AI/Wan2.1-T2V-1.3B' is in the original Wan release layout.*"
+                                               r"same weights \('Wan-AI/Wan2.1-T2V-1.3B-Diffusers'\)"):
+        VideoGenerator.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B", device="cpu")
