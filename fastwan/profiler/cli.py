@@ -12,9 +12,9 @@ import torch
 
 from fastwan.attention.variants import BackendSpec, backend_specs
 from fastwan.envinfo import default_device, parse_device, parse_dtype
-from fastwan.errors import OneLineParser, UserError
+from fastwan.errors import InvalidArgument, OneLineParser, OutputPathError, UserError, one_line
 from fastwan.models.loading import write_atomically
-from fastwan.profiler.problem import MODELS, Problem, model_grid
+from fastwan.profiler.problem import MODELS, Problem, model_grid, model_preset
 from fastwan.profiler.output import render, report
 from fastwan.profiler.runner import plan, run
 
@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("-i", "--input-size", nargs=3, type=int, metavar=("T", "H", "W"), help="token grid")
-    src.add_argument("--model", choices=sorted(MODELS), help="derive heads, head dim and grid from a Wan model")
+    src.add_argument("--model", metavar="M",
+                     help="derive heads, head dim and grid from a Wan model: a preset (" + ", ".join(MODELS) + "), "
+                          "a tiny model name or a Diffusers-format folder (as fastwan generate --model)")
     ap.add_argument("--height", type=int, help="video height in pixels (with --model)")
     ap.add_argument("--width", type=int, help="video width in pixels (with --model)")
     ap.add_argument("--num-frames", type=int, help="video frames, 4k+1 (with --model)")
@@ -52,34 +54,47 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _given(value, default):
+    """``value`` unless the flag was left out (0 is a value, checked, never a default)."""
+    return default if value is None else value
+
+
 def problem_from_args(args: argparse.Namespace) -> Problem:
     device = parse_device(args.device) if args.device else default_device()
     dtype = parse_dtype(args.dtype)
-    if args.model:
-        preset = MODELS[args.model]
+    given = {"-b/--batch": args.batch, "-n/--heads": args.heads, "-d/--head-dim": args.head_dim}
+    for flag, value in given.items():
+        if value is not None and value < 1:
+            raise InvalidArgument(f"{flag} {value} must be an int >= 1; drop it for the default.")
+    if args.model is not None:
+        preset = model_preset(args.model)
         h, w, f = preset.default_size
-        grid = model_grid(args.model, args.height or h, args.width or w, args.num_frames or f)
-        heads, head_dim = args.heads or preset.heads, args.head_dim or preset.head_dim
+        grid = model_grid(preset, _given(args.height, h), _given(args.width, w), _given(args.num_frames, f),
+                          name=args.model)
+        heads, head_dim = _given(args.heads, preset.heads), _given(args.head_dim, preset.head_dim)
     else:
         if any(x is not None for x in (args.height, args.width, args.num_frames)):
-            raise ValueError("--height/--width/--num-frames need --model (or give the token grid with -i T H W).")
+            raise InvalidArgument("--height/--width/--num-frames need --model (or give the token grid with -i T H W).")
         if args.input_size is None:
-            raise ValueError("give a token grid with -i T H W, or a model preset with --model.")
+            raise InvalidArgument("give a token grid with -i T H W, or a model preset with --model.")
         grid = tuple(args.input_size)
-        heads, head_dim = args.heads or 12, args.head_dim or 128
-    for name, value in (("grid", min(grid)), ("batch", args.batch), ("heads", heads), ("head dim", head_dim)):
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}.")
+        if min(grid) < 1:
+            raise InvalidArgument(f"-i {' '.join(map(str, grid))}: grid must be positive in each of T, H, W "
+                                  "(tokens per axis), e.g. -i 21 30 52.")
+        heads, head_dim = _given(args.heads, 12), _given(args.head_dim, 128)
+    if not 0 <= args.seed < 2**64:
+        raise InvalidArgument(f"--seed {args.seed} must be an int in [0, 2**64) (the inputs' random seed), e.g. 0.")
     if args.step_index is None and args.num_steps >= 1:
         args.step_index = args.num_steps - 1
     if args.num_steps < 1 or args.step_index is None or not 0 <= args.step_index < args.num_steps:
-        raise ValueError(f"--step-index {args.step_index} and --num-steps {args.num_steps}: need --num-steps >= 1 and "
-                         "0 <= --step-index < --num-steps (the step sparse backends are timed at).")
+        raise InvalidArgument(
+            f"--step-index {args.step_index} and --num-steps {args.num_steps}: need --num-steps >= 1 and "
+            "0 <= --step-index < --num-steps (the step sparse backends are timed at).")
     return Problem(args.batch, heads, head_dim, grid, dtype, device)
 
 
 def parse_configs(items: Sequence[str], specs: Sequence[BackendSpec] = ()) -> dict[str, dict]:
-    """['NAME=JSON or path', ...] -> {NAME: config}. Raises ValueError for a bad name or JSON, a backend not among
+    """['NAME=JSON or path', ...] -> {NAME: config}. Raises InvalidArgument for a bad name or JSON, a backend not among
     ``specs``, a key the backend does not take, or a key one of ``specs`` fixes to another value (its variant)."""
     from fastwan.attention.registry import BACKENDS, create_backend
     from fastwan.attention.sparse import load_attention_config
@@ -89,24 +104,24 @@ def parse_configs(items: Sequence[str], specs: Sequence[BackendSpec] = ()) -> di
         name, sep, value = item.partition("=")
         name = name.strip().upper()
         if not sep or name not in BACKENDS:
-            raise ValueError(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
+            raise InvalidArgument(f"--config {item!r} must be NAME=JSON with NAME one of {', '.join(BACKENDS)}.")
         out[name] = load_attention_config(value, given_by=f"--config {name}")
     selected = {sp.name for sp in specs}
     for name, config in out.items():
         if name not in selected:
-            raise ValueError(f"--config {name}=... is for a backend that is not profiled (profiled: "
-                             f"{', '.join(sorted(selected))}); add --backend {name} or drop this --config.")
+            raise InvalidArgument(f"--config {name}=... is for a backend that is not profiled (profiled: "
+                                  f"{', '.join(sorted(selected))}); add --backend {name} or drop this --config.")
         try:  # unknown keys and bad values raise here
             create_backend(name, config, source=f"--config {name}")
         except UserError as exc:
-            raise ValueError(f"--config {name}: {exc}") from None
+            raise InvalidArgument(f"--config {name}: {exc}") from None
         for sp in specs:
             fixed = {k: v for k, v in sp.config.items() if k in config and config[k] != v}
             if sp.name == name and fixed:
                 baseline = sp.suffix == "auto"
                 why = "the baseline every run times; --optimize times every SDPA kernel" if baseline else \
                     "a variant --optimize adds"
-                raise ValueError(
+                raise InvalidArgument(
                     f"--config {name} sets {', '.join(f'{k}={config[k]!r}' for k in fixed)}, but the profiled variant "
                     f"{sp.label} fixes {', '.join(f'{k}={v!r}' for k, v in fixed.items())} ({why}); leave "
                     f"{', '.join(fixed)} out of --config{'' if baseline else ', or drop --optimize'}."
@@ -116,14 +131,17 @@ def parse_configs(items: Sequence[str], specs: Sequence[BackendSpec] = ()) -> di
 
 def check_json_path(path: str) -> Path:
     """Where ``--json`` writes, checked before any timing: an existing folder that can be written to."""
+    if not path.strip():
+        raise InvalidArgument(f"--json {path!r} is empty; give a file path, e.g. 'profile.json', or drop --json.")
     p = Path(path).expanduser()
     folder = p.parent
     if p.is_dir():
-        raise ValueError(f"--json {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'profile.json')!r}.")
+        raise OutputPathError(f"--json {path!r} is a folder; give a file path, e.g. "
+                              f"{os.path.join(path, 'profile.json')!r}.")
     if not folder.is_dir():
-        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} does not exist; create it first.")
+        raise OutputPathError(f"--json {path!r}: the folder {str(folder)!r} does not exist; create it first.")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} is not writable; choose another path.")
+        raise OutputPathError(f"--json {path!r}: the folder {str(folder)!r} is not writable; choose another path.")
     return p
 
 
@@ -141,12 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = parse_configs(args.config, specs)
         specs = [BackendSpec(sp.name, {**configs[sp.name], **sp.config}, sp.suffix) if sp.name in configs else sp
                  for sp in specs]
-        json_path = check_json_path(args.json) if args.json else None
+        json_path = check_json_path(args.json) if args.json is not None else None
     except (ValueError, UserError) as exc:
-        ap.error(str(exc))
+        ap.error(one_line(exc))
     if not args.dry_run and problem.device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {problem.device} cannot be timed: CUDA is not available here; use --device cpu, or "
                  "--dry-run to list why each backend cannot run on it")
+    if not args.dry_run and problem.device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {problem.device} cannot be timed: the profiled backends run on cpu or cuda only; use "
+                 "--device cpu or cuda, or --dry-run to list why each backend cannot run on it")
     on_gpu = problem.device.type == "cuda"
     warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
     iters = args.iters if args.iters is not None else (10 if on_gpu else 3)

@@ -3,10 +3,13 @@ or derived from a Wan model preset and a video resolution."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,9 @@ class ModelPreset:
     vae_stride: int  # pixels per latent (spatial)
     patch: int  # latent patches per token (spatial)
     default_size: tuple[int, int, int]  # height, width, frames
+    vae_temporal: int = 4  # frames per latent frame after the first (TEMPORAL_STRIDE for every Wan VAE)
+    patch_t: int = 1  # latent frames per token
+    max_grid: int | None = None  # tokens per axis the DiT's RoPE covers (None: not checked)
 
     @property
     def pixels_per_token(self) -> int:
@@ -31,16 +37,69 @@ MODELS = MappingProxyType({
 TEMPORAL_STRIDE = 4
 
 
-def model_grid(model: str, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
-    """Token grid (T, H, W) of a Wan model at a resolution: T = (F-1)//4 + 1, H = height // (vae*patch)."""
-    preset = MODELS[model]
-    px = preset.pixels_per_token
+def model_preset(model: str) -> ModelPreset:
+    """A preset name (:data:`MODELS`, nothing read), else what ``fastwan generate --model`` takes that is on this
+    machine: a tiny model name or a Diffusers-format folder, read from its configs (no weights load). Anything
+    else raises a user error naming the choices."""
+    if not isinstance(model, str):
+        raise InvalidArgumentType(f"model={model!r} must be a string (a preset, tiny model name or folder).")
+    if model in MODELS:
+        return MODELS[model]
+    from fastwan.tiny import TINY_IDS
+
+    if model in TINY_IDS or (model.strip() and Path(model).expanduser().exists()):
+        return _checkpoint_preset(model)
+    from fastwan.models.loading import HUB_MODEL_ID
+
+    hub = " Hub ids are not downloaded here: download the checkpoint and pass its folder." if HUB_MODEL_ID.match(
+        model) else ""
+    raise InvalidArgument(
+        f"--model {model!r} is not a preset ({', '.join(MODELS)}), not a tiny model ({', '.join(TINY_IDS)}) and "
+        f"not a folder that exists.{hub} Pass one of those, or give the token grid with -i T H W."
+    )
+
+
+def _checkpoint_preset(model: str) -> ModelPreset:
+    """The attention problem of a checkpoint ``fastwan.pipelines.checkpoint.resolve`` accepts, at its preset size."""
+    from fastwan.models.loading import read_json
+    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.vae.decode import scale_factors
+
+    ckpt = resolve(model)
+    cfg = ckpt.transformer_config
+    vt, vs = scale_factors(read_json(ckpt.folder("vae") / "config.json", missing="the vae component needs it."))
+    pt, ph, pw = cfg.patch_size
+    if ph != pw:
+        raise CheckpointError(f"{model}: patch_size {list(cfg.patch_size)} has different height and width patches; "
+                              "the profiler takes square patches (give the token grid with -i T H W instead).")
+    size = (ckpt.preset.height, ckpt.preset.width, ckpt.preset.num_frames)
+    return ModelPreset(cfg.num_attention_heads, cfg.attention_head_dim, vs, ph, size, vt, pt, cfg.rope_max_seq_len)
+
+
+def model_grid(model: str | ModelPreset, height: int, width: int, num_frames: int, *,
+               name: str | None = None) -> tuple[int, int, int]:
+    """Token grid (T, H, W) of a Wan model at a resolution, as the DiT sees it: T = ((F-1)//4 + 1) // time patch,
+    H = height // (vae*patch); the sizes must meet ``fastwan generate``'s rules."""
+    preset = model_preset(model) if isinstance(model, str) else model
+    name = name or (model if isinstance(model, str) else "this model")
+    px, vt = preset.pixels_per_token, preset.vae_temporal
     for what, value in (("height", height), ("width", width)):
         if value <= 0 or value % px:
-            raise ValueError(f"{what}={value} must be a positive multiple of {px} for {model} ({px} pixels per token).")
-    if num_frames < 1 or (num_frames - 1) % TEMPORAL_STRIDE:
-        raise ValueError(f"num_frames={num_frames} must be 4k+1 (e.g. 81, 121) for Wan's temporal VAE stride 4.")
-    return ((num_frames - 1) // TEMPORAL_STRIDE + 1, height // px, width // px)
+            raise InvalidArgument(f"{what}={value} must be a positive multiple of {px} for {name} ({px} pixels per "
+                                  f"token); use e.g. {max(px, value // px * px)}.")
+    if num_frames < 1 or (num_frames - 1) % vt:
+        raise InvalidArgument(f"num_frames={num_frames} must be {vt}k+1 (e.g. {vt * 20 + 1}) for Wan's temporal VAE "
+                              f"stride {vt}.")
+    latent = (num_frames - 1) // vt + 1
+    if latent % preset.patch_t:
+        raise InvalidArgument(f"num_frames={num_frames} gives {latent} latent frames, not a multiple of {name}'s time "
+                              f"patch {preset.patch_t}; use a num_frames of the form {vt * preset.patch_t}k+1.")
+    grid = (latent // preset.patch_t, height // px, width // px)
+    for what, value, n in zip(("num_frames", "height", "width"), (num_frames, height, width), grid):
+        if preset.max_grid is not None and n > preset.max_grid:
+            raise InvalidArgument(f"{what}={value} gives {n} tokens along that axis, more than {name}'s "
+                                  f"rope_max_seq_len={preset.max_grid}; make the video smaller along it.")
+    return grid
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""`python -m fastwan.profiler` as a user runs it: flag values, --model names, the reference every backend is
+compared with, and which results count as exact. CPU only, tiny problems."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastwan.attention.variants import backend_specs
+from fastwan.profiler import cli, problem, runner
+
+SMALL = ["-n", "2", "-d", "16", "--dtype", "fp32", "--device", "cpu", "--warmup", "0", "--iters", "1"]
+
+
+@pytest.fixture
+def no_profiling(monkeypatch):
+    """Any planning or timing fails the test: what is checked must be checked before work starts."""
+    def boom(*a, **k):
+        raise AssertionError("profiling started before the arguments were checked")
+    monkeypatch.setattr(cli, "plan", boom)
+    monkeypatch.setattr(cli, "run", boom)
+
+
+def user_error(argv, capsys) -> str:
+    """The one-line stderr message of ``argv``, which must stop with exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-i", "2", "4", "4", "-n", "0"], "-n/--heads 0"),
+    (["-i", "2", "4", "4", "-d", "0"], "-d/--head-dim 0"),
+    (["-i", "2", "4", "4", "-b", "0"], "-b/--batch 0"),
+    (["--model", "wan2.1-1.3b", "--height", "0"], "height=0"),
+    (["--model", "wan2.1-1.3b", "--width", "0"], "width=0"),
+    (["--model", "wan2.1-1.3b", "--num-frames", "0"], "num_frames=0"),
+    (["-i", "2", "4", "4", "--seed", "-1"], "--seed -1"),
+    (["-i", "2", "4", "4", "--seed", str(2**64)], f"--seed {2**64}"),
+    (["-i", "2", "4", "4", "--json", ""], "--json ''"),
+    (["-i", "2", "4", "4", "--device", "meta"], "--device meta cannot be timed"),
+    (["-i", "2", "4", "4", "--device", "mps"], "--device mps cannot be timed"),
+])
+def test_bad_values_are_refused_before_work(argv, needle, capsys, no_profiling):
+    # a 0 is a value the user typed, never "use the default"; every refusal comes before planning or timing
+    assert needle in user_error(argv if "--device" in argv else [*argv, "--device", "cpu"], capsys)
+
+
+def read_json(path):
+    return json.loads(path.read_text())
+
+
+def test_model_takes_tiny_names_and_folders_like_generate(tmp_path, tiny_ckpts, capsys):
+    out = tmp_path / "p.json"
+    # a tiny model name: the DiT's heads and head dim, the grid from Wan2.1's VAE (4x time, 8x space) and patch
+    assert cli.main(["--model", "tiny", "--height", "64", "--width", "96", "--num-frames", "9", "--dry-run",
+                     "--device", "cpu", "--backend", "TORCH_SDPA", "--json", str(out)]) == 0
+    from fastwan.tiny import tiny_checkpoint
+
+    dit = json.loads((tiny_checkpoint("wan2.1") / "transformer" / "config.json").read_text())
+    pt, ph, pw = dit["patch_size"]
+    grid = [((9 - 1) // 4 + 1) // pt, 64 // (8 * ph), 96 // (8 * pw)]
+    heads, head_dim = dit["num_attention_heads"], dit["attention_head_dim"]
+    p = read_json(out)["problem"]
+    assert (p["grid"], p["heads"], p["head_dim"]) == (grid, heads, head_dim) == ([3, 4, 6], 2, 12)
+    tokens = 3 * 4 * 6
+    assert p["tokens"] == tokens and p["gflop"] == pytest.approx(4 * heads * tokens**2 * head_dim / 1e9)
+    # a Diffusers-format folder (Wan2.2 TI2V: 16x spatial VAE)
+    folder = tiny_ckpts["wan2.2-ti2v"]
+    assert cli.main(["--model", str(folder), "--height", "128", "--width", "160", "--num-frames", "17", "--dry-run",
+                     "--device", "cpu", "--backend", "TORCH_SDPA", "--json", str(out)]) == 0
+    dit = json.loads((folder / "transformer" / "config.json").read_text())
+    p = read_json(out)["problem"]
+    assert p["grid"] == [(17 - 1) // 4 + 1, 128 // (16 * dit["patch_size"][1]), 160 // (16 * dit["patch_size"][2])]
+    assert (p["heads"], p["head_dim"]) == (dit["num_attention_heads"], dit["attention_head_dim"])
+    # generate's size rules hold: this DiT has 32 pixels per token
+    assert "height=48 must be a positive multiple of 32" in user_error(
+        ["--model", str(folder), "--height", "48", "--dry-run", "--device", "cpu"], capsys)
+
+
+@pytest.mark.parametrize("model,needles", [
+    ("nope", ["'nope'", "wan2.1-1.3b", "tiny-wan2.1", "folder"]),
+    ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ["Hub ids are not downloaded", "pass its folder"]),
+])
+def test_model_refuses_the_rest_clearly(model, needles, capsys, no_profiling):
+    err = user_error(["--model", model, "--dry-run", "--device", "cpu"], capsys)
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_model_folder_that_is_no_checkpoint_is_one_line(tmp_path, capsys, no_profiling):
+    assert "model_index.json" in user_error(["--model", str(tmp_path), "--dry-run", "--device", "cpu"], capsys)
+
+
+def test_every_backend_is_compared_with_the_baseline_whatever_the_order(tmp_path):
+    # STA whose window covers every tile is dense attention: its error against SDPA must be measured (and tiny)
+    # even when --backend lists it before TORCH_SDPA
+    out = tmp_path / "p.json"
+    config = 'SLIDING_TILE_ATTN={"tile": [2, 2, 2], "window": [3, 5, 7]}'
+    assert cli.main(["-i", "3", "5", "7", *SMALL, "--backend", "SLIDING_TILE_ATTN", "--backend", "TORCH_SDPA",
+                     "--config", config, "--json", str(out)]) == 0
+    data = read_json(out)
+    res = {r["label"]: r for r in data["results"]}
+    assert [r["label"] for r in data["results"]] == ["SLIDING_TILE_ATTN", "TORCH_SDPA[auto]"]  # the order asked
+    assert res["TORCH_SDPA[auto]"]["max_abs_err"] == 0.0
+    sta = res["SLIDING_TILE_ATTN"]
+    assert sta["error"] is None and sta["max_abs_err"] is not None and sta["max_abs_err"] < 1e-5
+    assert sta["speedup"] == pytest.approx(res["TORCH_SDPA[auto]"]["median_ms"] / sta["median_ms"])
+
+
+def test_sparse_error_is_measured_against_exact_attention(tmp_path):
+    # a window smaller than the grid is not dense: the reported error equals a float64 computation's
+    from fastwan.attention.synthetic import wan_like_qkv
+
+    out = tmp_path / "p.json"
+    config = 'SLIDING_TILE_ATTN={"tile": [1, 2, 2], "window": [1, 1, 1]}'
+    assert cli.main(["-i", "2", "4", "4", *SMALL, "--backend", "SLIDING_TILE_ATTN", "--backend", "TORCH_SDPA",
+                     "--config", config, "--json", str(out)]) == 0
+    res = {r["label"]: r for r in read_json(out)["results"]}
+    q, k, v = (x.double() for x in wan_like_qkv((2, 4, 4), 2, 16, dtype=torch.float32, seed=0))
+    tiles = torch.arange(2 * 4 * 4).reshape(2, 4, 4)
+    t, h, w = (tiles // 16, (tiles // 4) % 4 // 2, tiles % 4 // 2)
+    tile_id = (t * 4 + h * 2 + w).flatten()  # each token's (1, 2, 2) tile; window 1 tile: its own tile only
+    mask = tile_id[:, None] == tile_id[None, :]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 16**0.5
+    sparse = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    dense = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    expected = float((sparse - dense).abs().max())
+    assert expected > 1e-2 and res["SLIDING_TILE_ATTN"]["max_abs_err"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_nvfp4_from_the_environment_is_not_exact(monkeypatch):
+    # FASTVIDEO_NVFP4_FA4=1 turns the plain FLASH_ATTN row into NVFP4 attention: never the "fastest exact"
+    prob = problem.Problem(1, 2, 16, (2, 4, 4), torch.bfloat16, torch.device("cpu"))
+    (plain,), _ = runner.plan(prob, backend_specs(["FLASH_ATTN"]))
+    assert not plain.approximate
+    monkeypatch.setenv("FASTVIDEO_NVFP4_FA4", "1")
+    (nvfp4,), _ = runner.plan(prob, backend_specs(["FLASH_ATTN"]))
+    assert nvfp4.approximate and not nvfp4.error
