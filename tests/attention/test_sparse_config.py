@@ -98,3 +98,17 @@ def test_grid_dependent_errors():
         vsa(q, q, q, meta=AttentionMetadata(grid=(2, 4, 4), layout=lay, extra={"gate_compress": q[:, :5]}))
     with pytest.raises(TypeError, match="no static mask"):
         vsa.dense_mask((2, 4, 4))
+
+
+@pytest.mark.parametrize("text,kind", [("[1]", "array"), ("3", "number"), ("null", "null"), ('"x"', "string"),
+                                       ("true", "boolean")])
+def test_inline_json_that_is_not_an_object_is_named_as_such(text, kind, tmp_path, monkeypatch):
+    """Inline JSON other than an object is refused as that JSON type, not as a missing file; a file of that name
+    is still read as a file."""
+    from fastwan.errors import InvalidArgument
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgument, match=rf"is a JSON {kind}, not a JSON object"):
+        load_attention_config(text, given_by="--config X")
+    (tmp_path / text).write_text('{"sparsity": 0.5}')
+    assert load_attention_config(text) == {"sparsity": 0.5}

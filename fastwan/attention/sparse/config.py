@@ -41,6 +41,11 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
     origin = "JSON string"
     if not text.lstrip().startswith("{"):
         path = os.path.expanduser(text)
+        if not os.path.isfile(path) and _json_value(text) is not None:
+            raise InvalidArgument(
+                f"attention config {text!r} (from {given_by}) is a JSON {_json_value(text)}, not a JSON object; give "
+                "a JSON object ({...}) of backend options, the path of a JSON file holding one, or a dict."
+            )
         if not os.path.isfile(path):
             raise InvalidArgument(
                 f"attention config file {text!r} does not exist (from {given_by}); give the path of a JSON file, "
@@ -59,9 +64,21 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
     if not isinstance(data, dict):
         raise InvalidArgument(
             f"attention config {origin} (from {given_by}) must hold a JSON object ({{...}}) of backend options, "
-            f"got a JSON {type(data).__name__}."
+            f"got a JSON {_JSON_TYPES.get(type(data), type(data).__name__)}."
         )
     return data
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _json_value(text: str) -> str | None:
+    """The JSON type of ``text`` when it is valid JSON (e.g. "array" for "[1]"), else None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def _is_int(x: Any) -> bool:
