@@ -140,7 +140,7 @@ def validate_cfg_gate_step(x, source: str = "cfg_gate_step", shown: str | None =
     shown = repr(x) if shown is None else shown
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise InvalidArgumentType(f"{source}={shown} must be a float in [0, 1] (1.0 = gating off).")
-    if not math.isfinite(x) or not 0.0 <= x <= 1.0:
+    if not 0.0 <= x <= 1.0 or not math.isfinite(x):  # the range first: an int too large for a float is outside
         raise InvalidArgument(f"{source}={shown} is outside [0, 1]; {_GATE_RULE}")
     return float(x)
 

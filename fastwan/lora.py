@@ -80,6 +80,8 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
 
     if not isinstance(path, (str, Path)):
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
+    if not str(path).strip():
+        raise InvalidArgument(f"lora={str(path)!r} is an empty path; give the path of a .safetensors LoRA file.")
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.safetensors"))[:3]
@@ -342,10 +344,14 @@ def parse_lora_spec(spec) -> list[tuple[str, float]]:
     items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
     if not isinstance(items, (list, tuple)):
         raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
+
     out = []
     for item in items:
         if isinstance(item, (str, Path)):
             item = (item, 1.0)
+        if isinstance(item, (tuple, list)) and len(item) == 2:  # a NumPy / torch scalar scale is its Python number
+            item = (item[0], python_number(item[1]))
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)) \
             and isinstance(item[1], numbers.Real) and not isinstance(item[1], bool)
         if not ok:
@@ -362,7 +368,10 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
     with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
     check (file, keys, shapes, alphas, arguments) runs before any weight changes. Returns the number of modules
-    changed."""
+    changed. NumPy / torch scalars count as the Python numbers they hold."""
+    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
+
+    scale, expert = python_number(scale), python_number(expert)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
     if not _finite(scale):

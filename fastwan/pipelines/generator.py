@@ -47,11 +47,11 @@ from fastwan.pipelines.checkpoint import (
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
-from fastwan.pipelines.inputs import check_inputs, expert_guidance, random_seed, runs_cfg, token_grid
+from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_number, random_seed, runs_cfg, token_grid
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import load_scheduler, load_vae, trained_attention
+from fastwan.pipelines.setup import check_flags, load_scheduler, load_vae, trained_attention
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
@@ -191,12 +191,11 @@ class VideoGenerator:
         if cfg_gate_step is None:
             cfg_gate_step = envs.cfg_gate_step()
         else:
-            cfg_gate_step = envs.validate_cfg_gate_step(cfg_gate_step)
+            cfg_gate_step = envs.validate_cfg_gate_step(python_number(cfg_gate_step))
         if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
             raise InvalidArgumentType(
                 f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
-        if not isinstance(enable_torch_compile, bool):
-            raise InvalidArgumentType(f"enable_torch_compile={enable_torch_compile!r} must be True or False.")
+        check_flags(enable_torch_compile=enable_torch_compile, allow_pickle=allow_pickle)
         if dit_options is None:
             dit_options = DiTOptions()
         elif not isinstance(dit_options, DiTOptions):
@@ -211,11 +210,12 @@ class VideoGenerator:
             raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
         config = attention_config_arg(attention_config)
         quantization = check_quantization(quantization)
-        budget = parse_memory(max_gpu_memory)
+        budget = parse_memory(python_number(max_gpu_memory))
         if budget is not None and device.type != "cuda":
             raise InvalidArgument(f"max_gpu_memory={max_gpu_memory!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
         cache = check_cache(cache)
+        vae_chunk_frames = python_number(vae_chunk_frames)
         check_chunk(vae_chunk_frames)
         loras = parse_lora_spec(lora)
         ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)

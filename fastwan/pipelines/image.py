@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.pipelines.inputs import python_number
 from fastwan.vae.decode import vae_scale_factors
 
 
@@ -169,7 +170,9 @@ def _bomb_size(exc: Exception) -> str:
 def default_size(image, area: int, multiple: int, height=None, width=None) -> tuple[int, int]:
     """(height, width) with the image's aspect ratio, each rounded down to ``multiple`` (at least one multiple):
     neither given -> about ``area`` pixels; one given (a positive int) -> the other from it; both given -> as given.
-    A given side that is not a positive int is returned as is, for the size checks to name."""
+    A given side that is not a positive int is returned as is, for the size checks to name; NumPy / torch scalars
+    count as the Python numbers they hold (:func:`~fastwan.pipelines.inputs.python_number`)."""
+    height, width = python_number(height), python_number(width)
     aspect = image.height / image.width
 
     def side(x: float) -> int:

@@ -1,5 +1,9 @@
 """Checks of ``generate_video``'s arguments, all made before any compute: prompts, sizes, step count (against
 the scheduler's own limit), guidance scales, fps and the seed. Each failure names the value, the rule and the fix.
+
+Rule for numbers (:func:`python_number`): a NumPy scalar, or a 0-d NumPy array / torch tensor, stands for the Python
+number it holds (int for integer dtypes, float for floating ones); a bool of any library is never a number, and
+nothing else is converted (``480.0`` is not a size, ``"5"`` not a scale).
 """
 from __future__ import annotations
 
@@ -35,8 +39,9 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
     step = vs * patch[1]
     for name in ("height", "width"):
         v = getattr(s, name)
-        if not is_int(v) or v <= 0:
-            raise InvalidArgumentType(f"{name}={v!r} must be a positive int (a multiple of {step}).")
+        if not is_int(v) or v <= 0:  # a type error for a non-int, a value error for an int out of range
+            raise (InvalidArgument if is_int(v) else InvalidArgumentType)(
+                f"{name}={v!r} must be a positive int (a multiple of {step}).")
         if v % step:
             lo = max(step, v // step * step)
             raise InvalidArgument(
@@ -44,7 +49,7 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
                 f"{patch[1]}); use {lo} or {lo + step}."
             )
     if not is_int(s.num_frames) or s.num_frames < 1:
-        raise InvalidArgumentType(
+        raise (InvalidArgument if is_int(s.num_frames) else InvalidArgumentType)(
             f"num_frames={s.num_frames!r} must be a positive int of the form {vt}k+1 (e.g. 81).")
     if (s.num_frames - 1) % vt:
         lo = (s.num_frames - 1) // vt * vt + 1
@@ -53,7 +58,8 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
         )
     _check_token_grid(s, vt, vs, patch, max_grid)
     if not is_int(s.num_inference_steps) or s.num_inference_steps < 1:
-        raise InvalidArgument(f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
+        raise (InvalidArgument if is_int(s.num_inference_steps) else InvalidArgumentType)(
+            f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
     _check_number("guidance_scale", s.guidance_scale)
     if s.guidance_scale_2 is not None:
         _check_number("guidance_scale_2", s.guidance_scale_2)
@@ -104,6 +110,28 @@ def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid
                 f"rope_max_seq_len={max_grid}; make the video smaller along it.")
 
 
+def python_number(value):
+    """``value`` as the Python scalar it holds when it is a NumPy scalar or a 0-d NumPy array / torch tensor
+    (``.item()``: int, float or bool by its dtype); anything else as it is, for the checks to name."""
+    if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim != 0:
+        return value
+    if isinstance(value, (np.generic, np.ndarray, torch.Tensor)):
+        try:
+            return value.item()
+        except (RuntimeError, ValueError):  # a tensor without data (meta device): left for the checks to name
+            return value
+    return value
+
+
+def finite_float(value) -> float | None:
+    """A real number as a finite float, or None when it is NaN, infinite or too large for a float."""
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return value if math.isfinite(value) else None
+
+
 def is_int(x) -> bool:
     """An int (Python or NumPy), not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -113,16 +141,17 @@ def _check_number(name: str, value, *, minimum: float = 0.0) -> float:
     """A guidance scale: a finite real number >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise InvalidArgumentType(f"{name}={value!r} must be a number (a float >= {minimum}).")
-    value = float(value)
-    if not math.isfinite(value) or value < minimum:
+    number = finite_float(value)
+    if number is None or number < minimum:
         raise InvalidArgument(f"{name}={value!r} must be finite and >= {minimum}; e.g. 5.0 (1.0 or less disables CFG).")
-    return value
+    return number
 
 
 def _check_seed(seed) -> None:
     """A seed is None (draw one) or an int in [0, SEED_LIMIT); bool is not a seed."""
     if seed is None:
         return
+    seed = python_number(seed)
     if not is_int(seed):
         raise InvalidArgumentType(f"seed={seed!r} must be an int in [0, 2**64) (e.g. 0), or None for a random seed.")
     if not 0 <= int(seed) < SEED_LIMIT:

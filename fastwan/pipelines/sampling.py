@@ -28,10 +28,12 @@ from dataclasses import replace
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.pipelines.inputs import finite_float, python_number
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
 SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
+NUMBER_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2", "fps")
 
 
 def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_inference_steps=None):
@@ -39,15 +41,20 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
     arguments (``None``: the preset's value): ``sampler``, ``num_inference_steps``, ``timesteps`` (None: the
     sampler's own) and ``flow_shift`` (None: the checkpoint scheduler's). Raises before any compute on an unknown
     sampler, timesteps that are not strictly decreasing in (0, 1000], timesteps with the default sampler, a step
-    count that disagrees with the timesteps, or a flow shift that is not positive."""
+    count that disagrees with the timesteps, or a flow shift that is not positive. Every number of the result is
+    the Python number the call gave (:func:`~fastwan.pipelines.inputs.python_number`: NumPy / torch scalars
+    converted), so the settings, their digest and every size computed from them are plain ints and floats."""
+    preset = replace(preset, **{k: python_number(getattr(preset, k)) for k in NUMBER_FIELDS})
+    num_inference_steps, flow_shift = python_number(num_inference_steps), python_number(flow_shift)
     name = preset.sampler if sampler is None else sampler
     if not isinstance(name, str) or name not in SAMPLERS:
         raise InvalidArgument(f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
                               "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
     steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise InvalidArgument(f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled "
-                              "models).")
+    integral = isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
+    if not integral or steps < 1:  # a type error for a non-int, a value error for an int out of range
+        raise (InvalidArgument if integral else InvalidArgumentType)(
+            f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled models).")
     if timesteps is not None:
         ts = _check_timesteps(timesteps)
         if name == "default":
@@ -63,7 +70,7 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
         ts = preset.timesteps if preset.timesteps is not None and len(preset.timesteps) == steps else None
     shift = preset.flow_shift if flow_shift is None else flow_shift
     if shift is not None:
-        if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or not math.isfinite(shift) or shift <= 0:
+        if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or (finite_float(shift) or 0) <= 0:
             raise InvalidArgument(f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, "
                                   "8.0 for FastWan).")
         shift = float(shift)
@@ -80,10 +87,10 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
     if isinstance(timesteps, (str, bytes, Set, Mapping)) or not hasattr(timesteps, "__iter__"):
         raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers in order (from noise to "
                                   "clean), e.g. [1000, 757, 522].")
-    ts = tuple(timesteps.tolist() if isinstance(timesteps, torch.Tensor) else timesteps)
+    ts = tuple(python_number(t) for t in (timesteps.tolist() if isinstance(timesteps, torch.Tensor) else timesteps))
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
-    ts = tuple(float(t) for t in ts)
+    ts = tuple(_as_float(t) for t in ts)
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
     if bad:
         raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
@@ -92,6 +99,14 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
         raise InvalidArgument(f"timesteps={list(ts)!r} must be strictly decreasing (from noise to clean), "
                               "e.g. [1000, 757, 522].")
     return ts
+
+
+def _as_float(t) -> float:
+    """A real number as a float; an int beyond the float range as the infinity of its sign."""
+    try:
+        return float(t)
+    except OverflowError:
+        return math.inf if t > 0 else -math.inf
 
 
 def evenly_spaced(n: int) -> tuple[float, ...]:

@@ -2,6 +2,7 @@
 the attention a VSA-trained checkpoint runs, and the attention config argument."""
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 from fastwan import envs
 from fastwan.attention import AttentionDispatch
 from fastwan.attention.registry import backend_keys, requested_backend
-from fastwan.errors import InvalidArgument
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
 
 logger = logging.getLogger("fastwan")
@@ -25,8 +26,19 @@ def load_scheduler(folder: Path):
     return check_scheduler_config(cfg, path).from_config(cfg)
 
 
+def check_flags(**flags) -> None:
+    """Each of ``flags`` (argument name -> value) must be True or False: a truthy stand-in is refused, not read as
+    a yes (``allow_pickle="no"`` must not let pickle files, which can run code, load)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidArgumentType(f"{name}={value!r} must be True or False.")
+
+
 def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
-    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse."""
+    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse; the user's
+    checked before any weight loads (:func:`check_compile_kwargs`)."""
+    if user is not None:
+        check_compile_kwargs(user)
     kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
     if attention.sparse and kwargs.get("fullgraph"):
         raise InvalidArgument(
@@ -38,6 +50,35 @@ def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch)
         logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "
                     "(attention runs eagerly between the compiled parts)", attention.self_backend.name)
     return kwargs
+
+
+def check_compile_kwargs(user: Mapping[str, Any]) -> None:
+    """Rule: torch_compile_kwargs are keyword arguments of ``torch.compile`` (its own names; ``fullgraph`` and
+    ``disable`` True or False, ``dynamic`` True, False or None), with values torch.compile takes. torch.compile
+    refuses an unknown mode, backend or option only when it is called, which is after the weights load: a trial
+    call on a trivial function (nothing is compiled until it runs) raises here instead."""
+    import torch
+
+    names = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
+    unknown = [k for k in user if not isinstance(k, str) or k not in names]
+    if unknown:
+        raise InvalidArgument(f"torch_compile_kwargs={dict(user)!r}: {unknown[0]!r} is not an argument of "
+                              f"torch.compile; use among {names}.")
+    for key, allowed in (("fullgraph", (True, False)), ("disable", (True, False)), ("dynamic", (True, False, None))):
+        if key in user and not any(user[key] is a for a in allowed):
+            raise InvalidArgumentType(f"torch_compile_kwargs={dict(user)!r}: {key}={user[key]!r} must be "
+                                      f"{' or '.join(map(str, allowed))}.")
+    try:
+        torch.compile(_trial, **user)
+    except Exception as exc:  # the trial function is trivial: whatever torch.compile refuses is in the kwargs
+        raise InvalidArgument(f"torch_compile_kwargs={dict(user)!r} are refused by torch.compile "
+                              f"({type(exc).__name__}: {exc}); fix them (e.g. {{'mode': 'max-autotune'}}) or leave "
+                              "torch_compile_kwargs unset.") from None
+
+
+def _trial(x):
+    """The function :func:`check_compile_kwargs` hands torch.compile."""
+    return x
 
 
 def trained_attention(ckpt: Checkpoint, requested, config: dict | None):
