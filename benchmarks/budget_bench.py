@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from fastwan.offload import parse_memory
 
     h, w, f = parse_video(a.video)
-    budget = parse_memory(a.budget)
+    budget = parse_memory(a.budget, name="--budget")
     total = torch.cuda.get_device_properties(0).total_memory
     if budget is not None:
         torch.cuda.set_per_process_memory_fraction(budget / total)

@@ -82,7 +82,7 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
     if not str(path).strip():
         raise InvalidArgument(f"lora={str(path)!r} is an empty path; give the path of a .safetensors LoRA file.")
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.safetensors"))[:3]
         raise InvalidArgument(f"LoRA file {str(path)!r} is a directory, not a .safetensors file; give the path of "

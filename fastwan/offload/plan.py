@@ -264,31 +264,32 @@ def plan_offload(fp: Footprint, budget: int | None) -> OffloadPlan:
     return plan
 
 
-def parse_memory(value) -> int | None:
+def parse_memory(value, name: str = "max_gpu_memory") -> int | None:
     """A memory size -> bytes: an int is bytes; a string is a number and a binary unit ("24GiB", "24 GiB", "24GB",
-    "8g", "512MiB", "1.5TiB"; GB/MB/KB/TB read as GiB/MiB/KiB/TiB). None -> None (no limit)."""
+    "8g", "512MiB", "1.5TiB"; GB/MB/KB/TB read as GiB/MiB/KiB/TiB). None -> None (no limit). Errors name the
+    value as ``name=value``."""
     if value is None:
         return None
     if _is_int(value):
         if value <= 0:
-            raise InvalidArgument(f"memory size {value!r} must be a positive number of bytes.")
+            raise InvalidArgument(f"{name}={value!r} must be a positive number of bytes.")
         return value
     if not isinstance(value, str):
-        raise InvalidArgument(f"memory size {value!r} is a {type(value).__name__}; give an int of bytes or a "
+        raise InvalidArgument(f"{name}={value!r} is a {type(value).__name__}; give an int of bytes or a "
                               "string with a unit, such as '24GiB' or '512MiB'.")
     m = _SIZE.fullmatch(value)
     if m is None:
-        raise InvalidArgument(f"memory size {value!r} is not a number with a unit; write it like '24GiB' or '512MiB'.")
+        raise InvalidArgument(f"{name}={value!r} is not a number with a unit; write it like '24GiB' or '512MiB'.")
     num, unit = float(m.group(1)), m.group(2).lower()
     if not math.isfinite(num) or num <= 0:  # checked before the unit: no unit makes '0' or 'inf' a size
-        raise InvalidArgument(f"memory size {value!r} must be a finite positive size, e.g. '24GiB'.")
+        raise InvalidArgument(f"{name}={value!r} must be a finite positive size, e.g. '24GiB'.")
     if not unit:
-        raise InvalidArgument(f"memory size {value!r} has no unit; add one, e.g. '{m.group(1)}GiB' (from Python, "
+        raise InvalidArgument(f"{name}={value!r} has no unit; add one, e.g. '{m.group(1)}GiB' (from Python, "
                               "an int of bytes needs no unit).")
     if unit not in _UNITS:
-        raise InvalidArgument(f"memory size {value!r} has unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB or TiB "
+        raise InvalidArgument(f"{name}={value!r} has unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB or TiB "
                               "(K/KB, M/MB, G/GB, T/TB read as binary units).")
     size = int(num * _UNITS[unit])
     if size <= 0:
-        raise InvalidArgument(f"memory size {value!r} is less than one byte; give a size such as '512MiB'.")
+        raise InvalidArgument(f"{name}={value!r} is less than one byte; give a size such as '512MiB'.")
     return size

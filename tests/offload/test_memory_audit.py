@@ -54,7 +54,7 @@ def test_a_budget_the_allocator_reserve_takes_whole_is_refused_by_that_rule(give
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "-inf", "0.0"])
 def test_unitless_non_sizes_are_refused_as_non_sizes(value):
-    with pytest.raises(InvalidArgument, match=re.escape(f"memory size {value!r} must be a finite positive size")):
+    with pytest.raises(InvalidArgument, match=re.escape(f"max_gpu_memory={value!r} must be a finite positive size")):
         parse_memory(value)
 
 

@@ -140,3 +140,16 @@ def test_lora_scale_from_a_torch_scalar(gen, tmp_path):
 def test_empty_lora_path_is_named(gen):
     with pytest.raises(InvalidArgument, match="lora='' is an empty path"):
         gen.load_lora("")
+
+
+def test_lora_path_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    """``~`` in a LoRA path is the home folder, as in image and output paths."""
+    from safetensors.torch import save_file
+
+    from fastwan.lora import read_lora
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tensors = {"blocks.0.attn1.to_q.lora_A.weight": torch.ones(2, 4)}
+    save_file(tensors, str(tmp_path / "style.safetensors"))
+    got = read_lora("~/style.safetensors")
+    assert got.keys() == tensors.keys() and torch.equal(got["blocks.0.attn1.to_q.lora_A.weight"], torch.ones(2, 4))
