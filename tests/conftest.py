@@ -37,3 +37,14 @@ def forbid_compute(monkeypatch):
 def no_compute(gen, forbid_compute):
     """``gen`` with compute forbidden (see ``forbid_compute``)."""
     return forbid_compute(gen)
+
+
+@pytest.fixture
+def no_profiling(monkeypatch):
+    """Any planning or timing by the profiler CLI fails the test: what is checked must be checked before work."""
+    from fastwan.profiler import cli
+
+    def boom(*a, **k):
+        raise AssertionError("profiling started before the arguments were checked")
+    monkeypatch.setattr(cli, "plan", boom)
+    monkeypatch.setattr(cli, "run", boom)

@@ -144,15 +144,6 @@ def test_parse_device_rejects_a_cuda_index_this_machine_lacks(monkeypatch):
 GRID = ["-i", "2", "4", "4", "-n", "2", "-d", "16", "--dtype", "fp32", "--warmup", "0", "--iters", "1"]
 
 
-@pytest.fixture
-def no_profiling(monkeypatch):
-    """Any planning or timing fails the test: what is checked must be checked before work starts."""
-    def boom(*a, **k):
-        raise AssertionError("profiling started before the arguments were checked")
-    monkeypatch.setattr(profiler_cli, "plan", boom)
-    monkeypatch.setattr(profiler_cli, "run", boom)
-
-
 @pytest.mark.parametrize("extra,needle", [
     (["--device", "bogus"], "'bogus'"),
     (["--device", "cuda"], "CUDA is not available"),

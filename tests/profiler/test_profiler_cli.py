@@ -13,15 +13,6 @@ from fastwan.profiler import cli, problem, runner
 SMALL = ["-n", "2", "-d", "16", "--dtype", "fp32", "--device", "cpu", "--warmup", "0", "--iters", "1"]
 
 
-@pytest.fixture
-def no_profiling(monkeypatch):
-    """Any planning or timing fails the test: what is checked must be checked before work starts."""
-    def boom(*a, **k):
-        raise AssertionError("profiling started before the arguments were checked")
-    monkeypatch.setattr(cli, "plan", boom)
-    monkeypatch.setattr(cli, "run", boom)
-
-
 def user_error(argv, capsys) -> str:
     """The one-line stderr message of ``argv``, which must stop with exit code 2."""
     with pytest.raises(SystemExit) as e:
