@@ -123,12 +123,17 @@ def python_number(value):
     return value
 
 
+def as_float(value) -> float:
+    """A real number as a float; an int beyond the float range as the infinity of its sign."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def finite_float(value) -> float | None:
     """A real number as a finite float, or None when it is NaN, infinite or too large for a float."""
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond the float range
-        return None
+    value = as_float(value)
     return value if math.isfinite(value) else None
 
 

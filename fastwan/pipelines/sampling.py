@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.inputs import finite_float, python_number
+from fastwan.pipelines.inputs import as_float, finite_float, python_number
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
@@ -90,7 +90,7 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
     ts = tuple(python_number(t) for t in (timesteps.tolist() if isinstance(timesteps, torch.Tensor) else timesteps))
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
-    ts = tuple(_as_float(t) for t in ts)
+    ts = tuple(as_float(t) for t in ts)
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
     if bad:
         raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
@@ -99,14 +99,6 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
         raise InvalidArgument(f"timesteps={list(ts)!r} must be strictly decreasing (from noise to clean), "
                               "e.g. [1000, 757, 522].")
     return ts
-
-
-def _as_float(t) -> float:
-    """A real number as a float; an int beyond the float range as the infinity of its sign."""
-    try:
-        return float(t)
-    except OverflowError:
-        return math.inf if t > 0 else -math.inf
 
 
 def evenly_spaced(n: int) -> tuple[float, ...]:
