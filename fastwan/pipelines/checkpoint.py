@@ -196,7 +196,7 @@ ORIGINAL_WAN_FILES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth", "models_t5_umt5-xxl-en
 def _not_a_pipeline(root: Path, name: str, hub: bool) -> str:
     """Why a folder without model_index.json cannot load, and what to pass instead (for the missing-file error)."""
     where = f"the Hub repository {name!r}" if hub else str(root)
-    diffusers_id = f" ('{name}-Diffusers')" if hub and not name.endswith("-Diffusers") else ""
+    diffusers_id = f"{name}-Diffusers" if hub and not name.endswith("-Diffusers") else None
     config = root / "config.json"
     cls = None
     if config.is_file():
@@ -206,13 +206,14 @@ def _not_a_pipeline(root: Path, name: str, hub: bool) -> str:
             cls = None
     if cls == "WanModel" or any((root / f).exists() for f in ORIGINAL_WAN_FILES):
         return (f"{where} is in the original Wan release layout, not the Diffusers layout; fastwan loads the "
-                "Diffusers-format repository of the same weights"
-                f"{diffusers_id or ', e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers for Wan-AI/Wan2.1-T2V-1.3B'}.")
+                "Diffusers-format repository of the same weights" + (
+                    f" ({diffusers_id!r})." if diffusers_id else
+                    ", e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers for Wan-AI/Wan2.1-T2V-1.3B."))
     if isinstance(cls, str) and (root.parent / "model_index.json").is_file():
         return (f"{where} is the {root.name!r} component ({cls}) of a pipeline; pass the pipeline folder "
                 f"{str(root.parent)!r}, which holds model_index.json.")
     return (f"{where} is not a Diffusers-format pipeline folder; pass the folder holding model_index.json"
-            f"{f' (a Diffusers repository such as {diffusers_id[2:-1]})' if diffusers_id else ''}.")
+            f"{f' (a Diffusers repository such as {diffusers_id!r})' if diffusers_id else ''}.")
 
 
 def _check_pipeline_class(index: dict, path: Path) -> None:
@@ -449,7 +450,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
                               f"{'a tiny checkpoint' if tiny_variant else 'a local folder'}; drop revision, or "
                               "pass a Hub id.")
     index_path = root / "model_index.json"
-    index = read_json(index_path, missing=_not_a_pipeline(root, name, hub))
+    index = read_json(index_path, missing="" if index_path.is_file() else _not_a_pipeline(root, name, hub))
     meta = read_pipeline_index(index, index_path)
     if hub:
         root = _download(name, _component_patterns(meta.experts, allow_pickle, meta.image_encoder),

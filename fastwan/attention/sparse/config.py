@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastwan.errors import InvalidArgument
+from fastwan.models.loading import json_type
 
 Triple = tuple[int, int, int]
 
@@ -41,9 +42,10 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
     origin = "JSON string"
     if not text.lstrip().startswith("{"):
         path = os.path.expanduser(text)
-        if not os.path.isfile(path) and _json_value(text) is not None:
+        kind = None if os.path.isfile(path) else _json_value(text)
+        if kind is not None:
             raise InvalidArgument(
-                f"attention config {text!r} (from {given_by}) is a JSON {_json_value(text)}, not a JSON object; give "
+                f"attention config {text!r} (from {given_by}) is a JSON {kind}, not a JSON object; give "
                 "a JSON object ({...}) of backend options, the path of a JSON file holding one, or a dict."
             )
         if not os.path.isfile(path):
@@ -64,12 +66,9 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
     if not isinstance(data, dict):
         raise InvalidArgument(
             f"attention config {origin} (from {given_by}) must hold a JSON object ({{...}}) of backend options, "
-            f"got a JSON {_JSON_TYPES.get(type(data), type(data).__name__)}."
+            f"got a JSON {json_type(data)}."
         )
     return data
-
-
-_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def _json_value(text: str) -> str | None:
@@ -78,7 +77,7 @@ def _json_value(text: str) -> str | None:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    return _JSON_TYPES.get(type(value), type(value).__name__)
+    return json_type(value)
 
 
 def _is_int(x: Any) -> bool:
