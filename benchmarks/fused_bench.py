@@ -3,8 +3,9 @@
     python -m benchmarks.fused_bench [--iters 50]
 
 For each shape (1.3B B=2 at 480p, 14B B=1 at 720p) times, with CUDA events (median of ``--iters`` calls):
-q/k RMSNorm + RoPE and LayerNorm + modulation through the ops (the warps fastwan picks), through each Triton
-kernel at 4 / 8 / 16 / 32 warps, and as ``torch.compile`` of the PyTorch references (Inductor). GB/s counts one
+q/k RMSNorm + RoPE and LayerNorm + modulation through the ops (the launch fastwan picks), through the RMSNorm +
+RoPE kernel at chunks of 512 / 1,024 / 2,048 channels and 2 / 4 / 8 warps, the LayerNorm kernel at 4 / 8 / 16 / 32
+warps, and as ``torch.compile`` of the PyTorch references (Inductor). GB/s counts one
 read of the input and one write of the output.
 """
 from __future__ import annotations
@@ -42,12 +43,15 @@ def shape_cases(B, grid, C):
              "rms_rope inductor": lambda: ref_rope(x, w, table, 1e-6, 128),
              "norm_mod op": lambda: ops.norm_mod(x, None, None, scale, shift, 1e-6),
              "norm_mod inductor": lambda: ref_norm(x, None, None, scale, shift, 1e-6)}
-    for warps in (4, 8, 16, 32):  # the kernels at each warp count (the ops pick theirs in fused._launch_cfg)
-        def rope(warps=warps):
-            out = torch.empty_like(x)
-            rms_rope_rows[(B * S,)](x, w, table, out, S, C, 128, 1e-6, ROPE=True, HALF=block // 2, num_warps=warps)
-            return out
-
+    for chunk in (512, 1024, 2048):  # the RMSNorm + RoPE kernel at each chunk and warp count (fused.ROPE_*)
+        for warps in (2, 4, 8):
+            def rope(chunk=chunk, warps=warps):
+                out = torch.empty_like(x)
+                rms_rope_rows[(B * S,)](x, w, table, out, S, C, 128, 1e-6, ROPE=True, HALF=min(chunk, block) // 2,
+                                        num_warps=warps)
+                return out
+            cases[f"rms_rope, chunk {chunk}, {warps} warps"] = rope
+    for warps in (4, 8, 16, 32):  # the LayerNorm kernel at each warp count (fused._launch_cfg)
         def norm(warps=warps):
             h = torch.empty_like(x)
             # the launch of fused._norm_launch for LayerNorm + modulation (no residual, gate, offset or affine)
@@ -55,7 +59,6 @@ def shape_cases(B, grid, C):
                                 x, h, S, C, 1e-6, HAS_Y=False, HAS_G=False, HAS_P=False, AFFINE=False, MOD=True,
                                 BLOCK=block, num_warps=warps)
             return h
-        cases[f"rms_rope, {warps} warps"] = rope
         cases[f"norm_mod, {warps} warps"] = norm
     return cases, fused.rms_rope_reference(x, w, table, 1e-6, 128), 2 * x.numel() * x.element_size() / 1e9
 

@@ -1,8 +1,10 @@
-"""Single-pass row kernels for the Wan block's norms (Triton on CUDA), as ``torch.library`` custom ops.
+"""Row kernels for the Wan block's norms (Triton on CUDA), as ``torch.library`` custom ops.
 
 Inductor compiles the block's LayerNorm + modulation and q/k RMSNorm + RoPE into looped reductions when the
 hidden size is above 1,024 (Wan: 1,536 / 3,072 / 5,120), which read every row twice (H100: 0.8 GB in 0.55 ms,
-1.45 TB/s). These kernels hold a whole row in registers and read each input once. Each op has the same math as
+1.45 TB/s). The LayerNorm kernels hold a whole row in registers and read each input once; the RMSNorm + RoPE
+kernel, with four fp32 operands per element, reads its row in two passes of small chunks, the second from cache
+(eviction hints keep the row in L2 between them), so that many rows are in flight. Each op has the same math as
 the plain PyTorch path of the DiT (fp32 statistics, the same bf16 roundings): its ``*_reference``, which it runs
 wherever :func:`fastwan.kernels.triton_runs` does not hold for x (fp16/bf16, at most ``MAX_C`` channels).
 ``*_triton`` is the kernel route itself (the tests run it on the CPU under ``TRITON_INTERPRET=1``).
@@ -31,6 +33,10 @@ import torch.nn.functional as F
 from fastwan.kernels import triton_runs
 
 MAX_C = 16384  # one row in registers
+# The RMSNorm + RoPE kernel's chunk (channels) and warps: the best of 3 chunks x 3 warp counts on an H100 over
+# the 1.3B, 5B and 14B widths (benchmarks/HISTORY.md, "Decisions"): 0.70-0.93x the time of one whole row in
+# registers, whose four fp32 operands per element left one program per SM.
+ROPE_CHUNK, ROPE_WARPS = 1024, 2
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -111,31 +117,40 @@ def _kernels():
 
     @triton.jit
     def rms_rope_rows(X, W, T, OUT, S, C, D, eps, ROPE: tl.constexpr, HALF: tl.constexpr):
-        # the row as [pairs, 2]: channel 2i and its RoPE partner 2i+1 side by side, one load for both
+        # two passes over the row in chunks of 2 * HALF channels, each chunk as [pairs, 2] (channel 2i and its
+        # RoPE partner 2i+1 side by side): the sum of squares, then the output, reading x again while it is still
+        # in cache. Few registers per program, so many rows are in flight.
         row = tl.program_id(0).to(tl.int64)
         s = row % S
-        offs = tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]
-        m = offs < C
         base = row * C
-        x = tl.load(X + base + offs, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / C + eps)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        # the PyTorch path rounds twice: rms_norm's output, then the product with the weight
-        y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
-        if ROPE:
-            c = offs % D  # D is even: a pair never straddles two heads
-            cos_e, cos_o = tl.split(tl.load(T + s * 2 * D + c, mask=m, other=0.0))
-            sin_e, sin_o = tl.split(tl.load(T + s * 2 * D + D + c, mask=m, other=0.0))  # signed: -sin, +sin
-            y_e, y_o = tl.split(y)
-            y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
-        tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
+        pair = tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]
+        acc = tl.zeros([HALF, 2], tl.float32)
+        for start in range(0, C, 2 * HALF):
+            offs = start + pair
+            x = tl.load(X + base + offs, mask=offs < C, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / C + eps)
+        for start in range(0, C, 2 * HALF):
+            offs = start + pair
+            m = offs < C
+            x = tl.load(X + base + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+            # the PyTorch path rounds twice: rms_norm's output, then the product with the weight
+            y = ((x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty).to(tl.float32)
+            if ROPE:
+                c = offs % D  # D is even: a pair never straddles two heads
+                cos_e, cos_o = tl.split(tl.load(T + s * 2 * D + c, mask=m, other=0.0))
+                sin_e, sin_o = tl.split(tl.load(T + s * 2 * D + D + c, mask=m, other=0.0))  # signed: -sin, +sin
+                y_e, y_o = tl.split(y)
+                y = tl.join(y_e * cos_e + y_o * sin_e, y_o * cos_o + y_e * sin_o)
+            tl.store(OUT + base + offs, y.to(OUT.dtype.element_ty), mask=m)
 
     return norm_rows, rms_rope_rows
 
 
 # Warps per row program, measured on an H100 (benchmarks/fused_bench.py): fewer warps with more
-# elements per thread beat wide programs at every Wan width -- the LayerNorm kernel is fastest at 4 warps up to
-# 8,192-wide blocks, the RMSNorm + RoPE kernel (four fp32 operands per element) at 32 elements per thread.
+# elements per thread beat wide programs at every Wan width; the LayerNorm kernel is fastest at 4 warps up to
+# 8,192-wide blocks.
 def _launch_cfg(C: int, per_thread: int) -> tuple[int, int]:
     """(power-of-two block >= C, warps: at most ``per_thread`` elements per thread, 4 to 16 warps)."""
     import triton
@@ -202,14 +217,16 @@ def residual_norm_mod_triton(x, y, gate, weight, bias, scale, shift, eps: float)
 
 def rms_rope_triton(x, weight, table, eps: float, head_dim: int) -> torch.Tensor:
     """``fastwan::rms_rope``'s kernel route (``weight`` in x's dtype)."""
+    import triton
+
     rms_rope_rows = _kernels()[1]
     x = x.contiguous()
     B, S, C = x.shape
     out = torch.empty_like(x)
     t = table.contiguous() if table is not None else x
-    block, warps = _launch_cfg(C, per_thread=32)
+    half = min(ROPE_CHUNK, triton.next_power_of_2(C)) // 2
     rms_rope_rows[(B * S,)](x, weight.contiguous(), t, out, S, C, head_dim, eps, ROPE=table is not None,
-                            HALF=block // 2, num_warps=warps)
+                            HALF=half, num_warps=ROPE_WARPS)
     return out
 
 
