@@ -47,7 +47,7 @@ from fastwan.pipelines.checkpoint import (
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
-from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_number, random_seed, runs_cfg, token_grid
+from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_number, random_seed, runs_cfg
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
@@ -317,9 +317,9 @@ class VideoGenerator:
             scheduler = fresh_scheduler(self.scheduler, s.flow_shift)
         else:
             sampler_shift(s, self.scheduler)
-        check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
-                     scheduler=scheduler, max_grid=cfg.rope_max_seq_len, experts=len(self.transformers))
-        self.attention.layout_for(token_grid(s, self.vae_scale_factors, cfg.patch_size), self.device)  # grid rules
+        grid = check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
+                            scheduler=scheduler, max_grid=cfg.rope_max_seq_len, experts=len(self.transformers))
+        self.attention.layout_for(grid, self.device)  # the attention backend's grid rules
 
     def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""

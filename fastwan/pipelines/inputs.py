@@ -22,11 +22,12 @@ MAX_FPS = 1000  # the mp4 writer (ffmpeg) clamps or refuses far larger frame rat
 
 
 def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
-                 scheduler, max_grid: int | None = None, experts: int = 1) -> None:
+                 scheduler, max_grid: int | None = None, experts: int = 1) -> tuple[int, int, int]:
     """``prompt``/``negative_prompt`` and the resolved settings ``s`` (a Preset) for a VAE of (temporal, spatial)
     ``vae_factors``, ``experts`` DiTs of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and
     ``scheduler`` (the diffusers scheduler that will run the steps; None for fastwan's own samplers, whose
-    timesteps were checked); raises InvalidArgument/InvalidArgumentType."""
+    timesteps were checked); raises InvalidArgument/InvalidArgumentType. Returns the DiT's token grid (frames,
+    height, width)."""
     if not isinstance(prompt, str):
         raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
     if not clean_prompt(prompt):  # what the text encoder reads: HTML entities decoded, whitespace dropped
@@ -35,28 +36,8 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
                               "wave'.")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise InvalidArgumentType(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
-    vt, vs = vae_factors
-    step = vs * patch[1]
-    for name in ("height", "width"):
-        v = getattr(s, name)
-        if not is_int(v) or v <= 0:  # a type error for a non-int, a value error for an int out of range
-            raise (InvalidArgument if is_int(v) else InvalidArgumentType)(
-                f"{name}={v!r} must be a positive int (a multiple of {step}).")
-        if v % step:
-            lo = max(step, v // step * step)
-            raise InvalidArgument(
-                f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch "
-                f"{patch[1]}); use {lo} or {lo + step}."
-            )
-    if not is_int(s.num_frames) or s.num_frames < 1:
-        raise (InvalidArgument if is_int(s.num_frames) else InvalidArgumentType)(
-            f"num_frames={s.num_frames!r} must be a positive int of the form {vt}k+1 (e.g. 81).")
-    if (s.num_frames - 1) % vt:
-        lo = (s.num_frames - 1) // vt * vt + 1
-        raise InvalidArgument(
-            f"num_frames={s.num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}."
-        )
-    _check_token_grid(s, vt, vs, patch, max_grid)
+    grid = check_video_size(s.height, s.width, s.num_frames, vae_factors=vae_factors, patch=patch,
+                            max_grid=max_grid)
     if not is_int(s.num_inference_steps) or s.num_inference_steps < 1:
         raise (InvalidArgument if is_int(s.num_inference_steps) else InvalidArgumentType)(
             f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
@@ -72,6 +53,7 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
     _check_seed(seed)
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))
+    return grid
 
 
 def expert_guidance(preset, guidance_scale, guidance_scale_2) -> tuple:
@@ -90,24 +72,41 @@ def runs_cfg(s) -> bool:
     return s.guidance_scale > 1.0 or (s.guidance_scale_2 is not None and s.guidance_scale_2 > 1.0)
 
 
-def token_grid(s, vae_factors: tuple[int, int], patch: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The DiT's (frames, height, width) token grid of a checked video ``s``."""
+def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
+                     max_grid: int | None = None) -> tuple[int, int, int]:
+    """The size rules of a video for a VAE of (temporal, spatial) ``vae_factors`` and a DiT of ``patch`` (time,
+    height, width) whose RoPE covers ``max_grid`` tokens per axis (None: not checked): height and width positive
+    int multiples of the VAE factor times their patch, num_frames a positive int ``vt``k+1 whose latent frames
+    divide by the time patch, and every token axis within ``max_grid``. Returns the DiT's token grid (frames,
+    height, width); raises InvalidArgumentType for a non-int, InvalidArgument for an int that breaks a rule."""
     vt, vs = vae_factors
-    return ((s.num_frames - 1) // vt + 1) // patch[0], s.height // (vs * patch[1]), s.width // (vs * patch[2])
-
-
-def _check_token_grid(s, vt: int, vs: int, patch: tuple[int, int, int], max_grid: int | None) -> None:
-    """The DiT's token grid: latent frames divisible by the time patch, each axis within the RoPE table."""
-    frames = (s.num_frames - 1) // vt + 1
+    for name, v, p in (("height", height, patch[1]), ("width", width, patch[2])):
+        step = vs * p
+        if not is_int(v) or v <= 0:  # a type error for a non-int, a value error for an int out of range
+            raise (InvalidArgument if is_int(v) else InvalidArgumentType)(
+                f"{name}={v!r} must be a positive int (a multiple of {step}).")
+        if v % step:
+            lo = max(step, v // step * step)
+            raise InvalidArgument(f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch {p}); use {lo} or "
+                                  f"{lo + step}.")
+    if not is_int(num_frames) or num_frames < 1:
+        raise (InvalidArgument if is_int(num_frames) else InvalidArgumentType)(
+            f"num_frames={num_frames!r} must be a positive int of the form {vt}k+1 (e.g. {vt * 20 + 1}).")
+    if (num_frames - 1) % vt:
+        lo = (num_frames - 1) // vt * vt + 1
+        raise InvalidArgument(
+            f"num_frames={num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}.")
+    frames = (num_frames - 1) // vt + 1
     if frames % patch[0]:
-        raise InvalidArgument(f"num_frames={s.num_frames} gives {frames} latent frames, not a multiple of the DiT's "
+        raise InvalidArgument(f"num_frames={num_frames} gives {frames} latent frames, not a multiple of the DiT's "
                               f"time patch {patch[0]}; use a num_frames of the form {vt * patch[0]}k+1.")
-    grid = dict(zip(("num_frames", "height", "width"), token_grid(s, (vt, vs), patch)))
-    for name, n in grid.items():
+    grid = (frames // patch[0], height // (vs * patch[1]), width // (vs * patch[2]))
+    for name, v, n in zip(("num_frames", "height", "width"), (num_frames, height, width), grid):
         if max_grid is not None and n > max_grid:
             raise InvalidArgument(
-                f"{name}={getattr(s, name)} gives {n} DiT tokens along that axis, more than this checkpoint's "
+                f"{name}={v} gives {n} DiT tokens along that axis, more than this checkpoint's "
                 f"rope_max_seq_len={max_grid}; make the video smaller along it.")
+    return grid
 
 
 def python_number(value):

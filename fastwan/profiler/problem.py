@@ -79,27 +79,17 @@ def _checkpoint_preset(model: str) -> ModelPreset:
 def model_grid(model: str | ModelPreset, height: int, width: int, num_frames: int, *,
                name: str | None = None) -> tuple[int, int, int]:
     """Token grid (T, H, W) of a Wan model at a resolution, as the DiT sees it: T = ((F-1)//4 + 1) // time patch,
-    H = height // (vae*patch); the sizes must meet ``fastwan generate``'s rules."""
+    H = height // (vae*patch); the sizes must meet ``fastwan generate``'s rules
+    (:func:`fastwan.pipelines.inputs.check_video_size`)."""
+    from fastwan.pipelines.inputs import check_video_size
+
     preset = model_preset(model) if isinstance(model, str) else model
-    name = name or (model if isinstance(model, str) else "this model")
-    px, vt = preset.pixels_per_token, preset.vae_temporal
-    for what, value in (("height", height), ("width", width)):
-        if value <= 0 or value % px:
-            raise InvalidArgument(f"{what}={value} must be a positive multiple of {px} for {name} ({px} pixels per "
-                                  f"token); use e.g. {max(px, value // px * px)}.")
-    if num_frames < 1 or (num_frames - 1) % vt:
-        raise InvalidArgument(f"num_frames={num_frames} must be {vt}k+1 (e.g. {vt * 20 + 1}) for Wan's temporal VAE "
-                              f"stride {vt}.")
-    latent = (num_frames - 1) // vt + 1
-    if latent % preset.patch_t:
-        raise InvalidArgument(f"num_frames={num_frames} gives {latent} latent frames, not a multiple of {name}'s time "
-                              f"patch {preset.patch_t}; use a num_frames of the form {vt * preset.patch_t}k+1.")
-    grid = (latent // preset.patch_t, height // px, width // px)
-    for what, value, n in zip(("num_frames", "height", "width"), (num_frames, height, width), grid):
-        if preset.max_grid is not None and n > preset.max_grid:
-            raise InvalidArgument(f"{what}={value} gives {n} tokens along that axis, more than {name}'s "
-                                  f"rope_max_seq_len={preset.max_grid}; make the video smaller along it.")
-    return grid
+    try:
+        return check_video_size(height, width, num_frames, vae_factors=(preset.vae_temporal, preset.vae_stride),
+                                patch=(preset.patch_t, preset.patch, preset.patch), max_grid=preset.max_grid)
+    except (InvalidArgument, InvalidArgumentType) as exc:  # name the model the rule came from
+        name = name or (model if isinstance(model, str) else "this model")
+        raise type(exc)(f"{name}: {exc}") from None
 
 
 @dataclass(frozen=True)

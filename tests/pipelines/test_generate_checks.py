@@ -105,3 +105,25 @@ def test_decode_shows_progress(tiny_ckpts, capsys, latent_frames, chunk):
     err = capsys.readouterr().err
     calls = 1 + -(-(latent_frames - 1) // chunk)  # the first latent frame alone, then chunks
     assert "decoding" in err and f"0/{calls}" in err, err
+
+
+# ---- video sizes ------------------------------------------------------------------------------------------------
+def test_video_size_rules_follow_each_axis_patch():
+    """The one size check (generate and the profiler): each spatial axis is a multiple of the VAE factor times that
+    axis's own patch, and the grid is the patch-wise count, checked against a plain division."""
+    from fastwan.errors import InvalidArgument, InvalidArgumentType
+    from fastwan.pipelines.inputs import check_video_size
+
+    kw = dict(vae_factors=(4, 8), patch=(1, 2, 4))
+    assert check_video_size(64, 96, 9, **kw) == ((9 - 1) // 4 + 1, 64 // 16, 96 // 32)
+    with pytest.raises(InvalidArgument, match=r"width=48 is not a multiple of 32 \(VAE factor 8 x patch 4\); use 32 "
+                                              r"or 64"):
+        check_video_size(64, 48, 9, **kw)
+    with pytest.raises(InvalidArgument, match=r"height=40 is not a multiple of 16"):
+        check_video_size(40, 96, 9, **kw)
+    with pytest.raises(InvalidArgument, match="time patch 2"):
+        check_video_size(64, 96, 9, vae_factors=(4, 8), patch=(2, 2, 2))  # 3 latent frames
+    with pytest.raises(InvalidArgument, match="rope_max_seq_len=5"):
+        check_video_size(64, 192, 9, max_grid=5, **kw)
+    with pytest.raises(InvalidArgumentType, match="height=64.0"):
+        check_video_size(64.0, 96, 9, **kw)

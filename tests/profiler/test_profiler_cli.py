@@ -68,7 +68,7 @@ def test_model_takes_tiny_names_and_folders_like_generate(tmp_path, tiny_ckpts, 
     assert p["grid"] == [(17 - 1) // 4 + 1, 128 // (16 * dit["patch_size"][1]), 160 // (16 * dit["patch_size"][2])]
     assert (p["heads"], p["head_dim"]) == (dit["num_attention_heads"], dit["attention_head_dim"])
     # generate's size rules hold: this DiT has 32 pixels per token
-    assert "height=48 must be a positive multiple of 32" in user_error(
+    assert "height=48 is not a multiple of 32" in user_error(
         ["--model", str(folder), "--height", "48", "--dry-run", "--device", "cpu"], capsys)
 
 

@@ -72,7 +72,7 @@ def test_model_presets_and_token_counts():
 
 
 def test_model_grid_errors():
-    with pytest.raises(ValueError, match="height=481 must be a positive multiple of 16"):
+    with pytest.raises(ValueError, match="wan2.1-1.3b: height=481 is not a multiple of 16.*use 480 or 496"):
         problem.model_grid("wan2.1-1.3b", 481, 832, 81)
     with pytest.raises(ValueError, match="multiple of 32"):
         problem.model_grid("wan2.2-ti2v-5b", 720, 1280, 121)
