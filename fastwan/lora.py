@@ -3,7 +3,9 @@
 Key formats (the ones diffusers' Wan LoRA loader reads):
 
 * diffusers / PEFT: ``[transformer.]blocks.N.attn1.to_q.lora_A.weight`` and ``lora_B.weight`` under the
-  model's own module names, optionally ``<module>.alpha``;
+  model's own module names, optionally ``<module>.alpha`` and a bias ``lora_B.bias`` (PEFT's ``lora_bias``); PEFT's
+  in-memory names with the adapter's (``lora_A.default.weight``), and diffusers' older spellings
+  (``lora.down`` / ``lora.up``, attention-processor keys ``attn1.processor.to_q_lora.down.weight``);
 * the original Wan / ComfyUI / lightx2v layout: ``diffusion_model.blocks.N.self_attn.q.lora_down.weight`` /
   ``lora_up.weight`` (or ``lora_A`` / ``lora_B``), ``<module>.alpha``, full deltas ``<module>.diff`` and bias
   deltas ``<module>.diff_b``, under the original module names (:data:`WAN_NAMES` maps them);
@@ -11,10 +13,14 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
   the original module name with each dot written as an underscore (:func:`_kohya_name` reads it back).
 
 A module's update is ``W += scale * (alpha / rank) * B @ A``, ``W += scale * diff``,
-``b += scale * diff_b``, computed in fp32 and rounded once into the weight's dtype; an FP8 layer's weight is
+``b += scale * diff_b`` and ``b += scale * (alpha / rank) * lora_B.bias`` (PEFT scales its bias as its product),
+computed in fp32 and rounded once into the weight's dtype; an FP8 layer's weight is
 dequantized, updated in fp32 and quantized again (new per-channel scales). Merged weights cost nothing at run time;
 :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
-Deltas of norms (zeros in the files that carry them) are skipped.
+The layers are the linear ones and the convolutions (the patch embedding: there ``A`` holds the kernel,
+``[rank, in, *kernel]``, and ``B`` is ``[out, rank, 1, ...]``, as PEFT trains one). Deltas of norms (zeros in the
+files that carry them) are skipped. Where diffusers drops a delta it cannot express as a PEFT LoRA (full-weight
+``diff`` keys, a ``time_projection`` ``diff_b`` without its weights), fastwan merges it as written.
 
 A module's alpha is its ``<module>.alpha`` tensor; else, for ``lora_A`` / ``lora_B`` keys, the LoraConfig that
 diffusers / PEFT save in the file's safetensors metadata (``lora_adapter_metadata``: ``lora_alpha``, its
@@ -69,9 +75,15 @@ METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffuse
 OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("hada_", "LyCORIS LoHa"),
                   ("lokr_", "LyCORIS LoKr"), ("lora_mid", "LyCORIS Tucker (lora_mid)"))
 PART_NAMES = {"A": "lora_A / lora_down", "B": "lora_B / lora_up", "alpha": "alpha", "diff": "diff",
-              "diff_b": "diff_b / lora_B.bias"}
-PARTS = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "lora_up.weight": "B",
-         "alpha": "alpha", "diff": "diff", "diff_b": "diff_b", "lora_B.bias": "diff_b"}
+              "diff_b": "diff_b", "B_bias": "lora_B.bias"}
+# a key's end -> its part: lora_A / lora_down / lora.down (A) and the B names likewise, each with PEFT's optional
+# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b
+PART_RE = re.compile(r"\.(?:(?:(?P<a>lora_A|lora_down|lora\.down)|(?P<b>lora_B|lora_up|lora\.up))"
+                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b))$")
+# diffusers' attention-processor LoRA spelling (as its loader reads it): 'attn1.processor.to_q_lora.down.weight'
+OLD_SPELLINGS = ((re.compile(r"\.processor\."), "."), (re.compile(r"\.to_out_lora\."), ".to_out.0.lora."),
+                 (re.compile(r"\.(to_[qkv])_lora\."), r".\1.lora."))
+LAYERS = (torch.nn.Linear, Fp8Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)  # the layers LoRAs change
 
 
 def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
@@ -158,11 +170,12 @@ def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch
                               "PEFT first.")
     out = {}
     for key, a in tensors.items():
-        if not key.endswith(".lora_A.weight") or (module := key[: -len(".lora_A.weight")]) + ".alpha" in tensors:
+        module, part = _split_part(key) or ("", None)
+        if part != "A" or module + ".alpha" in tensors:
             continue
         name = module[len("transformer."):] if module.startswith("transformer.") else module
         alpha = _metadata_alpha(config, name, path)
-        if alpha is not None and a.dim() == 2:
+        if alpha is not None and a.dim() >= 2:
             out[module + ".alpha"] = torch.tensor(alpha * (math.sqrt(a.shape[0]) if flags["use_rslora"] else 1.0))
     return out
 
@@ -185,13 +198,30 @@ def _kohya_name(flat: str, modules: set[str]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
-    """A file key -> (the model's module name, part: A, B, alpha, diff, diff_b), or None for a key of no module."""
-    ends = [(suffix, part) for suffix, part in PARTS.items() if key.endswith("." + suffix)]
-    if not ends:
+def _split_part(key: str) -> tuple[str, str] | None:
+    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b), or None for a key that
+    is no LoRA part (lora_A's bias included: PEFT gives lora_A none)."""
+    for pattern, repl in OLD_SPELLINGS:
+        key = pattern.sub(repl, key)
+    m = PART_RE.search(key)
+    if m is None:
         return None
-    suffix, part = ends[0]
-    name = key[: -len(suffix) - 1]
+    if m["other"]:
+        part = m["other"]
+    elif m["tensor"] == "weight":
+        part = "A" if m["a"] else "B"
+    else:
+        part = "B_bias" if m["b"] else None
+    return None if part is None else (key[: m.start()], part)
+
+
+def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
+    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b), or None for a key of no
+    module."""
+    found = _split_part(key)
+    if found is None:
+        return None
+    name, part = found
     if name.startswith(KOHYA_PREFIX):
         name = _kohya_name(name[len(KOHYA_PREFIX):], modules)
         return None if name is None else (name, part)
@@ -209,10 +239,10 @@ def _module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
 
 
 def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
-    """{module name: {part: tensor}} for the model's linear layers; raises when no key names one of them (with
-    examples of both sides), a tensor's shape does not fit its module or an alpha is not one finite number (naming
-    the key)."""
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))}
+    """{module name: {part: tensor}} for the model's linear and convolution layers; raises when no key names one
+    of them (with examples of both sides), a tensor's shape does not fit its module or an alpha is not one finite
+    number (naming the key)."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, LAYERS)}
     norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unmatched, skipped_norms = [], []
@@ -241,7 +271,7 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                                   "them.")
         updates[name][part] = (key, value)
     if not updates:
-        raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a linear layer of this model, e.g. "
+        raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a layer of this model, e.g. "
                               f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "
                               "(diffusers names, the original Wan names with a 'diffusion_model.' prefix, or "
                               "kohya's 'lora_unet_' with the original names' dots as underscores).")
@@ -250,20 +280,23 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                        source, len(unmatched), len(tensors), sorted(unmatched)[:3])
     if skipped_norms:
         logger.warning("%s: %d norm deltas hold non-zero values and are not applied (fastwan, like diffusers, merges "
-                       "linear layers only), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
+                       "no norms), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
     for name, parts in updates.items():
         weight = linears[name].weight
         if ("A" in parts) != ("B" in parts):
             key = (parts.get("A") or parts.get("B"))[0]
             raise InvalidArgument(f"{source}: {key} has no matching {'lora_B' if 'A' in parts else 'lora_A'} "
                                   "tensor; a LoRA module needs both.")
-        if "A" in parts:
+        if "A" in parts:  # a convolution's A holds the kernel, its B is 1 x ... x 1 (as PEFT trains one)
             (ka, a), (kb, b) = parts["A"], parts["B"]
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != weight.shape[1] or b.shape[0] != weight.shape[0] \
-                    or a.shape[0] != b.shape[1]:
+            ones = (1,) * (weight.dim() - 2)
+            if a.dim() != weight.dim() or b.dim() != weight.dim() or a.shape[1:] != weight.shape[1:] \
+                    or b.shape[0] != weight.shape[0] or a.shape[0] != b.shape[1] or tuple(b.shape[2:]) != ones:
+                want_a = ", ".join(map(str, ["rank", *weight.shape[1:]]))
+                want_b = ", ".join(map(str, [weight.shape[0], "rank", *ones]))
                 raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} do not fit {name} "
-                                      f"(weight {tuple(weight.shape)}: A must be [rank, {weight.shape[1]}], B "
-                                      f"[{weight.shape[0]}, rank]); the LoRA is for another model.")
+                                      f"(weight {tuple(weight.shape)}: A must be [{want_a}], B [{want_b}]); the "
+                                      "LoRA is for another model.")
         if "diff" in parts and parts["diff"][1].shape != weight.shape:
             raise InvalidArgument(f"{source}: {parts['diff'][0]} {tuple(parts['diff'][1].shape)} does not fit {name} "
                                   f"(weight {tuple(weight.shape)}).")
@@ -274,10 +307,14 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                 raise InvalidArgument(f"{source}: {ka} is {shown} (shape {tuple(alpha.shape)}); a LoRA alpha must "
                                       "be one finite number (the file is corrupt or not a LoRA: fix or re-export "
                                       "it).")
+        if "diff_b" in parts and "B_bias" in parts:
+            raise InvalidArgument(f"{source}: {parts['diff_b'][0]} and {parts['B_bias'][0]} both give the bias "
+                                  f"delta of {name} (two formats of one module in one file); keep one of them.")
         bias = linears[name].bias
-        if "diff_b" in parts and (bias is None or parts["diff_b"][1].shape != bias.shape):
-            raise InvalidArgument(f"{source}: {parts['diff_b'][0]} does not fit the bias of {name} "
-                                  f"({None if bias is None else tuple(bias.shape)}).")
+        for key, value in (parts[p] for p in ("diff_b", "B_bias") if p in parts):
+            if bias is None or value.shape != bias.shape:
+                raise InvalidArgument(f"{source}: {key} {tuple(value.shape)} does not fit the bias of {name} "
+                                      f"({None if bias is None else tuple(bias.shape)}).")
     return {name: {p: t for p, (_, t) in parts.items()} for name, parts in updates.items()}
 
 
@@ -305,11 +342,12 @@ class LoraState:
             lin = modules[name]
             w = lin.weight
             delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            factor = 1.0  # alpha / rank; a lora_B.bias without lora_A / lora_B (no rank) is added as it is
             if "A" in parts:
                 a = parts["A"].to(w.device, torch.float32)
                 b = parts["B"].to(w.device, torch.float32)
-                alpha = float(parts["alpha"]) if "alpha" in parts else float(a.shape[0])
-                delta += (alpha / a.shape[0]) * (b @ a)
+                factor = (float(parts["alpha"]) if "alpha" in parts else float(a.shape[0])) / a.shape[0]
+                delta += factor * (b.flatten(1) @ a.flatten(1)).view(w.shape)  # a convolution's too
             if "diff" in parts:
                 delta += parts["diff"].to(w.device, torch.float32)
             if ("A" in parts or "diff" in parts) and isinstance(lin, Fp8Linear):  # requantized, new scales
@@ -321,10 +359,10 @@ class LoraState:
             elif "A" in parts or "diff" in parts:
                 self._keep(lin, "weight")
                 w.copy_((w.float() + scale * delta).to(w.dtype))
-            if "diff_b" in parts:
+            if "diff_b" in parts or "B_bias" in parts:  # PEFT scales its lora_B.bias as its B @ A
                 self._keep(lin, "bias")
-                lin.bias.copy_((lin.bias.float() + scale * parts["diff_b"].to(w.device, torch.float32))
-                               .to(lin.bias.dtype))
+                bias = parts["diff_b"] if "diff_b" in parts else factor * parts["B_bias"].float()
+                lin.bias.copy_((lin.bias.float() + scale * bias.to(w.device, torch.float32)).to(lin.bias.dtype))
         return len(updates)
 
     @torch.no_grad()
