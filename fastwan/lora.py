@@ -27,8 +27,14 @@ diffusers / PEFT save in the file's safetensors metadata (``lora_adapter_metadat
 ``alpha_pattern``, ``use_rslora`` for ``alpha / sqrt(rank)``; the ``transformer.``-prefixed entries of a pipeline
 save, or the unprefixed ones of a model save), as diffusers' ``load_lora_weights`` reads it; else the rank.
 Each module takes its update from one set of keys: two keys giving one module the same part (two formats or two
-names in one file) are an error, and so are other adapter kinds (DoRA, LyCORIS LoHa / LoKr / Tucker), whose
-updates are not ``B @ A``.
+names in one file) are an error, and so are other adapter kinds (LyCORIS LoHa / LoKr / Tucker, kohya's DoRA
+``dora_scale``, which diffusers refuses or drops), whose updates are not ``B @ A``.
+
+A PEFT DoRA's magnitude ``<module>.lora_magnitude_vector`` (``.weight`` or ``.<adapter>.weight`` may follow; one
+value per output feature: ``[out]``, a convolution's ``[1, out, 1, ...]``) merges as PEFT merges it: with
+``D = scale * (alpha / rank) * B @ A``, ``W <- m / ||W0 + D|| * (W + D)``, the norm per output feature, ``W0`` the
+weight before any LoRA merged (PEFT's norm leaves out the adapters merged before). A file whose metadata's
+``use_dora`` contradicts its tensors (diffusers would make up or drop the magnitudes) is refused.
 """
 from __future__ import annotations
 
@@ -72,14 +78,16 @@ KOHYA_PREFIX = "lora_unet_"
 KOHYA_NAMES = tuple((re.compile(pattern.replace(r"\.", "_")), repl) for pattern, repl in WAN_NAMES)
 METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffusers / PEFT save a LoraConfig in
 # a marker in a key -> the adapter kind it belongs to (updates that are not B @ A, which fastwan does not merge)
-OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("hada_", "LyCORIS LoHa"),
-                  ("lokr_", "LyCORIS LoKr"), ("lora_mid", "LyCORIS Tucker (lora_mid)"))
+OTHER_ADAPTERS = (("dora_scale", "kohya DoRA (dora_scale)"), ("hada_", "LyCORIS LoHa"), ("lokr_", "LyCORIS LoKr"),
+                  ("lora_mid", "LyCORIS Tucker (lora_mid)"))
 PART_NAMES = {"A": "lora_A / lora_down", "B": "lora_B / lora_up", "alpha": "alpha", "diff": "diff",
-              "diff_b": "diff_b", "B_bias": "lora_B.bias"}
+              "diff_b": "diff_b", "B_bias": "lora_B.bias", "M": "lora_magnitude_vector"}
 # a key's end -> its part: lora_A / lora_down / lora.down (A) and the B names likewise, each with PEFT's optional
-# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b
+# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b;
+# or a DoRA's magnitude (M): 'lora_magnitude_vector' as PEFT saves it, '.weight' or '.default.weight' after it
 PART_RE = re.compile(r"\.(?:(?:(?P<a>lora_A|lora_down|lora\.down)|(?P<b>lora_B|lora_up|lora\.up))"
-                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b))$")
+                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b)"
+                     r"|(?P<m>lora_magnitude_vector)(?:(?:\.(?!weight$)[^.]+)?\.weight)?)$")
 # diffusers' attention-processor LoRA spelling (as its loader reads it): 'attn1.processor.to_q_lora.down.weight'
 OLD_SPELLINGS = ((re.compile(r"\.processor\."), "."), (re.compile(r"\.to_out_lora\."), ".to_out.0.lora."),
                  (re.compile(r"\.(to_[qkv])_lora\."), r".\1.lora."))
@@ -164,10 +172,7 @@ def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch
         if not isinstance(v, bool):
             raise CheckpointError(f"LoRA file {str(path)!r}: metadata {k} is {v!r}, not true or false; the file is "
                                   "corrupt: re-export it.")
-    if flags["use_dora"]:
-        raise InvalidArgument(f"LoRA file {str(path)!r} is a DoRA (its metadata sets use_dora); fastwan merges "
-                              "plain LoRAs only (W += alpha / rank x B @ A): merge it into a LoRA or the model with "
-                              "PEFT first.")
+    _check_use_dora(tensors, flags["use_dora"], path)
     out = {}
     for key, a in tensors.items():
         module, part = _split_part(key) or ("", None)
@@ -178,6 +183,25 @@ def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch
         if alpha is not None and a.dim() >= 2:
             out[module + ".alpha"] = torch.tensor(alpha * (math.sqrt(a.shape[0]) if flags["use_rslora"] else 1.0))
     return out
+
+
+def _check_use_dora(tensors: dict, use_dora: bool, path: Path) -> None:
+    """Raises when a LoraConfig's ``use_dora`` contradicts the magnitudes: with it, every LoRA module (``transformer.``
+    ones, where there are) needs one (diffusers would make one up); without it, none has one (diffusers drops it)."""
+    parts: dict[str, set] = {}
+    for key in tensors:
+        module, part = _split_part(key) or ("", None)
+        parts.setdefault(module, set()).add(part)
+    scope = [m for m in parts if m.startswith("transformer.")] or list(parts)
+    wrong = sorted(m for m in scope if ("M" not in parts[m] and "A" in parts[m] if use_dora else "M" in parts[m]))
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise CheckpointError(f"LoRA file {str(path)!r}: its metadata {'sets' if use_dora else 'does not set'} "
+                              f"use_dora but {wrong[0]}{more} " + (
+                                  "has no lora_magnitude_vector (diffusers would make one up); the file is "
+                                  "incomplete: re-export it." if use_dora else "has a DoRA lora_magnitude_vector "
+                                  "(diffusers would drop it); the metadata contradicts the tensors: re-export the "
+                                  "file or drop its lora_adapter_metadata."))
 
 
 def _finite(x) -> bool:
@@ -199,15 +223,15 @@ def _kohya_name(flat: str, modules: set[str]) -> str | None:
 
 
 def _split_part(key: str) -> tuple[str, str] | None:
-    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b), or None for a key that
+    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b, M), or None for a key that
     is no LoRA part (lora_A's bias included: PEFT gives lora_A none)."""
     for pattern, repl in OLD_SPELLINGS:
         key = pattern.sub(repl, key)
     m = PART_RE.search(key)
     if m is None:
         return None
-    if m["other"]:
-        part = m["other"]
+    if m["other"] or m["m"]:
+        part = m["other"] or "M"
     elif m["tensor"] == "weight":
         part = "A" if m["a"] else "B"
     else:
@@ -283,13 +307,13 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                        "no norms), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
     for name, parts in updates.items():
         weight = linears[name].weight
+        ones = (1,) * (weight.dim() - 2)
         if ("A" in parts) != ("B" in parts):
             key = (parts.get("A") or parts.get("B"))[0]
             raise InvalidArgument(f"{source}: {key} has no matching {'lora_B' if 'A' in parts else 'lora_A'} "
                                   "tensor; a LoRA module needs both.")
         if "A" in parts:  # a convolution's A holds the kernel, its B is 1 x ... x 1 (as PEFT trains one)
             (ka, a), (kb, b) = parts["A"], parts["B"]
-            ones = (1,) * (weight.dim() - 2)
             if a.dim() != weight.dim() or b.dim() != weight.dim() or a.shape[1:] != weight.shape[1:] \
                     or b.shape[0] != weight.shape[0] or a.shape[0] != b.shape[1] or tuple(b.shape[2:]) != ones:
                 want_a = ", ".join(map(str, ["rank", *weight.shape[1:]]))
@@ -297,6 +321,19 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                 raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} do not fit {name} "
                                       f"(weight {tuple(weight.shape)}: A must be [{want_a}], B [{want_b}]); the "
                                       "LoRA is for another model.")
+        if "M" in parts:  # a DoRA magnitude: one per output feature, shaped as PEFT's layer holds it
+            km, mag = parts["M"]
+            want = (weight.shape[0],) if weight.dim() == 2 else (1, weight.shape[0], *ones)
+            odd = [PART_NAMES[p] for p in ("diff", "B_bias") if p in parts]
+            odd += [] if "A" in parts else ["no lora_A / lora_B"]
+            if odd:  # PEFT refuses a DoRA with lora_bias; a full diff is no LoRA
+                raise InvalidArgument(f"{source}: {km} is a DoRA magnitude, which scales a LoRA's B @ A update, but "
+                                      f"{name} has {' and '.join(odd)}; a DoRA module takes lora_A, lora_B, alpha "
+                                      "and its magnitude (PEFT refuses a DoRA with lora_B.bias): fix the file.")
+            if tuple(mag.shape) != want:
+                raise InvalidArgument(f"{source}: {km} {tuple(mag.shape)} does not fit {name} (weight "
+                                      f"{tuple(weight.shape)}: a DoRA magnitude must be {list(want)}, one value per "
+                                      "output feature); the LoRA is for another model.")
         if "diff" in parts and parts["diff"][1].shape != weight.shape:
             raise InvalidArgument(f"{source}: {parts['diff'][0]} {tuple(parts['diff'][1].shape)} does not fit {name} "
                                   f"(weight {tuple(weight.shape)}).")
@@ -341,6 +378,7 @@ class LoraState:
         for name, parts in updates.items():
             lin = modules[name]
             w = lin.weight
+            fp8 = isinstance(lin, Fp8Linear)
             delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             factor = 1.0  # alpha / rank; a lora_B.bias without lora_A / lora_B (no rank) is added as it is
             if "A" in parts:
@@ -350,20 +388,36 @@ class LoraState:
                 delta += factor * (b.flatten(1) @ a.flatten(1)).view(w.shape)  # a convolution's too
             if "diff" in parts:
                 delta += parts["diff"].to(w.device, torch.float32)
-            if ("A" in parts or "diff" in parts) and isinstance(lin, Fp8Linear):  # requantized, new scales
+            if "A" in parts or "diff" in parts:
+                current = dequantize_weight(w, lin.weight_scale) if fp8 else w.float()
+                new = current + scale * delta
+                if "M" in parts:  # DoRA: each output feature rescaled to its magnitude (PEFT's merge)
+                    norm = (self._unmerged(lin, current) + scale * delta).flatten(1).norm(dim=1)
+                    dora = parts["M"].to(w.device, torch.float32).flatten() / norm
+                    new = dora.view(-1, *[1] * (w.dim() - 1)) * new
                 self._keep(lin, "weight")
-                self._keep(lin, "weight_scale")
-                w8, w_scale = quantize_weight(dequantize_weight(w, lin.weight_scale) + scale * delta)
-                w.copy_(w8)
-                lin.weight_scale.copy_(w_scale)
-            elif "A" in parts or "diff" in parts:
-                self._keep(lin, "weight")
-                w.copy_((w.float() + scale * delta).to(w.dtype))
+                if fp8:  # requantized, new scales
+                    self._keep(lin, "weight_scale")
+                    w8, w_scale = quantize_weight(new)
+                    w.copy_(w8)
+                    lin.weight_scale.copy_(w_scale)
+                else:
+                    w.copy_(new.to(w.dtype))
             if "diff_b" in parts or "B_bias" in parts:  # PEFT scales its lora_B.bias as its B @ A
                 self._keep(lin, "bias")
                 bias = parts["diff_b"] if "diff_b" in parts else factor * parts["B_bias"].float()
                 lin.bias.copy_((lin.bias.float() + scale * bias.to(w.device, torch.float32)).to(lin.bias.dtype))
         return len(updates)
+
+    def _unmerged(self, lin: torch.nn.Module, current: torch.Tensor) -> torch.Tensor:
+        """``lin``'s weight before this state's merges (PEFT's DoRA norm leaves them out), fp32; else ``current``."""
+        kept = self.originals.get((id(lin), "weight"))
+        if kept is None:
+            return current
+        if isinstance(lin, Fp8Linear):
+            scale = self.originals[(id(lin), "weight_scale")][2]
+            return dequantize_weight(kept[2].to(current.device), scale.to(current.device))
+        return kept[2].to(current.device, torch.float32)
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -1,7 +1,8 @@
 """LoRA files and DiT folders that diffusers users have: a diffusers / PEFT LoRA's alphas saved in its safetensors
 metadata merge as diffusers' ``load_lora_adapter`` + ``fuse_lora`` do (the reference: diffusers' fused weights);
-a file giving one module the same part twice, or holding another adapter kind (DoRA, LyCORIS), is refused before
-any weight changes."""
+a file giving one module the same part twice, holding another adapter kind (kohya's DoRA dora_scale, LyCORIS), or a
+PEFT DoRA that diffusers / PEFT would not merge (a magnitude that does not fit, without lora_A / lora_B, with
+lora_B.bias, or contradicting the metadata's use_dora), is refused before any weight changes."""
 from __future__ import annotations
 
 import json
@@ -94,9 +95,9 @@ def test_one_module_twice_in_one_file_is_refused(folder, tmp_path):
                               r"0\.attn1\.to_q\.lora_A\.weight both give the lora_A / lora_down of blocks\.0\.attn1")
 
 
-@pytest.mark.parametrize("extra, kind", [
-    ("transformer.blocks.0.attn1.to_q.lora_magnitude_vector", "DoRA"),
-    ("lora_unet_blocks_0_self_attn_q.dora_scale", "DoRA"),
+@pytest.mark.parametrize("extra, kind", [  # a PEFT DoRA's lora_magnitude_vector merges (test_lora_formats)
+    ("lora_unet_blocks_0_self_attn_q.dora_scale", r"kohya DoRA \(dora_scale\)"),  # diffusers: refused
+    ("transformer.blocks.0.attn1.to_q.dora_scale", r"kohya DoRA \(dora_scale\)"),  # diffusers: dropped
     ("lora_unet_blocks_0_self_attn_q.hada_w1_a", "LyCORIS LoHa"),
     ("lora_unet_blocks_0_self_attn_q.lokr_w1", "LyCORIS LoKr"),
 ])
@@ -113,11 +114,39 @@ def test_other_adapter_kinds_are_refused(folder, tmp_path, extra, kind):
     (json.dumps({"transformer.lora_alpha": "8"}), CheckpointError, r"metadata lora_alpha is '8'"),
     (json.dumps({"transformer.lora_alpha": 8, "transformer.alpha_pattern": {"to_q(": 2}}), CheckpointError,
      "not a valid pattern"),
-    (json.dumps({"transformer.lora_alpha": 8, "transformer.use_dora": True}), InvalidArgument, "is a DoRA"),
+    (json.dumps({"transformer.lora_alpha": 8, "transformer.use_dora": True}), CheckpointError,
+     r"sets use_dora but transformer\.blocks\.0\.attn1\.to_q \(and 2 more\) has no lora_magnitude_vector"),
 ])
 def test_bad_metadata_is_refused(folder, tmp_path, meta, error, match):
     path = tmp_path / "meta.safetensors"
     save_file(peft_lora(ours(folder), "transformer."), str(path), metadata={"lora_adapter_metadata": meta})
+    refused_before_any_change(folder, path, error, match)
+
+
+def magnitude(n):
+    return torch.linspace(1.0, 2.0, n)
+
+
+@pytest.mark.parametrize("extra, meta, error, match", [
+    ({"transformer.blocks.0.attn1.to_q.lora_magnitude_vector": magnitude(23)}, None, InvalidArgument,
+     r"transformer\.blocks\.0\.attn1\.to_q\.lora_magnitude_vector \(23,\) does not fit blocks\.0\.attn1\.to_q "
+     r"\(weight \(24, 24\): a DoRA magnitude must be \[24\]"),
+    ({"transformer.patch_embedding.lora_magnitude_vector": magnitude(24)}, None, InvalidArgument,
+     r"patch_embedding\.lora_magnitude_vector is a DoRA magnitude, .* but patch_embedding has no lora_A / lora_B"),
+    ({"transformer.blocks.0.attn1.to_q.lora_magnitude_vector": magnitude(24),
+      "transformer.blocks.0.attn1.to_q.lora_B.bias": magnitude(24)}, None, InvalidArgument,
+     r"blocks\.0\.attn1\.to_q has lora_B\.bias; .*PEFT refuses a DoRA with lora_B\.bias"),
+    ({"transformer.blocks.0.attn1.to_q.lora_magnitude_vector": magnitude(24)},
+     {"transformer.lora_alpha": 8, "transformer.use_dora": False}, CheckpointError,
+     r"does not set use_dora but transformer\.blocks\.0\.attn1\.to_q has a DoRA lora_magnitude_vector"),
+])
+def test_dora_that_diffusers_would_not_merge_is_refused(folder, tmp_path, extra, meta, error, match):
+    """What diffusers would refuse (a magnitude of the wrong shape, a DoRA with lora_bias), or merge as something
+    else (a magnitude its metadata's use_dora leaves out; a magnitude with no LoRA), names the key before any
+    change."""
+    path = tmp_path / "dora.safetensors"
+    save_file({**peft_lora(ours(folder), "transformer."), **extra}, str(path),
+              metadata=None if meta is None else {"lora_adapter_metadata": json.dumps(meta)})
     refused_before_any_change(folder, path, error, match)
 
 

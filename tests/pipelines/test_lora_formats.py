@@ -6,7 +6,8 @@ Spellings: the original Wan / ComfyUI / lightx2v keys (``diffusion_model.``; lor
 lora_B, alpha, diff_b, ``head.head.diff``) on every layer diffusers maps (time_projection, head, text / time
 embeddings, the I2V image embedder and k_img / v_img); diffusers / PEFT keys on every layer (the patch embedding's
 convolution too), with ``lora_B.bias``, metadata alphas, mixed ranks, diffusers' older ``lora.down`` and
-attention-processor spellings, and a T2V LoRA on the I2V model. Where diffusers drops a delta it cannot express
+attention-processor spellings, a T2V LoRA on the I2V model, and PEFT DoRAs (magnitudes; at scales 1.0 and 0.7,
+after a plain LoRA, on FP8 layers against a float64 hand computation). Where diffusers drops a delta it cannot express
 (full-weight ``diff`` keys, a time_projection ``diff_b`` without its weights) or misreads a spelling (PEFT's
 adapter names), fastwan's merge is checked against a hand computation / diffusers' merge of the plain spelling."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
+from fastwan.kernels.fp8 import Fp8Linear
 from fastwan.tiny import tiny_checkpoint
 
 pytest.importorskip("peft")
@@ -266,3 +268,131 @@ def test_spellings_diffusers_misreads_merge_as_their_plain_spelling(gens, tmp_pa
         sd = {k.replace("blocks.1.attn1.to_v.", "blocks.1.attn1.processor.to_v."): v for k, v in lo.sd.items()}
     save_file(sd, str(odd))
     assert_same_merge(fastwan_merged(gen, odd, SCALE), diffusers_fused("wan2.1", plain, SCALE))
+
+
+# -- PEFT DoRA: lora_A / lora_B with a magnitude per output feature ------------------------------------------------
+def add_magnitudes(lo, suffix=""):
+    """A DoRA magnitude for every lora_A module of ``lo.sd``: its weight's norm per output feature x 0.5 .. 1.5, shaped
+    as PEFT saves it ([out]; a convolution's [1, out, 1, 1, 1]); ``suffix`` after 'lora_magnitude_vector'."""
+    for key in [k for k in lo.sd if k.endswith(".lora_A.weight")]:
+        module = key[: -len(".lora_A.weight")]
+        layer = lo.mods[module.split(".", 1)[1]]
+        w = layer.weight.float() * (layer.weight_scale[:, None] if hasattr(layer, "weight_scale") else 1)  # FP8
+        m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=lo.g))
+        lo.sd[f"{module}.lora_magnitude_vector{suffix}"] = m if w.dim() == 2 else m.view(1, -1, *[1] * (w.dim() - 2))
+    return lo
+
+
+def block_dora(model, seed, **kw):
+    """A PEFT DoRA (diffusers' saved spelling) on every block linear of ``model``."""
+    lo = Lora(model, seed)
+    return add_magnitudes(lo.add(lo.modules(), "transformer.", "lora_A", "lora_B", wan=False, **kw))
+
+
+def dora(lo, suffix="", **config):
+    """A PEFT DoRA on every linear and the patch embedding (PEFT gives a DoRA no lora_bias)."""
+    lo.add(lo.modules(top=True) + [("patch_embedding", "")], "transformer.", "lora_A", "lora_B", wan=False)
+    add_magnitudes(lo, suffix)
+    return peft_meta(lo.sd, use_dora=True, **config) if config else None
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+@pytest.mark.parametrize("kind, suffix, config", [
+    ("t2v", "", {"lora_alpha": 8, "alpha_pattern": {"blocks.1.attn2.to_out.0": 2}}),  # a pipeline save
+    ("t2v", ".weight", {}),  # no metadata: alpha = rank; '.weight' after the magnitude, as diffusers reads it too
+    ("i2v", "", {"lora_alpha": 2}),
+])
+def test_peft_dora_merges_as_diffusers_does(gens, tmp_path, kind, suffix, config, scale):
+    """W <- m / ||W + D|| x (W + D) per output feature, D = scale x alpha / rank x B @ A (PEFT's merge at
+    fuse_lora's lora_scale); unloading restores every weight bit for bit (fastwan_merged checks it)."""
+    variant = VARIANTS[kind]
+    lo = Lora(gens[variant].transformers[0], seed=1)
+    meta = dora(lo, suffix, **config)
+    path = tmp_path / "dora.safetensors"
+    save_file(lo.sd, str(path), metadata=meta)
+    want = diffusers_fused(variant, path, scale)
+    assert_same_merge(fastwan_merged(gens[variant], path, scale), want, scale=scale)
+    plain = tmp_path / "plain.safetensors"  # the magnitudes matter: without them the merge is another one
+    save_file({k: v for k, v in lo.sd.items() if "magnitude" not in k}, str(plain),
+              metadata=peft_meta(lo.sd, **config) if config else None)
+    key = "blocks.0.attn1.to_q.weight"
+    assert (fastwan_merged(gens[variant], plain, scale)[1][key] - want[1][key]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("spelling", ["adapter name", "original names"])
+def test_dora_spellings_diffusers_refuses_merge_as_the_peft_spelling(gens, tmp_path, spelling):
+    """PEFT's in-memory magnitude key (``lora_magnitude_vector.default.weight``: diffusers keeps its own initial
+    magnitude) and a DoRA under the original Wan names (``diffusion_model.``: diffusers' converter raises) merge as
+    diffusers merges the file in PEFT's saved spelling."""
+    gen = gens["wan2.1"]
+    lo = block_dora(gen.transformers[0], seed=2)
+    plain, odd = tmp_path / "plain.safetensors", tmp_path / "odd.safetensors"
+    save_file(lo.sd, str(plain))
+    if spelling == "adapter name":
+        sd = {k.replace("lora_magnitude_vector", "lora_magnitude_vector.default.weight"): v for k, v in lo.sd.items()}
+    else:
+        sd = {k: v for k, v in lo.sd.items()}
+        for ours, original in lo.modules():
+            for part in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"):
+                sd[f"diffusion_model.{original}.{part}"] = sd.pop(f"transformer.{ours}.{part}")
+    save_file(sd, str(odd))
+    assert_same_merge(fastwan_merged(gen, odd, SCALE), diffusers_fused("wan2.1", plain, SCALE))
+
+
+def test_dora_after_a_lora_merges_as_diffusers_fuses_both(gens, tmp_path):
+    """A plain LoRA, then a DoRA on the same layers: PEFT takes the DoRA's norm from the weight without the LoRA
+    (diffusers: both adapters loaded, fused together)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    gen = gens["wan2.1"]
+    first = Lora(gen.transformers[0], seed=3)
+    first.add(first.modules(), "transformer.", "lora_A", "lora_B", wan=False)
+    second = block_dora(gen.transformers[0], seed=4)
+    paths = [tmp_path / "lora.safetensors", tmp_path / "dora.safetensors"]
+    for lo, path in zip((first, second), paths):
+        save_file(lo.sd, str(path))
+    t = WanTransformer3DModel.from_pretrained(tiny_checkpoint("wan2.1") / "transformer", torch_dtype=torch.float32)
+    before = {k: v.clone() for k, v in t.state_dict().items()}
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=t)
+    for name, path in zip("ab", paths):
+        pipe.load_lora_weights(str(path), adapter_name=name, low_cpu_mem_usage=False)
+    pipe.set_adapters(["a", "b"])
+    pipe.fuse_lora(lora_scale=SCALE, components=["transformer"], adapter_names=["a", "b"])
+    pipe.unload_lora_weights()
+    model = gen.transformers[0]
+    ours = {k: v.clone() for k, v in model.state_dict().items()}
+    for path in paths:
+        gen.load_lora(path, SCALE)
+    try:
+        assert_same_merge((ours, {k: v.clone() for k, v in model.state_dict().items()}),
+                          (before, pipe.transformer.state_dict()))
+    finally:
+        gen.unload_lora()
+    assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
+
+
+def test_fp8_dora_merges_requantized_and_unloads_bit_for_bit(tmp_path):
+    """On FP8 layers: the dequantized weight W, m / ||W + D|| x (W + D) computed here in float64, quantized again
+    per output feature (scale amax / 448); unloading restores the FP8 weights and scales bit for bit."""
+    gen = VideoGenerator.from_pretrained(str(tiny_checkpoint("wan2.1")), device="cpu", dtype=torch.float32,
+                                         quantization="fp8")
+    model = gen.transformers[0]
+    lo = block_dora(model, seed=5, alpha=2.0)
+    path = tmp_path / "dora.safetensors"
+    save_file(lo.sd, str(path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gen.load_lora(path, SCALE)
+    for j, (name, _) in enumerate(lo.modules()):
+        lin, key = lo.mods[name], f"transformer.{name}"
+        assert isinstance(lin, Fp8Linear), name
+        w = before[f"{name}.weight"].double() * before[f"{name}.weight_scale"].double()[:, None]
+        a, b = lo.sd[f"{key}.lora_A.weight"].double(), lo.sd[f"{key}.lora_B.weight"].double()
+        merged = w + SCALE * 2.0 * (1 + j / 10) / a.shape[0] * (b @ a)
+        want = lo.sd[f"{key}.lora_magnitude_vector"].double()[:, None] / merged.norm(dim=1, keepdim=True) * merged
+        torch.testing.assert_close(lin.weight_scale.double(), want.abs().amax(dim=1) / 448.0, rtol=1e-6, atol=0)
+        w8 = (want / lin.weight_scale.double()[:, None]).float().to(torch.float8_e4m3fn)
+        assert torch.equal(lin.weight.view(torch.uint8), w8.view(torch.uint8)), name
+    gen.unload_lora()
+    for k, v in model.state_dict().items():
+        assert torch.equal(before[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
+            else torch.equal(before[k], v), k
