@@ -1,0 +1,132 @@
+"""Reading a LoRA file (safetensors only) and the alphas its safetensors metadata gives (a diffusers / PEFT
+LoraConfig), checked against its tensors."""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from pathlib import Path
+
+import torch
+
+from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType, MissingFileError
+from fastwan.lora.keys import METADATA_KEY, split_part
+
+
+def finite(x) -> bool:
+    """Whether the number ``x`` is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not isinstance(path, (str, Path)):
+        raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
+    if not str(path).strip():
+        raise InvalidArgument(f"lora={str(path)!r} is an empty path; give the path of a .safetensors LoRA file.")
+    path = Path(path).expanduser()
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+        raise InvalidArgument(f"LoRA file {str(path)!r} is a directory, not a .safetensors file; give the path of "
+                              f"the LoRA file itself{f', e.g. one of {inside}' if inside else ''}.")
+    if not path.is_file():
+        raise MissingFileError(f"LoRA file {str(path)!r} does not exist; check the path.")
+    if path.suffix != ".safetensors":
+        raise InvalidArgument(f"LoRA file {str(path)!r} is not a .safetensors file; fastwan loads LoRAs from "
+                              "safetensors only (convert pickle files with safetensors.torch.save_file).")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:  # truncated or corrupt, or another format (e.g. a pickle) under this name
+        raise CheckpointError(f"LoRA file {str(path)!r} is not a valid safetensors file ({exc}); it may be "
+                              "truncated or corrupt (download it again), or another format such as a pickle "
+                              "under a .safetensors name (convert it with safetensors.torch.save_file).") from exc
+    return {**tensors, **_metadata_alphas(tensors, _adapter_config(header, path), path)}
+
+
+def _adapter_config(header: dict, path: Path) -> dict:
+    """The DiT's LoraConfig entries that diffusers / PEFT saved in a LoRA file's safetensors ``header`` ({} when
+    there are none): the ``transformer.``-prefixed ones of a pipeline save, else a model save's unprefixed ones."""
+    raw = header.get(METADATA_KEY)
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"LoRA file {str(path)!r}: its metadata {METADATA_KEY!r} is not a JSON object "
+                              f"({str(raw)[:60]!r}); the file is corrupt: re-export it.")
+    prefixed = {k[len("transformer."):]: v for k, v in meta.items() if k.startswith("transformer.")}
+    return prefixed or (meta if "lora_alpha" in meta else {})
+
+
+def _metadata_alpha(config: dict, module: str, path: Path):
+    """The alpha a LoraConfig gives ``module`` (its ``alpha_pattern`` entry, matched as PEFT matches one: the
+    pattern is the module name's end, after a dot), or None when it sets no ``lora_alpha``."""
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata alpha_pattern is {patterns!r}, not an object of "
+                              "module pattern -> alpha; the file is corrupt: re-export it.")
+    try:
+        hit = next((p for p in patterns if re.fullmatch(rf"(.*\.)?({p})", module)), None)
+    except re.error as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r}: a metadata alpha_pattern key is not a valid pattern "
+                              f"({exc}); the file is corrupt: re-export it.") from None
+    alpha, what = (patterns[hit], f"alpha_pattern[{hit!r}]") if hit is not None else (config.get("lora_alpha"),
+                                                                                   "lora_alpha")
+    if alpha is None and hit is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not finite(alpha):
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata {what} is {alpha!r}; a LoRA alpha must be one "
+                              "finite number (the file is corrupt: re-export it).")
+    return float(alpha)
+
+
+def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch.Tensor]:
+    """``<module>.alpha`` tensors for the ``lora_A`` modules of ``tensors`` that carry none, from ``config`` (the
+    file's LoraConfig; ``use_rslora`` scales by alpha / sqrt(rank): the alpha given is alpha x sqrt(rank))."""
+    if not config:
+        return {}
+    flags = {k: False if config.get(k) is None else config[k] for k in ("use_rslora", "use_dora")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise CheckpointError(f"LoRA file {str(path)!r}: metadata {k} is {v!r}, not true or false; the file is "
+                                  "corrupt: re-export it.")
+    _check_use_dora(tensors, flags["use_dora"], path)
+    out = {}
+    for key, a in tensors.items():
+        module, part = split_part(key) or ("", None)
+        if part != "A" or module + ".alpha" in tensors:
+            continue
+        name = module[len("transformer."):] if module.startswith("transformer.") else module
+        alpha = _metadata_alpha(config, name, path)
+        if alpha is not None and a.dim() >= 2:
+            out[module + ".alpha"] = torch.tensor(alpha * (math.sqrt(a.shape[0]) if flags["use_rslora"] else 1.0))
+    return out
+
+
+def _check_use_dora(tensors: dict, use_dora: bool, path: Path) -> None:
+    """Raises when a LoraConfig's ``use_dora`` contradicts the magnitudes: with it, every LoRA module (``transformer.``
+    ones, where there are) needs one (diffusers would make one up); without it, none has one (diffusers drops it)."""
+    parts: dict[str, set] = {}
+    for key in tensors:
+        module, part = split_part(key) or ("", None)
+        parts.setdefault(module, set()).add(part)
+    scope = [m for m in parts if m.startswith("transformer.")] or list(parts)
+    wrong = sorted(m for m in scope if ("M" not in parts[m] and "A" in parts[m] if use_dora else "M" in parts[m]))
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise CheckpointError(f"LoRA file {str(path)!r}: its metadata {'sets' if use_dora else 'does not set'} "
+                              f"use_dora but {wrong[0]}{more} " + (
+                                  "has no lora_magnitude_vector (diffusers would make one up); the file is "
+                                  "incomplete: re-export it." if use_dora else "has a DoRA lora_magnitude_vector "
+                                  "(diffusers would drop it); the metadata contradicts the tensors: re-export the "
+                                  "file or drop its lora_adapter_metadata."))

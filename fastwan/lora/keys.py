@@ -1,0 +1,99 @@
+"""LoRA key spellings -> (the model's module name, part): diffusers / PEFT names, the original Wan names
+(:data:`WAN_NAMES`), kohya's ``lora_unet_`` spelling and diffusers' older ones (see :mod:`fastwan.lora`)."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from fastwan.kernels.fp8 import Fp8Linear
+
+WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
+    (r"blocks\.(\d+)\.self_attn\.([qkv])", r"blocks.\1.attn1.to_\2"),
+    (r"blocks\.(\d+)\.self_attn\.o", r"blocks.\1.attn1.to_out.0"),
+    (r"blocks\.(\d+)\.cross_attn\.([qkv])", r"blocks.\1.attn2.to_\2"),
+    (r"blocks\.(\d+)\.cross_attn\.o", r"blocks.\1.attn2.to_out.0"),
+    (r"blocks\.(\d+)\.cross_attn\.k_img", r"blocks.\1.attn2.add_k_proj"),
+    (r"blocks\.(\d+)\.cross_attn\.v_img", r"blocks.\1.attn2.add_v_proj"),
+    (r"blocks\.(\d+)\.ffn\.0", r"blocks.\1.ffn.net.0.proj"),
+    (r"blocks\.(\d+)\.ffn\.2", r"blocks.\1.ffn.net.2"),
+    (r"text_embedding\.0", "condition_embedder.text_embedder.linear_1"),
+    (r"text_embedding\.2", "condition_embedder.text_embedder.linear_2"),
+    (r"time_embedding\.0", "condition_embedder.time_embedder.linear_1"),
+    (r"time_embedding\.2", "condition_embedder.time_embedder.linear_2"),
+    (r"time_projection\.1", "condition_embedder.time_proj"),
+    (r"head\.head", "proj_out"),
+    (r"img_emb\.proj\.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+    (r"img_emb\.proj\.3", "condition_embedder.image_embedder.ff.net.2"),
+)
+PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.", "model.")
+KOHYA_PREFIX = "lora_unet_"
+# WAN_NAMES with every separating dot read as an underscore; each pattern spells its literal parts out in full and
+# matches a whole name, so the underscores inside names (self_attn, k_img, time_embedding) cannot split two ways.
+KOHYA_NAMES = tuple((re.compile(pattern.replace(r"\.", "_")), repl) for pattern, repl in WAN_NAMES)
+METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffusers / PEFT save a LoraConfig in
+# a marker in a key -> the adapter kind it belongs to (updates that are not B @ A, which fastwan does not merge)
+OTHER_ADAPTERS = (("dora_scale", "kohya DoRA (dora_scale)"), ("hada_", "LyCORIS LoHa"), ("lokr_", "LyCORIS LoKr"),
+                  ("lora_mid", "LyCORIS Tucker (lora_mid)"))
+PART_NAMES = {"A": "lora_A / lora_down", "B": "lora_B / lora_up", "alpha": "alpha", "diff": "diff",
+              "diff_b": "diff_b", "B_bias": "lora_B.bias", "M": "lora_magnitude_vector"}
+# a key's end -> its part: lora_A / lora_down / lora.down (A) and the B names likewise, each with PEFT's optional
+# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b;
+# or a DoRA's magnitude (M): 'lora_magnitude_vector' as PEFT saves it, '.weight' or '.default.weight' after it
+PART_RE = re.compile(r"\.(?:(?:(?P<a>lora_A|lora_down|lora\.down)|(?P<b>lora_B|lora_up|lora\.up))"
+                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b)"
+                     r"|(?P<m>lora_magnitude_vector)(?:(?:\.(?!weight$)[^.]+)?\.weight)?)$")
+# diffusers' attention-processor LoRA spelling (as its loader reads it): 'attn1.processor.to_q_lora.down.weight'
+OLD_SPELLINGS = ((re.compile(r"\.processor\."), "."), (re.compile(r"\.to_out_lora\."), ".to_out.0.lora."),
+                 (re.compile(r"\.(to_[qkv])_lora\."), r".\1.lora."))
+LAYERS = (torch.nn.Linear, Fp8Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)  # the layers LoRAs change
+
+
+def kohya_name(flat: str, modules: set[str]) -> str | None:
+    """A kohya module name without ``lora_unet_`` (dots, where a file has any, read as underscores) -> the model's
+    module name: the one original Wan name whose underscored spelling it is, mapped by :data:`WAN_NAMES` and
+    present in ``modules``; None when no name (or more than one) fits."""
+    flat = flat.replace(".", "_")
+    found = {m.expand(repl) for pattern, repl in KOHYA_NAMES if (m := pattern.fullmatch(flat))}
+    found &= modules
+    return found.pop() if len(found) == 1 else None
+
+
+def split_part(key: str) -> tuple[str, str] | None:
+    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b, M), or None for a key that
+    is no LoRA part (lora_A's bias included: PEFT gives lora_A none)."""
+    for pattern, repl in OLD_SPELLINGS:
+        key = pattern.sub(repl, key)
+    m = PART_RE.search(key)
+    if m is None:
+        return None
+    if m["other"] or m["m"]:
+        part = m["other"] or "M"
+    elif m["tensor"] == "weight":
+        part = "A" if m["a"] else "B"
+    else:
+        part = "B_bias" if m["b"] else None
+    return None if part is None else (key[: m.start()], part)
+
+
+def module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
+    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b), or None for a key of no
+    module."""
+    found = split_part(key)
+    if found is None:
+        return None
+    name, part = found
+    if name.startswith(KOHYA_PREFIX):
+        name = kohya_name(name[len(KOHYA_PREFIX):], modules)
+        return None if name is None else (name, part)
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name not in modules:
+        for pattern, repl in WAN_NAMES:
+            mapped, n = re.subn(f"^{pattern}$", repl, name)
+            if n:
+                name = mapped
+                break
+    return (name, part) if name in modules else None

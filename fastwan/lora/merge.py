@@ -1,0 +1,256 @@
+"""Matching a LoRA's tensors to the model's layers (shapes checked before any change), merging them into the
+weights (:class:`LoraState`, which keeps the originals to restore them bit for bit), and the entry points the
+generator calls."""
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
+from fastwan.lora.files import finite, read_lora
+from fastwan.lora.keys import LAYERS, OTHER_ADAPTERS, PART_NAMES, module_name
+
+logger = logging.getLogger("fastwan")
+
+
+def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
+    """{module name: {part: tensor}} for the model's linear and convolution layers; raises when no key names one
+    of them (with examples of both sides), a tensor's shape does not fit its module or an alpha is not one finite
+    number (naming the key)."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, LAYERS)}
+    norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
+    updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    unmatched, skipped_norms = [], []
+    for key, value in tensors.items():
+        kind = next((k for marker, k in OTHER_ADAPTERS if marker in key), None)
+        if kind is not None:
+            raise InvalidArgument(f"{source}: {key} is a {kind} tensor; fastwan merges plain LoRAs only (lora_A / "
+                                  "lora_down, lora_B / lora_up, alpha, diff, diff_b): merge it into a plain LoRA "
+                                  "or into the model first.")
+        found = module_name(key, set(linears) | norms)
+        if found is None:
+            unmatched.append(key)
+            continue
+        name, part = found
+        if name in norms:  # norm deltas are not applied (as in diffusers): zeros in the files that carry them
+            if value.count_nonzero():
+                skipped_norms.append(key)
+            continue
+        if part != "alpha" and value.is_floating_point() and not torch.isfinite(value).all():  # black videos
+            bad = int((~torch.isfinite(value)).sum())
+            raise InvalidArgument(f"{source}: {key} holds {bad} NaN or infinite values of {value.numel()}; the LoRA "
+                                  "file is corrupt (or was trained to divergence): use another copy or checkpoint.")
+        if part in updates.setdefault(name, {}):
+            raise InvalidArgument(f"{source}: {updates[name][part][0]} and {key} both give the {PART_NAMES[part]} "
+                                  f"of {name} (two formats or two names of one module in one file); keep one of "
+                                  "them.")
+        updates[name][part] = (key, value)
+    if not updates:
+        raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a layer of this model, e.g. "
+                              f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "
+                              "(diffusers names, the original Wan names with a 'diffusion_model.' prefix, or "
+                              "kohya's 'lora_unet_' with the original names' dots as underscores).")
+    if unmatched:  # e.g. text-encoder keys, or blocks this model does not have: the rest still applies
+        logger.warning("%s: %d of its %d keys name no layer of this model and are not applied, e.g. %s",
+                       source, len(unmatched), len(tensors), sorted(unmatched)[:3])
+    if skipped_norms:
+        logger.warning("%s: %d norm deltas hold non-zero values and are not applied (fastwan, like diffusers, merges "
+                       "no norms), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
+    for name, parts in updates.items():
+        weight = linears[name].weight
+        ones = (1,) * (weight.dim() - 2)
+        if ("A" in parts) != ("B" in parts):
+            key = (parts.get("A") or parts.get("B"))[0]
+            raise InvalidArgument(f"{source}: {key} has no matching {'lora_B' if 'A' in parts else 'lora_A'} "
+                                  "tensor; a LoRA module needs both.")
+        if "A" in parts:  # a convolution's A holds the kernel, its B is 1 x ... x 1 (as PEFT trains one)
+            (ka, a), (kb, b) = parts["A"], parts["B"]
+            if a.dim() != weight.dim() or b.dim() != weight.dim() or a.shape[1:] != weight.shape[1:] \
+                    or b.shape[0] != weight.shape[0] or a.shape[0] != b.shape[1] or tuple(b.shape[2:]) != ones:
+                want_a = ", ".join(map(str, ["rank", *weight.shape[1:]]))
+                want_b = ", ".join(map(str, [weight.shape[0], "rank", *ones]))
+                raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} do not fit {name} "
+                                      f"(weight {tuple(weight.shape)}: A must be [{want_a}], B [{want_b}]); the "
+                                      "LoRA is for another model.")
+        if "M" in parts:  # a DoRA magnitude: one per output feature, shaped as PEFT's layer holds it
+            km, mag = parts["M"]
+            want = (weight.shape[0],) if weight.dim() == 2 else (1, weight.shape[0], *ones)
+            odd = [PART_NAMES[p] for p in ("diff", "B_bias") if p in parts]
+            odd += [] if "A" in parts else ["no lora_A / lora_B"]
+            if odd:  # PEFT refuses a DoRA with lora_bias; a full diff is no LoRA
+                raise InvalidArgument(f"{source}: {km} is a DoRA magnitude, which scales a LoRA's B @ A update, but "
+                                      f"{name} has {' and '.join(odd)}; a DoRA module takes lora_A, lora_B, alpha "
+                                      "and its magnitude (PEFT refuses a DoRA with lora_B.bias): fix the file.")
+            if tuple(mag.shape) != want:
+                raise InvalidArgument(f"{source}: {km} {tuple(mag.shape)} does not fit {name} (weight "
+                                      f"{tuple(weight.shape)}: a DoRA magnitude must be {list(want)}, one value per "
+                                      "output feature); the LoRA is for another model.")
+        if "diff" in parts and parts["diff"][1].shape != weight.shape:
+            raise InvalidArgument(f"{source}: {parts['diff'][0]} {tuple(parts['diff'][1].shape)} does not fit {name} "
+                                  f"(weight {tuple(weight.shape)}).")
+        if "alpha" in parts:  # one finite number: the update's scale is alpha / rank
+            ka, alpha = parts["alpha"]
+            if alpha.numel() != 1 or not torch.isfinite(alpha.float()).all():
+                shown = alpha.tolist() if alpha.numel() <= 4 else f"{alpha.numel()} elements"
+                raise InvalidArgument(f"{source}: {ka} is {shown} (shape {tuple(alpha.shape)}); a LoRA alpha must "
+                                      "be one finite number (the file is corrupt or not a LoRA: fix or re-export "
+                                      "it).")
+        if "diff_b" in parts and "B_bias" in parts:
+            raise InvalidArgument(f"{source}: {parts['diff_b'][0]} and {parts['B_bias'][0]} both give the bias "
+                                  f"delta of {name} (two formats of one module in one file); keep one of them.")
+        bias = linears[name].bias
+        for key, value in (parts[p] for p in ("diff_b", "B_bias") if p in parts):
+            if bias is None or value.shape != bias.shape:
+                raise InvalidArgument(f"{source}: {key} {tuple(value.shape)} does not fit the bias of {name} "
+                                      f"({None if bias is None else tuple(bias.shape)}).")
+    return {name: {p: t for p, (_, t) in parts.items()} for name, parts in updates.items()}
+
+
+class LoraState:
+    """The originals of the tensors a model's merged LoRAs changed (on the CPU), to restore them exactly.
+
+    Each is kept by where it lives (its module and attribute name), not by the tensor object: moving a model
+    (``.to()``, a memory plan's pinned or GPU copies) replaces an FP8 layer's buffers with new tensors, and the
+    restore must reach the live ones."""
+
+    def __init__(self):
+        # (id(module), name) -> (module, name, original copy on the CPU)
+        self.originals: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        self.loaded: list[tuple[str, float]] = []
+
+    def _keep(self, module: torch.nn.Module, name: str) -> None:
+        if (id(module), name) not in self.originals:
+            self.originals[(id(module), name)] = (module, name, getattr(module, name).detach().to("cpu", copy=True))
+
+    @torch.no_grad()
+    def merge(self, model: torch.nn.Module, updates: dict, scale: float) -> int:
+        """Add ``scale`` x each update into ``model``'s weights in place; returns the number of modules changed."""
+        modules = dict(model.named_modules())
+        for name, parts in updates.items():
+            lin = modules[name]
+            w = lin.weight
+            fp8 = isinstance(lin, Fp8Linear)
+            delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            factor = 1.0  # alpha / rank; a lora_B.bias without lora_A / lora_B (no rank) is added as it is
+            if "A" in parts:
+                a = parts["A"].to(w.device, torch.float32)
+                b = parts["B"].to(w.device, torch.float32)
+                factor = (float(parts["alpha"]) if "alpha" in parts else float(a.shape[0])) / a.shape[0]
+                delta += factor * (b.flatten(1) @ a.flatten(1)).view(w.shape)  # a convolution's too
+            if "diff" in parts:
+                delta += parts["diff"].to(w.device, torch.float32)
+            if "A" in parts or "diff" in parts:
+                current = dequantize_weight(w, lin.weight_scale) if fp8 else w.float()
+                new = current + scale * delta
+                if "M" in parts:  # DoRA: each output feature rescaled to its magnitude (PEFT's merge)
+                    norm = (self._unmerged(lin, current) + scale * delta).flatten(1).norm(dim=1)
+                    dora = parts["M"].to(w.device, torch.float32).flatten() / norm
+                    new = dora.view(-1, *[1] * (w.dim() - 1)) * new
+                self._keep(lin, "weight")
+                if fp8:  # requantized, new scales
+                    self._keep(lin, "weight_scale")
+                    w8, w_scale = quantize_weight(new)
+                    w.copy_(w8)
+                    lin.weight_scale.copy_(w_scale)
+                else:
+                    w.copy_(new.to(w.dtype))
+            if "diff_b" in parts or "B_bias" in parts:  # PEFT scales its lora_B.bias as its B @ A
+                self._keep(lin, "bias")
+                bias = parts["diff_b"] if "diff_b" in parts else factor * parts["B_bias"].float()
+                lin.bias.copy_((lin.bias.float() + scale * bias.to(w.device, torch.float32)).to(lin.bias.dtype))
+        return len(updates)
+
+    def _unmerged(self, lin: torch.nn.Module, current: torch.Tensor) -> torch.Tensor:
+        """``lin``'s weight before this state's merges (PEFT's DoRA norm leaves them out), fp32; else ``current``."""
+        kept = self.originals.get((id(lin), "weight"))
+        if kept is None:
+            return current
+        if isinstance(lin, Fp8Linear):
+            scale = self.originals[(id(lin), "weight_scale")][2]
+            return dequantize_weight(kept[2].to(current.device), scale.to(current.device))
+        return kept[2].to(current.device, torch.float32)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Every changed tensor back to its original, bit for bit."""
+        for module, name, original in self.originals.values():
+            live = getattr(module, name)
+            live.copy_(original.to(live.device))
+        self.originals.clear()
+        self.loaded.clear()
+
+
+def parse_lora_spec(spec) -> list[tuple[str, float]]:
+    """``PATH``, ``(PATH, SCALE)`` or a list of them -> [(path, scale)]."""
+    if spec is None:
+        return []
+    items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
+
+    out = []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            item = (item, 1.0)
+        if isinstance(item, (tuple, list)) and len(item) == 2:  # a NumPy / torch scalar scale is its Python number
+            item = (item[0], python_number(item[1]))
+        ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)) \
+            and isinstance(item[1], numbers.Real) and not isinstance(item[1], bool)
+        if not ok:
+            raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+        if not finite(item[1]):
+            raise InvalidArgument(f"lora={spec!r}: the scale of {str(item[0])!r} is {item[1]!r}; a LoRA scale must "
+                                  "be a finite number (1.0 as trained, 0.5 for half strength).")
+        out.append((str(item[0]), float(item[1])))
+    return out
+
+
+def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, expert: int | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> int:
+    """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
+    with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
+    check (file, keys, shapes, alphas, arguments) runs before any weight changes. Returns the number of modules
+    changed. NumPy / torch scalars count as the Python numbers they hold."""
+    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
+
+    scale, expert = python_number(scale), python_number(expert)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")
+    if not finite(scale):
+        raise InvalidArgument(f"scale={scale!r} must be a finite number (the LoRA's strength, 1.0 as trained).")
+    experts = " or ".join(map(str, range(len(models))))
+    if expert is not None and (isinstance(expert, bool) or not isinstance(expert, numbers.Integral)):
+        raise InvalidArgumentType(f"expert={expert!r} must be an int ({experts}) or None for all experts.")
+    if expert is not None and expert not in range(len(models)):
+        raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use {experts}, "
+                              "or None for all.")
+    expert = None if expert is None else int(expert)
+    tensors = read_lora(path) if tensors is None else tensors
+    chosen = range(len(models)) if expert is None else [expert]
+    updates = {i: lora_updates(tensors, models[i], f"LoRA {str(path)!r}") for i in chosen}
+    changed = 0
+    for i, upd in updates.items():
+        changed += states[i].merge(models[i], upd, float(scale))
+        states[i].loaded.append((str(path), float(scale)))
+    return changed
+
+
+def check_loras(loras: list[tuple[str, float]], config) -> list[dict[str, torch.Tensor]]:
+    """Every file of ``loras`` read and matched against a DiT of ``config`` built on the meta device (no weights),
+    so a bad file raises before anything is loaded -> the files' tensors, in order (each file is read once)."""
+    if not loras:
+        return []
+    from fastwan.models import WanTransformer
+
+    with torch.device("meta"):
+        model = WanTransformer(config)
+    files = [read_lora(path) for path, _ in loras]
+    for (path, _), tensors in zip(loras, files):
+        lora_updates(tensors, model, f"LoRA {path!r}")
+    return files
