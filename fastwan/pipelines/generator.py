@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastwan import envs
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
@@ -51,12 +50,11 @@ from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_numbe
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import check_flags, load_scheduler, load_vae, trained_attention
+from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
 from fastwan.pipelines.text import encode_prompts
 
 logger = logging.getLogger("fastwan")
 
-CFG_MODES = ("auto", "batched", "sequential")
 AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
 
 
@@ -180,34 +178,10 @@ class VideoGenerator:
         call = {k: v for k, v in locals().items() if k not in ("cls", "model")}
         # ---- argument checks (before any work) ----
         launch = parallel_mode(num_gpus, cfg_parallel)
-        if vae_dtype is None:  # decode in the model's dtype (bf16 halves the VAE's time); fp32 on request
-            vae_dtype = dtype
-        for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
-            if dt not in (torch.float32, torch.bfloat16, torch.float16):
-                raise InvalidArgument(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
-        if cfg_mode not in CFG_MODES:
-            raise InvalidArgument(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
-                             "'sequential' saves memory).")
-        if cfg_gate_step is None:
-            cfg_gate_step = envs.cfg_gate_step()
-        else:
-            cfg_gate_step = envs.validate_cfg_gate_step(python_number(cfg_gate_step))
-        if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
-            raise InvalidArgumentType(
-                f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile kwargs.")
-        check_flags(enable_torch_compile=enable_torch_compile, allow_pickle=allow_pickle)
-        if dit_options is None:
-            dit_options = DiTOptions()
-        elif not isinstance(dit_options, DiTOptions):
-            raise InvalidArgumentType(f"dit_options={dit_options!r} must be a fastwan.options.DiTOptions.")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise InvalidArgument(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
+        vae_dtype, cfg_gate_step, dit_options, device = check_load_options(
+            dtype=dtype, vae_dtype=vae_dtype, cfg_mode=cfg_mode, cfg_gate_step=cfg_gate_step,
+            torch_compile_kwargs=torch_compile_kwargs, enable_torch_compile=enable_torch_compile,
+            allow_pickle=allow_pickle, dit_options=dit_options, device=device)
         config = attention_config_arg(attention_config)
         quantization = check_quantization(quantization)
         budget = parse_memory(python_number(max_gpu_memory))

@@ -1,5 +1,6 @@
-"""What ``VideoGenerator.from_pretrained`` settles before loading: the scheduler class, torch.compile's arguments,
-the attention a VSA-trained checkpoint runs, and the attention config argument."""
+"""What ``VideoGenerator.from_pretrained`` settles before loading: its plain options (dtypes, CFG mode and gate,
+flags, DiT options, device), the scheduler class, torch.compile's arguments, the attention a VSA-trained
+checkpoint runs, and the attention config argument."""
 from __future__ import annotations
 
 import inspect
@@ -8,13 +9,53 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastwan import envs
 from fastwan.attention import AttentionDispatch
 from fastwan.attention.registry import backend_keys, requested_backend
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.options import DiTOptions
+from fastwan.pipelines.inputs import python_number
 from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
 
 logger = logging.getLogger("fastwan")
+
+CFG_MODES = ("auto", "batched", "sequential")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compile_kwargs, enable_torch_compile,
+                       allow_pickle, dit_options, device) -> tuple:
+    """``from_pretrained``'s plain options checked (user errors naming the value) and filled in -> (vae_dtype:
+    ``dtype`` when None; cfg_gate_step: the environment's (``FASTVIDEO_CFG_GATE_STEP``) when None; dit_options:
+    ``DiTOptions()`` when None; device: a torch.device, CUDA when None and available)."""
+    vae_dtype = dtype if vae_dtype is None else vae_dtype  # bf16 halves the VAE's time; fp32 on request
+    for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
+        if dt not in DTYPES:
+            raise InvalidArgument(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
+    if cfg_mode not in CFG_MODES:
+        raise InvalidArgument(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
+                              "'sequential' saves memory).")
+    cfg_gate_step = envs.cfg_gate_step() if cfg_gate_step is None else envs.validate_cfg_gate_step(
+        python_number(cfg_gate_step))
+    if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
+        raise InvalidArgumentType(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile "
+                                  "kwargs.")
+    check_flags(enable_torch_compile=enable_torch_compile, allow_pickle=allow_pickle)
+    if dit_options is None:
+        dit_options = DiTOptions()
+    elif not isinstance(dit_options, DiTOptions):
+        raise InvalidArgumentType(f"dit_options={dit_options!r} must be a fastwan.options.DiTOptions.")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
+    return vae_dtype, cfg_gate_step, dit_options, device
 
 
 def load_scheduler(folder: Path):
