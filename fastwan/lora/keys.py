@@ -77,7 +77,7 @@ def split_part(key: str) -> tuple[str, str] | None:
 
 
 def module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
-    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b), or None for a key of no
+    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b, M), or None for a key of no
     module."""
     found = split_part(key)
     if found is None:
