@@ -18,6 +18,7 @@ from fastwan.options import BLOCKS
 
 # The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
 USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
+LORA_EXPERTS = {"high": 0, "low": 1}  # --lora PATH:...:high|low -> the Wan2.2 A14B expert it goes into
 
 
 class _Parser(OneLineParser):
@@ -63,8 +64,9 @@ def _generate_parser(sub) -> None:
                    help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "
                         "where the kernels run)")
     p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
-    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                   help="merge a LoRA (.safetensors) into the DiT, with an optional strength; repeatable")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE][:high|low]",
+                   help="merge a LoRA (.safetensors) into the DiT, with an optional strength; ':high' / ':low' "
+                        "merges it into one Wan2.2 A14B expert only (high or low noise); repeatable")
     p.add_argument("--cache", default=None, metavar="TYPE[:KEY=VALUE,...]",
                    help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, e.g. "
                         "teacache:threshold=0.1 or magcache:mag_ratios=@ratios.json (see fastwan.cache)")
@@ -256,13 +258,18 @@ def _run_quantize(args) -> int:
     return 0
 
 
-def _lora_arg(text: str) -> tuple[str, float]:
-    """'style.safetensors:0.8' -> (path, 0.8); a path without a numeric ':SCALE' suffix gets 1.0."""
+def _lora_arg(text: str) -> tuple[str, float, int | None]:
+    """'style.safetensors:0.8' -> (path, 0.8, None); a path without a numeric ':SCALE' suffix gets 1.0; a last
+    ':high' / ':low' names the Wan2.2 A14B expert (0 / 1) the LoRA goes into (None: every expert)."""
+    head, sep, last = text.rpartition(":")
+    expert = None
+    if sep and head and last.lower() in LORA_EXPERTS:
+        text, expert = head, LORA_EXPERTS[last.lower()]
     path, sep, scale = text.rpartition(":")
     try:
-        return (path, float(scale)) if sep and path else (text, 1.0)
+        return (path, float(scale), expert) if sep and path else (text, 1.0, expert)
     except ValueError:
-        return text, 1.0
+        return text, 1.0, expert
 
 
 def _leave_job() -> None:

@@ -181,8 +181,11 @@ def test_cli_build_options_reach_the_generator(monkeypatch):
     run("--dit-block", "reference")
     assert seen["dit_options"] == DiTOptions(block="reference")
     assert seen["lora"] == []
-    run("--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5", "--lora", "d:e.safetensors")
-    assert seen["lora"] == [("a.safetensors", 1.0), ("c:/x/b.safetensors", 0.5), ("d:e.safetensors", 1.0)]
+    run("--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5", "--lora", "d:e.safetensors",
+        "--lora", "h.safetensors:high", "--lora", "c:/l.safetensors:0.25:LOW", "--lora", "x:low.safetensors")
+    assert seen["lora"] == [("a.safetensors", 1.0, None), ("c:/x/b.safetensors", 0.5, None),
+                            ("d:e.safetensors", 1.0, None), ("h.safetensors", 1.0, 0), ("c:/l.safetensors", 0.25, 1),
+                            ("x:low.safetensors", 1.0, None)]
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])

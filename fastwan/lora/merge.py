@@ -185,29 +185,34 @@ class LoraState:
         self.loaded.clear()
 
 
-def parse_lora_spec(spec) -> list[tuple[str, float]]:
-    """``PATH``, ``(PATH, SCALE)`` or a list of them -> [(path, scale)]."""
+def parse_lora_spec(spec) -> list[tuple[str, float, int | None]]:
+    """``PATH``, ``(PATH, SCALE)``, ``(PATH, SCALE, EXPERT)`` or a list of them -> [(path, scale, expert)].
+    EXPERT: 0 (a Wan2.2 A14B checkpoint's high-noise expert), 1 (its low-noise one) or None (every expert, the
+    default); its range is checked against the checkpoint by :func:`check_loras`."""
     if spec is None:
         return []
     items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
     if not isinstance(items, (list, tuple)):
-        raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+        raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), (path, scale, expert), or a list of "
+                                  "them.")
     from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
 
     out = []
     for item in items:
         if isinstance(item, (str, Path)):
             item = (item, 1.0)
-        if isinstance(item, (tuple, list)) and len(item) == 2:  # a NumPy / torch scalar scale is its Python number
-            item = (item[0], python_number(item[1]))
-        ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)) \
-            and isinstance(item[1], numbers.Real) and not isinstance(item[1], bool)
+        if isinstance(item, (tuple, list)) and len(item) in (2, 3):  # NumPy / torch scalars: their Python numbers
+            item = (item[0], *map(python_number, item[1:]), None)[:3]
+        ok = isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], (str, Path)) \
+            and isinstance(item[1], numbers.Real) and not isinstance(item[1], bool) \
+            and (item[2] is None or isinstance(item[2], numbers.Integral) and not isinstance(item[2], bool))
         if not ok:
-            raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), or a list of them.")
+            raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), (path, scale, expert) with an int "
+                                      "expert (0: high noise, 1: low noise) or None, or a list of them.")
         if not finite(item[1]):
             raise InvalidArgument(f"lora={spec!r}: the scale of {str(item[0])!r} is {item[1]!r}; a LoRA scale must "
                                   "be a finite number (1.0 as trained, 0.5 for half strength).")
-        out.append((str(item[0]), float(item[1])))
+        out.append((str(item[0]), float(item[1]), None if item[2] is None else int(item[2])))
     return out
 
 
@@ -241,16 +246,23 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     return changed
 
 
-def check_loras(loras: list[tuple[str, float]], config) -> list[dict[str, torch.Tensor]]:
-    """Every file of ``loras`` read and matched against a DiT of ``config`` built on the meta device (no weights),
-    so a bad file raises before anything is loaded -> the files' tensors, in order (each file is read once)."""
+def check_loras(loras: list[tuple[str, float, int | None]], config, experts: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Every entry of ``loras`` (:func:`parse_lora_spec`) checked for a checkpoint of ``experts`` DiTs of
+    ``config``: its expert in range, its file read and matched against a DiT built on the meta device (no
+    weights), so a bad entry raises before anything is loaded -> the files' tensors, in order (each file is read
+    once)."""
     if not loras:
         return []
+    for path, _, expert in loras:
+        if expert is not None and expert not in range(experts):
+            raise InvalidArgument(
+                f"lora {path!r}: expert={expert}, but this checkpoint has {experts} expert(s); an expert (0: high "
+                "noise, 1: low noise) is for a Wan2.2 A14B checkpoint: leave it out (None) to merge into every DiT.")
     from fastwan.models import WanTransformer
 
     with torch.device("meta"):
         model = WanTransformer(config)
-    files = [read_lora(path) for path, _ in loras]
-    for (path, _), tensors in zip(loras, files):
+    files = [read_lora(path) for path, _, _ in loras]
+    for (path, _, _), tensors in zip(loras, files):
         lora_updates(tensors, model, f"LoRA {path!r}")
     return files

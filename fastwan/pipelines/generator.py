@@ -151,8 +151,8 @@ class VideoGenerator:
         ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
         or a threshold of 0: none). Under a cache each CFG pass decides with its own state, one pass after the other.
 
-        ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), or a list of them (see
-        :meth:`load_lora`).
+        ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), (path, scale, expert), or a
+        list of them (see :meth:`load_lora`; expert 0 / 1: one Wan2.2 A14B expert, as paired LoRAs need).
 
         ``quantization``: None (the DiT in ``dtype``) or "fp8": every linear layer of the DiT's blocks holds an e4m3
         weight with per-output-channel scales, quantized while loading (:mod:`fastwan.models.wan.quantize`): half
@@ -196,7 +196,7 @@ class VideoGenerator:
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
-        lora_files = check_loras(loras, ckpt.transformer_config)
+        lora_files = check_loras(loras, ckpt.transformer_config, len(ckpt.experts))
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
@@ -253,8 +253,8 @@ class VideoGenerator:
                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
                   cache=cache)
-        for (path, scale), tensors in zip(loras, lora_files):
-            apply_lora(gen.transformers, gen._loras, path, scale, tensors=tensors)
+        for (path, scale, expert), tensors in zip(loras, lora_files):
+            apply_lora(gen.transformers, gen._loras, path, scale, expert, tensors=tensors)
         if plan is not None:
             gen.memory_plan, gen.max_gpu_memory, gen._weight_bytes = plan, budget, weights
             gen.placement = Placement(plan, device, transformers=transformers_, text_encoder=text_encoder,

@@ -134,7 +134,7 @@ def test_lora_scale_from_a_torch_scalar(gen, tmp_path):
     finally:
         gen.unload_lora()
     assert torch.equal(lin.weight, w0)
-    assert parse_lora_spec([(path, torch.tensor(0.5))]) == [(str(path), 0.5)]
+    assert parse_lora_spec([(path, torch.tensor(0.5))]) == [(str(path), 0.5, None)]
 
 
 def test_empty_lora_path_is_named(gen):

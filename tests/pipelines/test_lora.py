@@ -136,13 +136,21 @@ def test_unload_restores_weights_bit_for_bit(gen, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
 
 
-def test_a14b_lora_per_expert(tmp_path):
+@pytest.mark.parametrize("route", ["load_lora", "from_pretrained"])
+def test_a14b_lora_per_expert(tmp_path, route):
+    """A paired high- / low-noise LoRA, each merged into its expert only (``load_lora(expert=)`` or
+    ``from_pretrained(lora=[(path, scale, expert)])``, the CLI's ``PATH:high``), against diffusers' per-expert
+    adapters."""
     g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32)
     high, low = tmp_path / "high.safetensors", tmp_path / "low.safetensors"
     save_file(random_lora(g.transformers[0], "diffusers", seed=1), str(high))
     save_file(random_lora(g.transformers[1], "diffusers", seed=2), str(low))
-    g.load_lora(high, expert=0)
-    g.load_lora(low, expert=1)
+    if route == "load_lora":
+        g.load_lora(high, expert=0)
+        g.load_lora(low, expert=1)
+    else:
+        g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32,
+                                           lora=[(high, 1.0, 0), (str(low), np.float32(1.0), np.int64(1))])
     got = g.generate_video(PROMPT, negative_prompt=NEG, seed=3, save_video=False, **SIZE).frames
 
     from diffusers import WanPipeline
@@ -214,6 +222,9 @@ def test_bad_loras_raise_before_any_change(gen, tmp_path):
         gen.load_lora(good, expert=1)
     with pytest.raises(InvalidArgumentType, match="scale="):
         gen.load_lora(good, scale="strong")
-    with pytest.raises(InvalidArgumentType, match="lora="):
+    with pytest.raises(InvalidArgument, match="expert=2, but this checkpoint has 1 expert"):
         VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, lora=[(good, 1.0, 2)])
+    for bad in [(good, 1.0, 0, 1), (good, 1.0, 0.5), (good, 1.0, True), (good, 1.0, "high")]:
+        with pytest.raises(InvalidArgumentType, match="lora="):
+            VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, lora=[bad])
     assert all(torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
