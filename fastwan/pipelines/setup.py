@@ -98,8 +98,6 @@ def check_compile_kwargs(user: Mapping[str, Any]) -> None:
     ``disable`` True or False, ``dynamic`` True, False or None), with values torch.compile takes. torch.compile
     refuses an unknown mode, backend or option only when it is called, which is after the weights load: a trial
     call on a trivial function (nothing is compiled until it runs) raises here instead."""
-    import torch
-
     names = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
     unknown = [k for k in user if not isinstance(k, str) or k not in names]
     if unknown:

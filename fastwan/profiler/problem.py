@@ -19,7 +19,7 @@ class ModelPreset:
     vae_stride: int  # pixels per latent (spatial)
     patch: int  # latent patches per token (spatial)
     default_size: tuple[int, int, int]  # height, width, frames
-    vae_temporal: int = 4  # frames per latent frame after the first (TEMPORAL_STRIDE for every Wan VAE)
+    vae_temporal: int = 4  # frames per latent frame after the first (4 for every Wan VAE)
     patch_t: int = 1  # latent frames per token
     max_grid: int | None = None  # tokens per axis the DiT's RoPE covers (None: not checked)
 
@@ -34,7 +34,6 @@ MODELS = MappingProxyType({
     "wan2.2-a14b": ModelPreset(40, 128, 8, 2, (720, 1280, 81)),
     "wan2.2-ti2v-5b": ModelPreset(24, 128, 16, 2, (704, 1280, 121)),
 })
-TEMPORAL_STRIDE = 4
 
 
 def model_preset(model: str) -> ModelPreset:
