@@ -3,7 +3,8 @@
 Random weights at the real 14B shapes are created once on the GPU (diffusers module); every fastwan variant is
 built on the meta device and assigned the very same tensors (no copy), so all run identical weights. A variant
 is data: '/'-joined parts, each an attention part (FLASH_ATTN's FA4 query tile: auto, t128, t192; nosplit: the
-query in one launch), fp8 (the block linears quantized to FP8 from the shared weights) or a DiT variant of
+query in one launch), fp8 (the block linears quantized to FP8 from the shared weights), nofold (the text
+cross-attention's output projection never folded into its values) or a DiT variant of
 :func:`benchmarks.harness.option_variants` (reference, fast), e.g. ``t128/reference`` or ``auto/fp8``. The variants
 are timed in interleaved rounds.
 
@@ -44,6 +45,8 @@ def parse_variant(label: str, backend: str) -> tuple[dict | None, dict]:
     for part in label.split("/"):
         if part == "fp8":  # FP8 block linears (fastwan.models.wan.quantize), quantized from the shared weights
             overrides["fp8"] = True
+        elif part == "nofold":  # the prompt cache's fold bound at 0: no prompt is short enough to fold
+            overrides["nofold"] = True
         elif part in TILES:
             tile = TILES[part]
         elif part == "nosplit":
@@ -52,7 +55,7 @@ def parse_variant(label: str, backend: str) -> tuple[dict | None, dict]:
             try:
                 overrides.update(option_overrides(part))
             except ValueError as exc:
-                raise ValueError(f"variant {label!r}: part {part!r} is not {', '.join(TILES)} or nosplit, "
+                raise ValueError(f"variant {label!r}: part {part!r} is not {', '.join(TILES)}, nosplit, nofold, "
                                  f"and {exc}") from None
     if backend != "FLASH_ATTN":
         if tile != "auto" or not split:
@@ -69,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="forward_14b.json")
     p.add_argument("--variants", default="auto",
                    help="fastwan setups timed in interleaved rounds, comma-separated; each '/'-joined parts: "
-                        "auto|t128|t192 (FLASH_ATTN's fa4_tile_m), nosplit (FA4's query in one launch), or a DiT "
-                        "variant (defaults, reference, fast)")
+                        "auto|t128|t192 (FLASH_ATTN's fa4_tile_m), nosplit (FA4's query in one launch), nofold (no "
+                        "folded text projection), or a DiT variant (defaults, reference, fast)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-tuned-peer", dest="tuned_peer", action="store_false",
                    help="skip the second peer (diffusers with compile_repeated_blocks and _native_cudnn)")
@@ -154,8 +157,12 @@ def main(argv=None) -> int:
     models = {}
     for label, (conf, overrides) in variants.items():
         att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
-        options = {k: v for k, v in overrides.items() if k != "fp8"}
+        options = {k: v for k, v in overrides.items() if k not in ("fp8", "nofold")}
         model = build_dit(cfg, att, state, options)  # the same tensors as diffusers' model: no copy
+        if overrides.get("nofold"):
+            if model.prompts is None:
+                raise SystemExit(f"variant {label!r}: nofold needs the fast block (it has the prompt cache)")
+            model.prompts.fold_max_width = 0.0
         if overrides.get("fp8"):
             use_fp8(model, fp8_layer_names(model), device="cuda", dtype=torch.bfloat16)
         if a.compile:

@@ -40,8 +40,11 @@ class AttentionMetadata:
     """Per-call context for self-attention inside the DiT.
 
     ``grid`` is the (T, H, W) token grid of the video after patchify; ``layout`` is set when the tokens were
-    reordered for a sparse backend; ``step_index``/``num_steps`` are the denoising step (None outside a loop);
-    ``layer_index`` is the DiT block index.
+    reordered for a sparse backend; ``compact``: q, k, v (and the per-token extras, :data:`TOKEN_EXTRAS`) hold
+    the layout's real tokens only, in its compact order (``layout.permute_compact``), and
+    :class:`~fastwan.attention.AttentionDispatch` pads them to the layout's slots for the backend (a backend
+    itself always takes the slots); ``step_index``/``num_steps`` are the denoising step (None outside a loop);
+    ``layer_index`` is the DiT block index; ``extra``: backend inputs by name.
     """
 
     grid: tuple[int, int, int] | None = None
@@ -50,6 +53,10 @@ class AttentionMetadata:
     layer_index: int = 0
     layout: TokenLayout | None = None
     extra: dict = field(default_factory=dict)
+    compact: bool = False
+
+
+TOKEN_EXTRAS = ("gate_compress",)  # AttentionMetadata.extra entries that are per token: [B, S, H, D] like q
 
 
 def package_available(name: str) -> bool:

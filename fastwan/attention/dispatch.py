@@ -2,10 +2,12 @@
 
 A DiT holds one :class:`AttentionDispatch`. Self-attention goes to ``self_backend`` (dense or sparse);
 cross-attention (video queries vs. text keys) always goes to a dense backend. A sparse backend also supplies
-the :class:`~fastwan.attention.sparse.layout.TokenLayout` that the DiT applies once per forward.
+the :class:`~fastwan.attention.sparse.layout.TokenLayout` that the DiT applies once per forward (its compact
+order: the DiT's stream holds no dummy slots, and the dispatch pads q, k, v to the slots around each call).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fastwan.attention.base import AttentionBackend, AttentionMetadata, check_qkv
+from fastwan.attention.base import TOKEN_EXTRAS, AttentionBackend, AttentionMetadata, check_qkv
 from fastwan.attention.registry import auto_backend, resolve_backend
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 
@@ -78,7 +80,8 @@ class AttentionDispatch:
         return self.self_backend.layout(grid, device)
 
     def self_attention(self, q, k, v, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """q, k, v: [B, S, H, D] -> [B, S, H, D]."""
+        """q, k, v: [B, S, H, D] -> [B, S, H, D]; for a sparse backend in the order ``meta`` says (the layout's
+        slots, or its compact order with ``meta.compact``)."""
         if self._sparse_call is not None:
             return self._sparse_call(self.self_backend, q, k, v, meta)
         return self.self_backend(q, k, v, meta=None)
@@ -89,7 +92,17 @@ class AttentionDispatch:
 
 
 def _call_with_meta(backend, q, k, v, meta):
-    return backend(q, k, v, meta=meta)
+    """``backend(q, k, v, meta=meta)``; compact tokens (``meta.compact``) padded to the layout's slots first and
+    the output's dummy rows dropped."""
+    if meta is None or not meta.compact:
+        return backend(q, k, v, meta=meta)
+    layout = meta.layout
+    if layout is None:
+        raise ValueError("AttentionMetadata(compact=True) needs its layout: the compact order is the layout's")
+    q, k, v = (layout.pad_slots(t, 1) for t in (q, k, v))
+    extra = {name: layout.pad_slots(t, 1) if name in TOKEN_EXTRAS else t for name, t in meta.extra.items()}
+    meta = dataclasses.replace(meta, extra=extra, compact=False)
+    return layout.drop_slots(backend(q, k, v, meta=meta), 1)
 
 
 def attention(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fastwan.attention.base import AttentionMetadata
+from fastwan.attention.base import TOKEN_EXTRAS, AttentionMetadata
 from fastwan.errors import InvalidArgument
 
 
@@ -108,7 +108,8 @@ class UlyssesDispatch:
         q, k, v = (self.sp.seq_to_heads(t, sizes) for t in (q, k, v))
         if meta is not None:  # this rank holds heads [rank * H / world, (rank + 1) * H / world) of the layer's H
             extra = {**(meta.extra or {}), "head_range": (self.sp.rank * (heads // self.sp.world), heads)}
-            if "gate_compress" in extra:  # VSA's gate is per token and head
-                extra["gate_compress"] = self.sp.seq_to_heads(extra["gate_compress"], sizes)
+            for name in TOKEN_EXTRAS:  # per token and head (VSA's gate): split like q
+                if name in extra:
+                    extra[name] = self.sp.seq_to_heads(extra[name], sizes)
             meta = dataclasses.replace(meta, extra=extra)
         return self.sp.heads_to_seq(self.inner.self_attention(q, k, v, meta), sizes)

@@ -71,11 +71,55 @@ def test_round_trip_many_grids():
         assert torch.equal(layout.unpermute(layout.permute(z, dim=-2), dim=-2), z)
 
 
+def test_compact_order_is_the_slots_without_the_dummies():
+    """permute_compact == drop_slots(permute); pad_slots(permute_compact) == permute (dummy slots zero); each
+    helper's inverse undoes it, on any dim; and with no dummy slot the compact order is the slots' order."""
+    rng = random.Random(1)
+    cases = [((3, 5, 7), (2, 4, 4), None), ((4, 8, 8), (2, 4, 4), None), ((5, 7, 9), (2, 3, 4), 32)]
+    cases += [((rng.randint(1, 9), rng.randint(1, 12), rng.randint(1, 12)),
+               (rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 5)), None) for _ in range(30)]
+    for grid, tile, block in cases:
+        layout = TokenLayout(grid, tile, block)
+        x = torch.randn(2, layout.num_tokens, 3, dtype=torch.float64)
+        c = layout.permute_compact(x, dim=1)
+        assert c.shape == x.shape
+        # the compact rows in order: the real slots' raster tokens, by a plain Python walk over the slots
+        walk = [t for t in layout.token_of_slot.tolist() if t >= 0]
+        assert torch.equal(c, x[:, walk])
+        assert torch.equal(c, layout.drop_slots(layout.permute(x, dim=1), dim=1))
+        assert torch.equal(layout.pad_slots(c, dim=1), layout.permute(x, dim=1))
+        assert torch.equal(layout.unpermute_compact(c, dim=1), x)
+        assert torch.equal(layout.drop_slots(layout.pad_slots(c, dim=1), dim=1), c)
+        z = torch.randn(layout.num_tokens, 5)
+        assert torch.equal(layout.unpermute_compact(layout.permute_compact(z, dim=0), dim=0), z)
+        r = torch.randn(1, layout.num_tokens, 1, 4)
+        assert torch.equal(layout.pad_slots(layout.permute_compact(r, dim=1), dim=1), layout.permute(r, dim=1))
+        if not layout.has_dummies:
+            assert layout.pad_slots(c, dim=1) is c and layout.drop_slots(c, dim=1) is c
+
+
+def test_pad_slots_overwrites_every_slot():
+    """pad_slots allocates without zeroing: every slot must be written (real rows copied, dummy rows zero), whatever
+    the fresh memory held (NaN here, through a new_empty that returns NaN-filled tensors)."""
+    layout = TokenLayout((3, 5, 7), (2, 4, 4))
+    x = torch.randn(1, layout.num_tokens, 2)
+
+    class Poisoned(torch.Tensor):
+        def new_empty(self, *a, **k):
+            return torch.full(*a, float("nan"), dtype=self.dtype)
+
+    y = layout.pad_slots(layout.permute_compact(x).as_subclass(Poisoned), dim=1).as_subclass(torch.Tensor)
+    assert torch.isfinite(y).all() and torch.equal(y, layout.permute(x, dim=1))
+
+
 def test_permute_is_differentiable():
     layout = TokenLayout((3, 5, 7), (2, 4, 4))
     x = torch.randn(1, layout.num_tokens, 2, requires_grad=True)
     layout.unpermute(layout.permute(x) * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    x.grad = None
+    layout.unpermute_compact(layout.drop_slots(layout.pad_slots(layout.permute_compact(x)) * 3)).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
 
 
 def test_shape_errors():
@@ -84,6 +128,12 @@ def test_shape_errors():
         layout.permute(torch.zeros(1, 100, 4))
     with pytest.raises(ValueError, match="unpermute"):
         layout.unpermute(torch.zeros(1, 105, 4))
+    with pytest.raises(ValueError, match="pad_slots: .*105 tokens"):
+        layout.pad_slots(torch.zeros(1, layout.padded_tokens, 4))
+    with pytest.raises(ValueError, match=f"drop_slots: .*{layout.padded_tokens} tokens"):
+        layout.drop_slots(torch.zeros(1, 105, 4))
+    with pytest.raises(ValueError, match="permute_compact"):
+        layout.permute_compact(torch.zeros(1, 104, 4))
     with pytest.raises(ValueError, match="block_size"):
         TokenLayout((3, 5, 7), (2, 4, 4), block_size=16)
     with pytest.raises(ValueError, match="grid"):

@@ -4,12 +4,16 @@
 * ``NEIGHBORHOOD_ATTN`` -> :class:`~fastwan.attention.sparse.neighborhood.NeighborhoodBackend`
 * ``VIDEO_SPARSE_ATTN`` -> :class:`~fastwan.attention.sparse.vsa.VideoSparseBackend`
 
-Use from the DiT (once per forward)::
+A backend takes q, k, v in its layout's slots::
 
     layout = backend.layout((T, H, W), device)
-    x = layout.permute(x, dim=1)            # also RoPE cos/sin and per-token embeddings
-    ... backend(q, k, v, meta=AttentionMetadata(grid=(T, H, W), layout=layout, step_index=i, ...))
-    x = layout.unpermute(x, dim=1)
+    q, k, v = (layout.permute(t, dim=1) for t in (q, k, v))   # raster order -> slots, dummy slots zero
+    out = layout.unpermute(backend(q, k, v, meta=AttentionMetadata(grid=(T, H, W), layout=layout, ...)), dim=1)
+
+The DiT permutes its stream once per forward into the compact order (``layout.permute_compact``: the slots
+without the dummy ones; also RoPE cos/sin and per-token embeddings) and calls the backend through
+:class:`~fastwan.attention.AttentionDispatch` with ``AttentionMetadata(..., compact=True)``, which pads q, k, v
+to the slots and drops the output's dummy rows.
 
 Configs are plain dicts of constructor kwargs; :func:`load_attention_config` reads them from JSON.
 """

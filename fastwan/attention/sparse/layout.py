@@ -18,6 +18,12 @@ the padding of each dimension is smaller than the tile.
 
 ``permute`` is one scatter into a zero buffer (``index_copy``; a plain ``index_select`` when there are no
 dummy slots) and ``unpermute`` is one ``index_select``; both index tensors are precomputed.
+
+The DiT keeps its stream in the *compact* layout order instead: the slots' order without the dummy slots
+(:meth:`TokenLayout.permute_compact`), so its projections, norms and FFN run on real tokens only (a 4x4x4 tile
+pads the 21 x 30 x 52 grid of 480p to 1.22x its tokens). Around each sparse attention call the dispatch pads
+q, k, v to the slots (:meth:`TokenLayout.pad_slots`) and drops the dummy rows of the output
+(:meth:`TokenLayout.drop_slots`).
 """
 from __future__ import annotations
 
@@ -95,6 +101,10 @@ class TokenLayout:
         key_valid: bool [padded_tokens], True at real tokens.
         slot_of_token: long [num_tokens], slot of raster token i (the unpermute gather index).
         token_of_slot: long [padded_tokens], raster index of each slot, -1 at dummy slots.
+        real_slots / dummy_slots: long, the slots of real tokens / the dummy slots, ascending; row r of the
+            compact order is slot ``real_slots[r]``.
+        token_of_row / row_of_token: long [num_tokens], raster token of compact row r / compact row of raster
+            token i.
         coords: long [padded_tokens, 3], (t, h, w) of each slot; dummy slots get the nearest real coordinate
             inside their own tile (grid padding is clamped to the last index, slot padding gets the tile
             origin), so a dummy query row has a well-defined, non-empty neighborhood.
@@ -154,6 +164,13 @@ class TokenLayout:
         self.token_of_slot = token_of_slot.to(dev)
         self.slot_of_token = slot_of_token.to(dev)
         self.coords = coords.to(dev)
+        real = valid.nonzero().squeeze(1)  # the compact order: real slots in slot order
+        row_of_token = torch.empty(self.num_tokens, dtype=torch.long)
+        row_of_token[token_of_slot[real]] = torch.arange(self.num_tokens)
+        self.real_slots = real.to(dev)
+        self.dummy_slots = (~valid).nonzero().squeeze(1).to(dev)
+        self.token_of_row = token_of_slot[real].to(dev)
+        self.row_of_token = row_of_token.to(dev)
         self.tile_valid_counts = counts.to(dev)
         self.tile_full = (counts == self.block_size).to(dev)
         self.has_dummies = self.padded_tokens != self.num_tokens
@@ -164,15 +181,15 @@ class TokenLayout:
         self.all_tiles_partial = True if n_full == 0 else (False if n_full == self.num_tiles else None)
 
     # ------------------------------------------------------------------ reorder
-    def _check(self, x: torch.Tensor, dim: int, expected: int, what: str) -> int:
+    def _check(self, x: torch.Tensor, dim: int, expected: int, what: str, hint: str) -> int:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} takes a torch.Tensor, got {type(x).__name__}")
         d = dim % x.dim() if x.dim() else 0
         if x.dim() == 0 or x.shape[d] != expected:
             raise ValueError(
                 f"{what}: dim {dim} of shape {tuple(x.shape)} must have {expected} tokens for grid "
-                f"{list(self.grid)} (tile {list(self.tile)}, {self.padded_tokens} slots); "
-                f"{'permute raster-order tokens' if what == 'permute' else 'unpermute layout-order tokens'}."
+                f"{list(self.grid)} (tile {list(self.tile)}, {self.num_tokens} tokens in {self.padded_tokens} "
+                f"slots); {hint}."
             )
         if x.device != self.device:
             raise ValueError(
@@ -187,7 +204,7 @@ class TokenLayout:
         Dummy slots are zero. Works for activations [B, S, C], RoPE tables [1, S, 1, D], per-token
         embeddings, etc.
         """
-        d = self._check(x, dim, self.num_tokens, "permute")
+        d = self._check(x, dim, self.num_tokens, "permute", "permute raster-order tokens")
         if not self.has_dummies:
             return x.index_select(d, self.token_of_slot)
         shape = list(x.shape)
@@ -196,8 +213,36 @@ class TokenLayout:
 
     def unpermute(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Layout order -> raster order along ``dim``: [..., padded_tokens, ...] -> [..., num_tokens, ...]."""
-        d = self._check(x, dim, self.padded_tokens, "unpermute")
+        d = self._check(x, dim, self.padded_tokens, "unpermute", "unpermute layout-order tokens")
         return x.index_select(d, self.slot_of_token)
+
+    def permute_compact(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Raster order -> compact layout order (the slots' order, dummy slots left out) along ``dim``; the
+        length stays ``num_tokens``. Equals ``drop_slots(permute(x))``."""
+        d = self._check(x, dim, self.num_tokens, "permute_compact", "permute raster-order tokens")
+        return x.index_select(d, self.token_of_row)
+
+    def unpermute_compact(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Compact layout order -> raster order along ``dim`` (the inverse of :meth:`permute_compact`)."""
+        d = self._check(x, dim, self.num_tokens, "unpermute_compact", "unpermute compact-order tokens")
+        return x.index_select(d, self.row_of_token)
+
+    def pad_slots(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Compact order -> layout order along ``dim``: [..., num_tokens, ...] -> [..., padded_tokens, ...], the
+        dummy slots zero (``x`` itself when there are none)."""
+        d = self._check(x, dim, self.num_tokens, "pad_slots", "pad compact-order tokens")
+        if not self.has_dummies:
+            return x
+        shape = list(x.shape)
+        shape[d] = self.padded_tokens
+        out = x.new_empty(shape).index_copy_(d, self.real_slots, x)
+        return out.index_fill_(d, self.dummy_slots, 0)
+
+    def drop_slots(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Layout order -> compact order along ``dim``: the rows of the real slots (``x`` itself when there are no
+        dummy slots)."""
+        d = self._check(x, dim, self.padded_tokens, "drop_slots", "drop the dummy slots of layout-order tokens")
+        return x if not self.has_dummies else x.index_select(d, self.real_slots)
 
     # ------------------------------------------------------------------ helpers
     def tile_coords(self) -> torch.Tensor:

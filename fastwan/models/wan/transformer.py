@@ -195,7 +195,8 @@ class WanTransformer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------
     def _embed(self, latents: torch.Tensor, timestep: torch.Tensor):
-        """Patch embedding (tile-major token order under a sparse backend), RoPE table and time embeddings ->
+        """Patch embedding (a sparse backend's compact tile-major order: no dummy slots), RoPE table and time
+        embeddings ->
         (x [B, S, C], rope, temb, mod, grid, layout)."""
         if self.attention is None:
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
@@ -207,11 +208,11 @@ class WanTransformer(nn.Module):
         rope = self._rope(grid, x.device)
         temb, mod = self.condition_embedder.time(timestep, self.dtype)
         layout = self.attention.layout_for(grid, x.device)
-        if layout is not None:  # sparse backend: tile-major token order, once per forward
-            x = layout.permute(x, dim=1)
-            rope = layout.permute(rope, dim=1)
+        if layout is not None:  # sparse backend: the layout's compact order (no dummy slots), once per forward
+            x = layout.permute_compact(x, dim=1)
+            rope = layout.permute_compact(rope, dim=1)
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
-                mod = layout.permute(mod, dim=1)
+                mod = layout.permute_compact(mod, dim=1)
         if self._sp is not None:  # this rank's contiguous shard of the (layout-ordered) sequence
             sizes = self.attention.sizes = shard_sizes(x.shape[1], self._sp.world)
             x = self._sp.shard(x, sizes).contiguous()
@@ -223,15 +224,16 @@ class WanTransformer(nn.Module):
     def _meta(self, grid, layout, i: int, step_index, num_steps) -> AttentionMetadata | None:
         if not self.attention.sparse:
             return None
-        return AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps, layer_index=i, layout=layout)
+        return AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps, layer_index=i, layout=layout,
+                                 compact=True)
 
     def _head(self, r: Residual, temb: torch.Tensor, grid, layout) -> torch.Tensor:
-        """The last block's stream (layout order) -> prediction [B, C_out, F, H, W]."""
+        """The last block's stream (compact layout order under a sparse backend) -> prediction [B, C_out, F, H, W]."""
         x = settle(r)
         if self._sp is not None:
             x = self._sp.gather(x, self.attention.sizes)
         if layout is not None:
-            x = layout.unpermute(x, dim=1)
+            x = layout.unpermute_compact(x, dim=1)
         if temb.dim() == 3:  # per-token: [B, S, C]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
         else:
