@@ -99,17 +99,17 @@ def test_compact_order_is_the_slots_without_the_dummies():
 
 
 def test_pad_slots_overwrites_every_slot():
-    """pad_slots allocates without zeroing: every slot must be written (real rows copied, dummy rows zero), whatever
-    the fresh memory held (NaN here, through a new_empty that returns NaN-filled tensors)."""
+    """pad_slots' route for a dim other than 1 allocates without zeroing: every slot must be written (real rows
+    copied, dummy rows zero), whatever the fresh memory held (NaN here, through a new_empty that returns NaN)."""
     layout = TokenLayout((3, 5, 7), (2, 4, 4))
-    x = torch.randn(1, layout.num_tokens, 2)
+    x = torch.randn(layout.num_tokens, 2)
 
     class Poisoned(torch.Tensor):
         def new_empty(self, *a, **k):
             return torch.full(*a, float("nan"), dtype=self.dtype)
 
-    y = layout.pad_slots(layout.permute_compact(x).as_subclass(Poisoned), dim=1).as_subclass(torch.Tensor)
-    assert torch.isfinite(y).all() and torch.equal(y, layout.permute(x, dim=1))
+    y = layout.pad_slots(layout.permute_compact(x, dim=0).as_subclass(Poisoned), dim=0).as_subclass(torch.Tensor)
+    assert torch.isfinite(y).all() and torch.equal(y, layout.permute(x, dim=0))
 
 
 def test_permute_is_differentiable():

@@ -33,6 +33,7 @@ from itertools import product
 
 import torch
 
+import fastwan.kernels.rows  # noqa: F401  (registers fastwan::pad_rows)
 from fastwan.errors import InvalidArgument
 
 Triple = tuple[int, int, int]
@@ -102,7 +103,8 @@ class TokenLayout:
         slot_of_token: long [num_tokens], slot of raster token i (the unpermute gather index).
         token_of_slot: long [padded_tokens], raster index of each slot, -1 at dummy slots.
         real_slots / dummy_slots: long, the slots of real tokens / the dummy slots, ascending; row r of the
-            compact order is slot ``real_slots[r]``.
+            compact order is slot ``real_slots[r]``; row_of_slot: long [padded_tokens], its inverse (-1 at dummy
+            slots).
         token_of_row / row_of_token: long [num_tokens], raster token of compact row r / compact row of raster
             token i.
         coords: long [padded_tokens, 3], (t, h, w) of each slot; dummy slots get the nearest real coordinate
@@ -167,7 +169,10 @@ class TokenLayout:
         real = valid.nonzero().squeeze(1)  # the compact order: real slots in slot order
         row_of_token = torch.empty(self.num_tokens, dtype=torch.long)
         row_of_token[token_of_slot[real]] = torch.arange(self.num_tokens)
+        row_of_slot = torch.full((self.padded_tokens,), -1, dtype=torch.long)
+        row_of_slot[real] = torch.arange(self.num_tokens)
         self.real_slots = real.to(dev)
+        self.row_of_slot = row_of_slot.to(dev)
         self.dummy_slots = (~valid).nonzero().squeeze(1).to(dev)
         self.token_of_row = token_of_slot[real].to(dev)
         self.row_of_token = row_of_token.to(dev)
@@ -233,6 +238,8 @@ class TokenLayout:
         d = self._check(x, dim, self.num_tokens, "pad_slots", "pad compact-order tokens")
         if not self.has_dummies:
             return x
+        if d == 1 and not (torch.is_grad_enabled() and x.requires_grad):  # one pass of fastwan::pad_rows
+            return torch.ops.fastwan.pad_rows(x, self.row_of_slot)
         shape = list(x.shape)
         shape[d] = self.padded_tokens
         out = x.new_empty(shape).index_copy_(d, self.real_slots, x)
