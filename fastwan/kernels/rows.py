@@ -2,9 +2,10 @@
 
 A sparse backend's layout pads a video's tokens to whole tiles (:class:`~fastwan.attention.sparse.layout.TokenLayout`):
 around every sparse attention call q, k, v and VSA's gate go from the DiT's rows (real tokens only) to the
-layout's slots, with zero rows at the dummy slots. PyTorch's ``index_copy_`` + ``index_fill_`` do that copying
-two bytes per element-thread (about 1.1 TB/s for a bf16 [1, 75,600, 5,120] tensor on an H100); the kernel here
-copies each slot's row as contiguous vectors in one pass, reading every source row once and writing every slot.
+layout's slots, with zero rows at the dummy slots. The kernel does that in one pass: one program per output row
+copies its source row as contiguous vectors (or writes zeros), so every source row is read once and every slot
+written once (2.9 TB/s on an H100 for a bf16 [1, 75,600, 5,120] tensor; ``index_copy_`` + ``index_fill_``, which
+copy one element per thread, reach 1.1: benchmarks/HISTORY.md).
 
 The op runs its Triton kernel where :func:`fastwan.kernels.triton_runs` holds (CUDA, fp16/bf16/fp32) and no
 autograd is involved (the op has no backward), and :func:`pad_rows_reference` elsewhere; :func:`pad_rows_triton`
@@ -13,6 +14,7 @@ is the kernel route itself (the tests run it on the CPU under ``TRITON_INTERPRET
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -64,7 +66,7 @@ def pad_rows_triton(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """The kernel route of :func:`pad_rows` (any device under Triton's interpreter)."""
     x = x.contiguous()
     B, N = x.shape[:2]
-    P, R = src.shape[0], x[0, 0].numel() if N else 0
+    P, R = src.shape[0], math.prod(x.shape[2:])
     out = x.new_empty(B, P, *x.shape[2:])
     if out.numel():
         block = min(MAX_BLOCK, 1 << max(4, (R - 1).bit_length()))

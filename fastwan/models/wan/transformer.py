@@ -195,9 +195,8 @@ class WanTransformer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------
     def _embed(self, latents: torch.Tensor, timestep: torch.Tensor):
-        """Patch embedding (a sparse backend's compact tile-major order: no dummy slots), RoPE table and time
-        embeddings ->
-        (x [B, S, C], rope, temb, mod, grid, layout)."""
+        """Patch embedding (in a sparse backend's compact tile-major order: no dummy slots), RoPE table and time
+        embeddings -> (x [B, S, C], rope, temb, mod, grid, layout)."""
         if self.attention is None:
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
         _, _, Fr, Hh, Ww = latents.shape
