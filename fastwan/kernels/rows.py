@@ -33,11 +33,11 @@ def check_inputs(x: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"pad_rows: src is on {src.device} but x on {x.device}; build src on x's device")
 
 
-def pad_rows_reference(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def pad_rows_reference(x: torch.Tensor, src: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """x [B, N, ...], src int64 [P] with values in [-1, N) -> [B, P, ...]: row p is x[:, src[p]], or zeros where
-    src[p] == -1."""
-    keep = (src >= 0).view(1, -1, *([1] * (x.dim() - 2)))
-    return torch.where(keep, x.index_select(1, src.clamp(min=0)), x.new_zeros(()))
+    src[p] == -1; rows along ``dim`` (1 above; any non-negative dim of x). Differentiable."""
+    keep = (src >= 0).view(-1, *([1] * (x.dim() - 1 - dim)))
+    return torch.where(keep, x.index_select(dim, src.clamp(min=0)), x.new_zeros(()))
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -99,8 +99,8 @@ def test_compact_order_is_the_slots_without_the_dummies():
 
 
 def test_pad_slots_overwrites_every_slot():
-    """pad_slots' route for a dim other than 1 allocates without zeroing: every slot must be written (real rows
-    copied, dummy rows zero), whatever the fresh memory held (NaN here, through a new_empty that returns NaN)."""
+    """pad_slots' route for a dim other than 1: every slot is written (real rows copied, dummy rows zero), whatever
+    fresh memory holds (NaN here, through a new_empty that returns NaN)."""
     layout = TokenLayout((3, 5, 7), (2, 4, 4))
     x = torch.randn(layout.num_tokens, 2)
 

@@ -33,7 +33,7 @@ from itertools import product
 
 import torch
 
-import fastwan.kernels.rows  # noqa: F401  (registers fastwan::pad_rows)
+from fastwan.kernels.rows import pad_rows_reference  # also registers fastwan::pad_rows
 from fastwan.errors import InvalidArgument
 
 Triple = tuple[int, int, int]
@@ -102,9 +102,8 @@ class TokenLayout:
         key_valid: bool [padded_tokens], True at real tokens.
         slot_of_token: long [num_tokens], slot of raster token i (the unpermute gather index).
         token_of_slot: long [padded_tokens], raster index of each slot, -1 at dummy slots.
-        real_slots / dummy_slots: long, the slots of real tokens / the dummy slots, ascending; row r of the
-            compact order is slot ``real_slots[r]``; row_of_slot: long [padded_tokens], its inverse (-1 at dummy
-            slots).
+        real_slots: long [num_tokens], the slots of real tokens, ascending: row r of the compact order is slot
+            ``real_slots[r]``; row_of_slot: long [padded_tokens], its inverse (-1 at dummy slots).
         token_of_row / row_of_token: long [num_tokens], raster token of compact row r / compact row of raster
             token i.
         coords: long [padded_tokens, 3], (t, h, w) of each slot; dummy slots get the nearest real coordinate
@@ -173,7 +172,6 @@ class TokenLayout:
         row_of_slot[real] = torch.arange(self.num_tokens)
         self.real_slots = real.to(dev)
         self.row_of_slot = row_of_slot.to(dev)
-        self.dummy_slots = (~valid).nonzero().squeeze(1).to(dev)
         self.token_of_row = token_of_slot[real].to(dev)
         self.row_of_token = row_of_token.to(dev)
         self.tile_valid_counts = counts.to(dev)
@@ -240,10 +238,7 @@ class TokenLayout:
             return x
         if d == 1 and not (torch.is_grad_enabled() and x.requires_grad):  # one pass of fastwan::pad_rows
             return torch.ops.fastwan.pad_rows(x, self.row_of_slot)
-        shape = list(x.shape)
-        shape[d] = self.padded_tokens
-        out = x.new_empty(shape).index_copy_(d, self.real_slots, x)
-        return out.index_fill_(d, self.dummy_slots, 0)
+        return pad_rows_reference(x, self.row_of_slot, d)  # other dims, and autograd (the op has no backward)
 
     def drop_slots(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Layout order -> compact order along ``dim``: the rows of the real slots (``x`` itself when there are no
