@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -425,6 +426,17 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     return configs
 
 
+def checkpoint_label(name: str, root: Path, hub: bool) -> str:
+    """The checkpoint's own name, lower case: a Hub id as given; else the folder's name (not its parents'), or
+    the repository of a Hub-cache snapshot folder (``models--owner--name/snapshots/<commit>``)."""
+    if hub:
+        return name.lower()
+    folder = Path(os.path.abspath(root))  # the name the user gave, not a symlink's target
+    if HUB_COMMIT.match(folder.name) and folder.parent.name == "snapshots":
+        return folder.parent.parent.name.lower()
+    return folder.name.lower()
+
+
 def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
     """Check everything that can be checked without loading weights; raise early with a clear message.
 
@@ -475,7 +487,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
     if tiny_variant:
         preset = TINY_PRESETS[variant]
     else:
-        named_720p = variant == "wan2.1-i2v" and "720p" in f"{name} {root}".lower()
+        label = checkpoint_label(name, root, hub)
+        named_720p = variant == "wan2.1-i2v" and "720p" in label and "480p" not in label
         preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
     if meta.distilled:
         dmd = {**DMD_SETTINGS, "flow_shift": DISTILLED_SHIFTS.get(variant, DMD_SETTINGS["flow_shift"])}

@@ -45,7 +45,7 @@ from fastwan.pipelines.checkpoint import (
 )
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
-from fastwan.pipelines.image import ImageRequest, check_image_request, default_size, encode_request
+from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size, encode_request
 from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_number, random_seed, runs_cfg
 from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
 from fastwan.pipelines.setup import attention_config as attention_config_arg
@@ -378,6 +378,7 @@ class VideoGenerator:
                                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
                            sampler, timesteps, flow_shift, num_inference_steps)
         self._check_inputs(prompt, negative_prompt, s, seed)
+        check_frames(req, s.num_frames)
         self._check_budget(s)
         cache = self.cache if cache is None else check_cache(cache)
         if self.parallel is not None:

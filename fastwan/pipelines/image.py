@@ -70,7 +70,7 @@ def read_image(image: Any, name: str = "image"):
 
 def _open_file(path, label: str):
     """A local image file -> an upright PIL image (its pixels loaded); unreadable files raise naming the file."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     text = os.fsdecode(path)
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", text):
@@ -85,7 +85,7 @@ def _open_file(path, label: str):
                                   "file.")
         with Image.open(path) as img:
             img.load()
-            return ImageOps.exif_transpose(img)
+            return _exif_upright(img, label)
     except FileNotFoundError:
         raise InvalidArgument(f"{label}: no such file; give the path of a PNG/JPEG/WebP image.") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -99,15 +99,26 @@ def _open_file(path, label: str):
 def _upright(image, label: str):
     """A PIL image's pixels loaded (a lazily opened file's decoded now) and turned by its EXIF orientation, as a new
     image; pixels that cannot be decoded (a truncated or closed file) raise naming the image."""
-    from PIL import ImageOps
-
     try:
         image.load()
     except (OSError, ValueError, AssertionError, AttributeError) as exc:  # Pillow asserts that the file is open
         raise InvalidArgument(f"{label}: the pixels of this PIL image cannot be read ({str(exc) or 'file closed'}); "
                               "pass the file path, or a PIL image whose pixels are loaded (img.load() or "
                               "img.copy() before its file is closed).") from None
-    return ImageOps.exif_transpose(image)
+    return _exif_upright(image, label)
+
+
+def _exif_upright(image, label: str):
+    """The image turned by its EXIF orientation (a new image); EXIF metadata that Pillow cannot parse raises naming
+    the image (Pillow raises SyntaxError, ValueError, struct.error and others for a corrupt EXIF block)."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception as exc:  # noqa: BLE001 -- any parse failure of the metadata is the same user error
+        raise InvalidArgument(f"{label}: its EXIF metadata cannot be read ({type(exc).__name__}: {exc}), so its "
+                              "orientation is unknown; save the image again without EXIF metadata, or pass its "
+                              "pixels as an np.uint8 H x W x 3 array in the orientation you want.") from None
 
 
 def _to_rgb(image, label: str):
@@ -245,6 +256,14 @@ class ImageRequest:
     last: Any | None
     digest: str
     first_frame_only: bool = False  # Wan2.2-TI2V: the first frame's latents replace the first latent frame
+
+
+def check_frames(req: ImageRequest | None, num_frames) -> None:
+    """A first-last-frame request needs a video longer than one frame (the last frame is not the first); an int
+    ``num_frames`` of 1 raises (other values are the size checks' to judge)."""
+    if req is not None and req.last is not None and num_frames == 1 and not isinstance(num_frames, bool):
+        raise InvalidArgument("num_frames=1 leaves no frame for last_image=: a first-last-frame video needs "
+                              "num_frames >= 5 (4k + 1, e.g. 81), or drop last_image=.")
 
 
 def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:

@@ -130,3 +130,50 @@ def test_refused_arrays_name_the_fix_that_fits(array, fix):
 def test_tensor_is_refused_with_its_conversion():
     with pytest.raises(InvalidArgumentType, match=r"image=Tensor: give a PIL image.*t\.permute\(1, 2, 0\)"):
         read_image(torch.zeros(3, 4, 5))
+
+
+def png_with_exif_chunk(path, payload: bytes):
+    """A valid 8 x 8 PNG with an ``eXIf`` chunk holding ``payload`` right after its header chunk."""
+    import io
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 77, dtype=np.uint8)).save(buf, format="PNG")
+    data = buf.getvalue()
+    chunk = struct.pack(">I", len(payload)) + b"eXIf" + payload
+    chunk += struct.pack(">I", zlib.crc32(b"eXIf" + payload) & 0xFFFFFFFF)
+    path.write_bytes(data[:33] + chunk + data[33:])  # 8-byte signature + 25-byte IHDR chunk
+    return path
+
+
+def test_unreadable_exif_is_a_user_error_naming_the_image(tmp_path):
+    """Pillow decodes the pixels but raises SyntaxError on metadata that is not a TIFF block: a user error naming
+    the file (or the PIL image), not a crash."""
+    path = png_with_exif_chunk(tmp_path / "tagged.png", b"garbage-garbage!")
+    with pytest.raises(InvalidArgument, match=r"tagged\.png.*EXIF metadata cannot be read"):
+        read_image(path, "image")
+    with Image.open(path) as img:
+        img.load()
+        with pytest.raises(InvalidArgument, match=r"last_image: its EXIF metadata cannot be read"):
+            read_image(img, "last_image")
+    ok = png_with_exif_chunk(tmp_path / "plain.png", Image.Exif().tobytes())  # valid, empty metadata
+    assert np.array_equal(np.asarray(read_image(ok)), np.full((8, 8, 3), 77, dtype=np.uint8))
+
+
+def test_one_frame_with_a_last_frame_is_refused_before_compute(monkeypatch):
+    """The condition video of a first-last-frame request is first, zeros, last: one frame leaves no room; the
+    request is refused before the text encoder runs."""
+    from fastwan import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained("tiny-wan2.1-flf2v", device="cpu", dtype=torch.float32)
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("compute started")
+
+    monkeypatch.setattr(gen, "_generate", no_compute)
+    first, last = (np.full((32, 32, 3), v, dtype=np.uint8) for v in (10, 200))
+    with pytest.raises(InvalidArgument, match=r"num_frames=1 leaves no frame for last_image="):
+        gen.generate_video("a fox", image=first, last_image=last, num_frames=1, save_video=False)
+    with pytest.raises(AssertionError, match="compute started"):  # 5 frames pass the checks
+        gen.generate_video("a fox", image=first, last_image=last, num_frames=5, save_video=False)

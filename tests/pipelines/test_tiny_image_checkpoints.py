@@ -150,9 +150,11 @@ def test_wan21_i2v_area_follows_the_checkpoint_name(tmp_path, monkeypatch):
     from fastwan.tiny import write_hub_cache
 
     src = write_tiny_checkpoint(tmp_path / "src", "wan2.1-i2v")
+    (tmp_path / "exports_720p").mkdir()
     for name, area in [("Wan2.1-I2V-14B-720P-Diffusers", 720 * 1280), ("Wan2.1-I2V-14B-480P-Diffusers", 480 * 832),
-                       ("my-i2v", 480 * 832)]:
-        folder = tmp_path / name
+                       ("my-i2v", 480 * 832), ("exports_720p/Wan2.1-I2V-14B-480P-Diffusers", 480 * 832),
+                       ("exports_720p/i2v", 480 * 832), ("i2v-720p-not-480p", 480 * 832)]:
+        folder = tmp_path / name  # only the checkpoint's own folder name counts, not its parents'
         folder.symlink_to(src, target_is_directory=True)
         preset = resolve(folder).preset
         assert (preset.height * preset.width, preset.num_inference_steps) == (area, 40), name
@@ -162,5 +164,7 @@ def test_wan21_i2v_area_follows_the_checkpoint_name(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert resolve("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers").preset.height == 720
+    snapshot = next((cache / "models--Wan-AI--Wan2.1-I2V-14B-720P-Diffusers" / "snapshots").iterdir())
+    assert resolve(snapshot).preset.height == 720  # a snapshot folder passed as a path: its repository's name
     flf = write_tiny_checkpoint(tmp_path / "Wan2.1-FLF2V-14B-720P-Diffusers", "wan2.1-flf2v")
     assert resolve(flf).preset.height == 720  # FLF2V is a 720P model whatever its name
