@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from fastwan import envs
 from fastwan.errors import USER_ERROR_EXIT, InvalidArgument, OneLineParser, UserError, one_line
@@ -259,16 +260,23 @@ def _run_quantize(args) -> int:
 
 
 def _lora_arg(text: str) -> tuple[str, float, int | None]:
-    """'style.safetensors:0.8' -> (path, 0.8, None); a path without a numeric ':SCALE' suffix gets 1.0; a last
-    ':high' / ':low' names the Wan2.2 A14B expert (0 / 1) the LoRA goes into (None: every expert)."""
+    """'style.safetensors:0.8' -> (path, 0.8, None); a path without a ':SCALE' suffix gets 1.0; a last ':high' /
+    ':low' names the Wan2.2 A14B expert (0 / 1) the LoRA goes into (None: every expert). A file whose name holds a
+    colon is itself the path; a suffix after an existing file that is not a number raises naming it."""
+    given = text
     head, sep, last = text.rpartition(":")
     expert = None
     if sep and head and last.lower() in LORA_EXPERTS:
         text, expert = head, LORA_EXPERTS[last.lower()]
     path, sep, scale = text.rpartition(":")
+    if not (sep and path) or Path(text).expanduser().is_file():
+        return text, 1.0, expert
     try:
-        return (path, float(scale), expert) if sep and path else (text, 1.0, expert)
+        return path, float(scale), expert
     except ValueError:
+        if Path(path).expanduser().is_file():
+            raise InvalidArgument(f"--lora {given!r}: the scale {scale!r} after {path!r} is not a number; write "
+                                  "PATH:SCALE with a number, e.g. style.safetensors:0.8.") from None
         return text, 1.0, expert
 
 

@@ -63,6 +63,8 @@ def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
         (["--cache", "deepcache"], ["deepcache", "first_block"]),
         (["--cache", "magcache:threshold=0.1"], ["mag_ratios", "calibrate"]),
         (["--lora", str(tmp_path / "missing.safetensors")], ["missing.safetensors", "does not exist"]),
+        (["--lora", f"{a_file}:abc"], ["the scale 'abc' after", "a_file.txt", "not a number"]),
+        (["--lora", f"{a_file}:0.5x:low"], ["the scale '0.5x' after", "not a number"]),
     ]
     for extra, words in cases:
         capsys.readouterr()
@@ -155,7 +157,7 @@ def test_seed_and_overwrite_reach_the_generator(monkeypatch, capsys):
     assert fake.kwargs["seed"] == 7 and fake.kwargs["overwrite"] is True
 
 
-def test_cli_build_options_reach_the_generator(monkeypatch):
+def test_cli_build_options_reach_the_generator(monkeypatch, tmp_path):
     class Stop(Exception):
         pass
 
@@ -186,6 +188,10 @@ def test_cli_build_options_reach_the_generator(monkeypatch):
     assert seen["lora"] == [("a.safetensors", 1.0, None), ("c:/x/b.safetensors", 0.5, None),
                             ("d:e.safetensors", 1.0, None), ("h.safetensors", 1.0, 0), ("c:/l.safetensors", 0.25, 1),
                             ("x:low.safetensors", 1.0, None)]
+    named = tmp_path / "style:2"  # an existing file whose name holds a colon is the path itself
+    named.write_bytes(b"")
+    run("--lora", str(named), "--lora", f"{named}:0.5")
+    assert seen["lora"] == [(str(named), 1.0, None), (str(named), 0.5, None)]
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
             cli.main(["generate", "--prompt", "x", "--vae-chunk-frames", bad])

@@ -22,6 +22,11 @@ def finite(x) -> bool:
         return False
 
 
+# file name endings of PyTorch pickle files: refused by name; any other name is read as safetensors (whose parser
+# refuses a pickle, whatever its name)
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+
+
 def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
     from safetensors import SafetensorError, safe_open
@@ -37,9 +42,9 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
                               f"the LoRA file itself{f', e.g. one of {inside}' if inside else ''}.")
     if not path.is_file():
         raise MissingFileError(f"LoRA file {str(path)!r} does not exist; check the path.")
-    if path.suffix != ".safetensors":
-        raise InvalidArgument(f"LoRA file {str(path)!r} is not a .safetensors file; fastwan loads LoRAs from "
-                              "safetensors only (convert pickle files with safetensors.torch.save_file).")
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise InvalidArgument(f"LoRA file {str(path)!r} is a PyTorch pickle file ({path.suffix}); fastwan loads LoRAs "
+                              "from safetensors only (convert it with safetensors.torch.save_file).")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             header = f.metadata() or {}
@@ -68,26 +73,30 @@ def _adapter_config(header: dict, path: Path) -> dict:
     return prefixed or (meta if "lora_alpha" in meta else {})
 
 
-def _metadata_alpha(config: dict, module: str, path: Path):
-    """The alpha a LoraConfig gives ``module`` (its ``alpha_pattern`` entry, matched as PEFT matches one: the
-    pattern is the module name's end, after a dot), or None when it sets no ``lora_alpha``."""
-    patterns = config.get("alpha_pattern") or {}
+# PEFT's LoraConfig defaults, which diffusers applies to a LoRA file's metadata (``LoraConfig(**metadata)``)
+PEFT_DEFAULTS = {"lora_alpha": 8, "r": 8}
+
+
+def _metadata_number(config: dict, module: str, path: Path, key: str, patterns_key: str) -> float:
+    """The ``key`` ("lora_alpha" or "r") a LoraConfig gives ``module``: its ``patterns_key`` entry, matched as
+    PEFT matches one (the pattern is the module name's end, after a dot), else ``key``, else PEFT's default."""
+    patterns = config.get(patterns_key) or {}
     if not isinstance(patterns, dict):
-        raise CheckpointError(f"LoRA file {str(path)!r}: metadata alpha_pattern is {patterns!r}, not an object of "
-                              "module pattern -> alpha; the file is corrupt: re-export it.")
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata {patterns_key} is {patterns!r}, not an object of "
+                              "module pattern -> number; the file is corrupt: re-export it.")
     try:
         hit = next((p for p in patterns if re.fullmatch(rf"(.*\.)?({p})", module)), None)
     except re.error as exc:
-        raise CheckpointError(f"LoRA file {str(path)!r}: a metadata alpha_pattern key is not a valid pattern "
+        raise CheckpointError(f"LoRA file {str(path)!r}: a metadata {patterns_key} key is not a valid pattern "
                               f"({exc}); the file is corrupt: re-export it.") from None
-    alpha, what = (patterns[hit], f"alpha_pattern[{hit!r}]") if hit is not None else (config.get("lora_alpha"),
-                                                                                   "lora_alpha")
-    if alpha is None and hit is None:
-        return None
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not finite(alpha):
-        raise CheckpointError(f"LoRA file {str(path)!r}: metadata {what} is {alpha!r}; a LoRA alpha must be one "
+    if hit is not None:
+        value, what = patterns[hit], f"{patterns_key}[{hit!r}]"
+    else:
+        value, what = config.get(key, PEFT_DEFAULTS[key]), key
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not finite(value):
+        raise CheckpointError(f"LoRA file {str(path)!r}: metadata {what} is {value!r}; a LoRA {key} must be one "
                               "finite number (the file is corrupt: re-export it).")
-    return float(alpha)
+    return float(value)
 
 
 def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch.Tensor]:
@@ -95,20 +104,32 @@ def _metadata_alphas(tensors: dict, config: dict, path: Path) -> dict[str, torch
     file's LoraConfig; ``use_rslora`` scales by alpha / sqrt(rank): the alpha given is alpha x sqrt(rank))."""
     if not config:
         return {}
-    flags = {k: False if config.get(k) is None else config[k] for k in ("use_rslora", "use_dora")}
+    flags = {k: False if config.get(k) is None else config[k] for k in ("use_rslora", "use_dora", "lora_bias")}
     for k, v in flags.items():
         if not isinstance(v, bool):
             raise CheckpointError(f"LoRA file {str(path)!r}: metadata {k} is {v!r}, not true or false; the file is "
                                   "corrupt: re-export it.")
     _check_use_dora(tensors, flags["use_dora"], path)
+    prefixed = any(k.startswith("transformer.") for k in tensors)  # a pipeline save: its DiT's entries only
     out = {}
     for key, a in tensors.items():
         module, part = split_part(key) or ("", None)
-        if part != "A" or module + ".alpha" in tensors:
+        if prefixed and not module.startswith("transformer."):
             continue
-        name = module[len("transformer."):] if module.startswith("transformer.") else module
-        alpha = _metadata_alpha(config, name, path)
-        if alpha is not None and a.dim() >= 2:
+        name = module[len("transformer."):] if prefixed else module
+        if part == "B_bias" and not flags["lora_bias"]:
+            raise CheckpointError(f"LoRA file {str(path)!r}: its metadata does not set lora_bias but {key} is a "
+                                  "lora_B bias (diffusers would drop it); the metadata contradicts the tensors: "
+                                  "re-export the file or drop its lora_adapter_metadata.")
+        if part != "A" or a.dim() < 2:
+            continue
+        alpha = _metadata_number(config, name, path, "lora_alpha", "alpha_pattern")
+        rank = _metadata_number(config, name, path, "r", "rank_pattern")
+        if rank != a.shape[0]:
+            raise CheckpointError(f"LoRA file {str(path)!r}: its metadata gives {name} rank {rank:g}, but {key} has "
+                                  f"rank {a.shape[0]}; the metadata contradicts the tensors: re-export the file or "
+                                  "drop its lora_adapter_metadata.")
+        if module + ".alpha" not in tensors:
             out[module + ".alpha"] = torch.tensor(alpha * (math.sqrt(a.shape[0]) if flags["use_rslora"] else 1.0))
     return out
 

@@ -55,6 +55,8 @@ def diffusers_fused(folder, path, prefix, scale):
     ("transformer", {"lora_alpha": 8, "alpha_pattern": {"blocks.1.ffn.net.0.proj": 2}}, 0.5),
     ("transformer", {"lora_alpha": 3, "use_rslora": True}, 1.0),  # alpha / sqrt(rank)
     (None, {"lora_alpha": 16, "alpha_pattern": {"to_out.0": 1}}, 1.0),  # a model save: unprefixed entries
+    ("transformer", {"alpha_pattern": {"blocks.1.ffn.net.0.proj": 2}}, 1.0),  # no lora_alpha: PEFT's default, 8
+    ("transformer", {"lora_alpha": 4, "lora_bias": True, "rank_pattern": {"to_q": 4}}, 1.0),  # lora_B.bias kept
 ])
 def test_metadata_alphas_merge_as_diffusers_fuses_them(folder, tmp_path, prefix, config, scale):
     model = ours(folder)
@@ -62,7 +64,10 @@ def test_metadata_alphas_merge_as_diffusers_fuses_them(folder, tmp_path, prefix,
     lead = f"{prefix}." if prefix else ""
     config = {"r": 4, "target_modules": list(MODULES), "use_dora": False, "use_rslora": False, **config}
     path = tmp_path / "lora.safetensors"
-    save_file(peft_lora(model, lead), str(path), metadata={
+    lora = peft_lora(model, lead)
+    if config.get("lora_bias"):
+        lora[f"{lead}{MODULES[0]}.lora_B.bias"] = torch.linspace(-1.0, 1.0, 24)
+    save_file(lora, str(path), metadata={
         "format": "pt", "lora_adapter_metadata": json.dumps({f"{lead}{k}": v for k, v in config.items()})})
     apply_lora([model], [LoraState()], path, scale)
     want = diffusers_fused(folder, path, prefix, scale)
@@ -71,6 +76,10 @@ def test_metadata_alphas_merge_as_diffusers_fuses_them(folder, tmp_path, prefix,
         got_delta, want_delta = model.state_dict()[key] - before[key], want[key] - before[key]
         assert want_delta.abs().max() > 0.1
         torch.testing.assert_close(got_delta, want_delta, rtol=1e-5, atol=1e-6)
+    if config.get("lora_bias"):  # the bias delta: lora_B.bias x alpha / rank x scale
+        key = MODULES[0] + ".bias"
+        assert (want[key] - before[key]).abs().max() > 0.1
+        torch.testing.assert_close(model.state_dict()[key], want[key], rtol=1e-5, atol=1e-6)
 
 
 def refused_before_any_change(folder, path, error, match):
@@ -116,10 +125,21 @@ def test_other_adapter_kinds_are_refused(folder, tmp_path, extra, kind):
      "not a valid pattern"),
     (json.dumps({"transformer.lora_alpha": 8, "transformer.use_dora": True}), CheckpointError,
      r"sets use_dora but transformer\.blocks\.0\.attn1\.to_q \(and 2 more\) has no lora_magnitude_vector"),
+    # diffusers builds LoraConfig(**metadata): its modules would get another rank (r's default is 8) and no bias
+    (json.dumps({"transformer.lora_alpha": 8}), CheckpointError,
+     r"metadata gives blocks\.0\.attn1\.to_q rank 8, but transformer\.blocks\.0\.attn1\.to_q\.lora_A\.weight has "
+     r"rank 4"),
+    (json.dumps({"transformer.r": 4, "transformer.rank_pattern": {"to_out.0": 2}}), CheckpointError,
+     r"metadata gives blocks\.0\.attn2\.to_out\.0 rank 2, but"),
+    (json.dumps({"transformer.r": 4, "bias": True}), CheckpointError,
+     r"does not set lora_bias but transformer\.blocks\.0\.attn1\.to_q\.lora_B\.bias is a lora_B bias"),
 ])
 def test_bad_metadata_is_refused(folder, tmp_path, meta, error, match):
     path = tmp_path / "meta.safetensors"
-    save_file(peft_lora(ours(folder), "transformer."), str(path), metadata={"lora_adapter_metadata": meta})
+    lora = peft_lora(ours(folder), "transformer.")
+    if '"bias"' in meta:
+        lora["transformer.blocks.0.attn1.to_q.lora_B.bias"] = torch.ones(24)
+    save_file(lora, str(path), metadata={"lora_adapter_metadata": meta})
     refused_before_any_change(folder, path, error, match)
 
 

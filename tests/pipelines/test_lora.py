@@ -136,6 +136,19 @@ def test_unload_restores_weights_bit_for_bit(gen, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in gen.transformers[0].state_dict().items())
 
 
+def test_safetensors_lora_under_any_other_name_merges_the_same(gen, tmp_path):
+    """The content decides, as in diffusers: a safetensors LoRA named .SAFETENSORS or with no extension merges as
+    under its usual name (pickle names are refused, see below)."""
+    lora = random_lora(gen.transformers[0], "wan", seed=3, alpha=4.0)
+    merged = []
+    for name in ("l.safetensors", "l.SAFETENSORS", "lora_file"):
+        save_file(lora, str(tmp_path / name))
+        gen.load_lora(tmp_path / name, 0.5)
+        merged.append({k: v.clone() for k, v in gen.transformers[0].state_dict().items()})
+        gen.unload_lora()
+    assert all(torch.equal(merged[0][k], m[k]) for m in merged[1:] for k in merged[0])
+
+
 @pytest.mark.parametrize("route", ["load_lora", "from_pretrained"])
 def test_a14b_lora_per_expert(tmp_path, route):
     """A paired high- / low-noise LoRA, each merged into its expert only (``load_lora(expert=)`` or
@@ -210,10 +223,11 @@ def test_bad_loras_raise_before_any_change(gen, tmp_path):
     save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24)}, str(half))
     with pytest.raises(InvalidArgument, match="no matching lora_B"):
         gen.load_lora(half)
-    pickle = tmp_path / "lora.pt"
-    torch.save({}, pickle)
-    with pytest.raises(InvalidArgument, match="safetensors only"):
-        gen.load_lora(pickle)
+    for name in ("lora.pt", "lora.BIN"):
+        pickle = tmp_path / name
+        torch.save({}, pickle)
+        with pytest.raises(InvalidArgument, match="is a PyTorch pickle file.*safetensors only"):
+            gen.load_lora(pickle)
     with pytest.raises(MissingFileError):
         gen.load_lora(tmp_path / "missing.safetensors")
     good = tmp_path / "good.safetensors"
