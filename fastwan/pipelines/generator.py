@@ -371,8 +371,10 @@ class VideoGenerator:
         """
         req = check_image_request(self.checkpoint, image, last_image)
         if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
-            multiple = self.vae_scale_factors[1] * self.checkpoint.transformer_config.patch_size[1]
-            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple, height, width)
+            cfg = self.checkpoint.transformer_config
+            multiple = self.vae_scale_factors[1] * cfg.patch_size[1]
+            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple, height, width,
+                                         max_side=cfg.rope_max_seq_len * multiple)
         guidance_scale, guidance_scale_2 = expert_guidance(self.preset, guidance_scale, guidance_scale_2)
         s = check_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
                                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),

@@ -178,16 +178,23 @@ def _bomb_size(exc: Exception) -> str:
     return f"{int(found[1]):,} pixels, over the limit of {int(found[2]):,}"
 
 
-def default_size(image, area: int, multiple: int, height=None, width=None) -> tuple[int, int]:
+def default_size(image, area: int, multiple: int, height=None, width=None, max_side: int | None = None
+                 ) -> tuple[int, int]:
     """(height, width) with the image's aspect ratio, each rounded down to ``multiple`` (at least one multiple):
     neither given -> about ``area`` pixels; one given (a positive int) -> the other from it; both given -> as given.
     A given side that is not a positive int is returned as is, for the size checks to name; NumPy / torch scalars
-    count as the Python numbers they hold (:func:`~fastwan.pipelines.inputs.python_number`)."""
+    count as the Python numbers they hold (:func:`~fastwan.pipelines.inputs.python_number`). A side it derives
+    longer than ``max_side`` pixels (the DiT's RoPE range) raises, naming the image's aspect ratio."""
     height, width = python_number(height), python_number(width)
     aspect = image.height / image.width
 
     def side(x: float) -> int:
-        return max(multiple, round(x) // multiple * multiple)
+        out = max(multiple, round(x) // multiple * multiple)
+        if max_side is not None and out > max_side:
+            raise InvalidArgument(f"the image is {image.width} x {image.height} pixels: its aspect ratio gives a "
+                                  f"video side of {out} pixels, more than this model's {max_side}; pass height= and "
+                                  "width= (the image is resized to them), or crop the image.")
+        return out
 
     def usable(x) -> bool:
         return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x > 0

@@ -177,3 +177,12 @@ def test_one_frame_with_a_last_frame_is_refused_before_compute(monkeypatch):
         gen.generate_video("a fox", image=first, last_image=last, num_frames=1, save_video=False)
     with pytest.raises(AssertionError, match="compute started"):  # 5 frames pass the checks
         gen.generate_video("a fox", image=first, last_image=last, num_frames=5, save_video=False)
+
+
+def test_a_too_long_default_side_names_the_image(monkeypatch):
+    """A panorama's aspect ratio at the tiny preset's area: a width past the tiny DiT's RoPE range (64 tokens of
+    16 pixels); the error names the image and the fix (an explicit size), before compute."""
+    with pytest.raises(InvalidArgument, match=r"image is 3000 x 4 pixels.*more than this model's 1024; pass "
+                                              r"height= and width="):
+        video_size(monkeypatch, image=np.zeros((4, 3000, 3), dtype=np.uint8))
+    assert video_size(monkeypatch, image=np.zeros((4, 3000, 3), dtype=np.uint8), height=16, width=1024) == (16, 1024)

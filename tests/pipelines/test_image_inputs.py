@@ -55,6 +55,12 @@ def test_default_size_keeps_the_aspect_at_the_area():
     assert default_size(picture(1280, 720), 480 * 832, 16) == (832, 464)
     assert default_size(picture(100, 100), 480 * 832, 16) == (624, 624)
     assert default_size(picture(1, 4000), 480 * 832, 16)[0] == 16  # never below one multiple
+    # a derived side past the model's reach (max_side: RoPE range x multiple) names the image, not a given size
+    assert default_size(picture(1, 4000), 480 * 832, 16, max_side=40000) == (16, 39968)
+    with pytest.raises(InvalidArgument, match=r"image is 4000 x 1 pixels.*side of 39968 pixels, more than this "
+                                              r"model's 16384; pass height= and width="):
+        default_size(picture(1, 4000), 480 * 832, 16, max_side=16384)
+    assert default_size(picture(1, 4000), 480 * 832, 16, 32, 64, max_side=16384) == (32, 64)  # given: as given
 
 
 @pytest.fixture(scope="module")
