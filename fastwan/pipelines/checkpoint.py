@@ -54,13 +54,12 @@ PRESETS = {
     "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
 }
 # FastVideo's DMD-distilled FastWan checkpoints (model_index.json "_class_name": "WanDMDPipeline") sample as
-# FastVideo's DMD stage does: timesteps 1000, 757, 522 on its shift-8 grid (TI2V-5B: DISTILLED_SHIFTS), no CFG;
+# FastVideo's DMD stage does: timesteps 1000, 757, 522 on its shift-8 grid (for every kind: the stage builds its
+# own shift-8 scheduler, whatever the pipeline config's flow_shift, TI2V-5B's 5.0 included), no CFG;
 # the Wan2.1 ones at FastVideo's 61 x 448 x 832 preset, any other kind (TI2V-5B) at its own preset's size.
 DMD_SETTINGS = MappingProxyType(dict(num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None,
                                      sampler="dmd", timesteps=(1000.0, 757.0, 522.0), flow_shift=8.0))
 DISTILLED_SIZES = MappingProxyType({"wan2.1": MappingProxyType(dict(height=448, width=832, num_frames=61))})
-# FastVideo samples its distilled TI2V-5B (FastWan2.2) at the base model's shift 5.0 (FastWan2_2_TI2V_5B_Config)
-DISTILLED_SHIFTS = MappingProxyType({"wan2.2-ti2v": 5.0})
 # VSA-trained checkpoints (the DiT carries to_gate_compress gates) run VSA by default, at FastVideo's sparsity for
 # FastWan: 0.9 for the 14B width (5120), 0.8 below; 4 x 4 x 4-token cubes as trained
 VSA_TILE = (4, 4, 4)
@@ -427,14 +426,12 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
 
 
 def checkpoint_label(name: str, root: Path, hub: bool) -> str:
-    """The checkpoint's own name, lower case: a Hub id as given; else the folder's name (not its parents'), or
-    the repository of a Hub-cache snapshot folder (``models--owner--name/snapshots/<commit>``)."""
-    if hub:
-        return name.lower()
+    """The checkpoint's own name, lower case: a Hub id as given, else its folder's name (not a parent's; for a
+    Hub-cache snapshot folder ``models--owner--name/snapshots/<commit>``, the repository's)."""
     folder = Path(os.path.abspath(root))  # the name the user gave, not a symlink's target
-    if HUB_COMMIT.match(folder.name) and folder.parent.name == "snapshots":
-        return folder.parent.parent.name.lower()
-    return folder.name.lower()
+    if hub or not (HUB_COMMIT.match(folder.name) and folder.parent.name == "snapshots"):
+        return (name if hub else folder.name).lower()
+    return folder.parent.parent.name.lower()
 
 
 def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
@@ -491,8 +488,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         named_720p = variant == "wan2.1-i2v" and "720p" in label and "480p" not in label
         preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
     if meta.distilled:
-        dmd = {**DMD_SETTINGS, "flow_shift": DISTILLED_SHIFTS.get(variant, DMD_SETTINGS["flow_shift"])}
-        preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **dmd)
+        preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, gates[0],
                       {comp: weight_variant(fs) for comp, fs in files.items()})

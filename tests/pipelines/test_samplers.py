@@ -238,11 +238,12 @@ def test_schedule_sigmas_match_the_rule(rule, shift):
         assert abs(sched.sigmas[3] - 0.013) > 2e-3
 
 
-@pytest.mark.parametrize("variant,shift", [("wan2.2-a14b", 8.0), ("wan2.2-ti2v", 5.0)])
+@pytest.mark.parametrize("variant,shift", [("wan2.2-a14b", 8.0), ("wan2.2-ti2v", 8.0)])
 def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path, variant, shift):
     """A WanDMDPipeline whose DiT is not FastWan's Wan2.1 layout (the two A14B experts; TI2V-5B, FastWan2.2) still
     samples with DMD: 3 steps at 1000/757/522, no CFG in either expert; no VSA gates, so dense attention. The
-    shift is FastVideo's for that kind: 8 (its FastWan default), 5 for TI2V-5B (FastWan2_2_TI2V_5B_Config)."""
+    shift is FastVideo's DMD stage's for every kind, 8: its DmdDenoisingStage builds FlowMatchEulerDiscreteScheduler
+    (shift=8.0) itself, so FastWan2_2_TI2V_5B_Config's flow_shift 5.0 never reaches the DMD steps."""
     import json
 
     from fastwan.pipelines.checkpoint import resolve
