@@ -1,15 +1,16 @@
 """The image side of image-to-video: reading the user's image, the default video size for it, and what the DiT
 is conditioned on, with the numerics of diffusers' ``WanImageToVideoPipeline``.
 
-* :func:`read_image`: a PIL image, an ``np.uint8`` array (H x W x 3, H x W x 4, H x W x 1 or H x W) or a local
-  file path (``str`` or ``os.PathLike``, ``~`` expanded; URLs are not fetched) -> RGB PIL image; anything else
-  raises naming the value. Files and PIL images are turned upright by their EXIF orientation (what diffusers'
-  ``load_image`` does: a phone photo reads as it is shown). Images of more than 8 bits per sample become 8-bit by fixed
-  rules, never by clipping: 16-bit greyscale (modes ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``, and ``I``, which
-  must hold 16-bit values 0..65535) keep the high byte (``value >> 8``, what Pillow itself does with 16-bit colour
-  PNGs, so grey and colour files of one picture read alike); float images (mode ``F``) must hold values in [0, 1]
-  and become ``round(value * 255)``. Values outside those ranges, and an image too large for Pillow to open
-  (its decompression-bomb limit), raise :class:`InvalidArgument` naming the image.
+* :func:`read_image`: a PIL image, an ``np.uint8`` array (H x W x 3, H x W x 4, H x W x 1 or H x W) or a local file
+  path (``str`` or ``os.PathLike``, ``~`` expanded; URLs are not fetched) -> RGB PIL image; anything else raises
+  naming the value. Files and PIL images are turned upright by their EXIF orientation (what diffusers'
+  ``load_image`` does: a phone photo reads as it is shown). Images of more than 8 bits per sample become 8-bit by
+  fixed rules, never by clipping: 16-bit greyscale (modes ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``, and ``I``,
+  which must hold 16-bit values 0..65535, not only 0..255: those are ambiguous) keep the high byte (``value >> 8``,
+  what Pillow itself does with 16-bit colour PNGs, so grey and colour files of one picture read alike); float images
+  (mode ``F``) must hold values in [0, 1] and become ``round(value * 255)``. Values outside those ranges, and an
+  image too large for Pillow to open (its decompression-bomb limit), raise :class:`InvalidArgument` naming the
+  image.
 * :func:`default_size`: the image's aspect ratio at a preset's pixel area, each side rounded down to the multiple
   the model needs (VAE factor x patch size), as the Wan and diffusers examples compute it.
 * :func:`condition_latents`: the first frame (and for first-last-frame, the last one) as a video with zeros
@@ -133,6 +134,10 @@ def _to_rgb(image, label: str):
             raise InvalidArgument(f"{label}: a mode {mode!r} image is read as 16-bit greyscale (values 0..65535), "
                                   f"but it holds values {lo}..{hi}; convert it to an 8-bit 'L' or 'RGB' image "
                                   "first.")
+        if mode == "I" and hi <= 255:  # 8-bit values in a 32-bit mode (Image.convert("I")): black as 16-bit data
+            raise InvalidArgument(f"{label}: a mode 'I' (32-bit integer) image holding only values {lo}..{hi} is "
+                                  "ambiguous: as 16-bit data (the rule for mode 'I') it would be black; convert it "
+                                  "to 'L' if it holds 8-bit values (img.convert('L')), or to 'I;16' if 16-bit.")
         image = Image.fromarray((values.astype(np.uint32) >> 8).astype(np.uint8))
     elif mode == "F":
         values = np.asarray(image, dtype=np.float64)

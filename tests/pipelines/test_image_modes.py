@@ -64,6 +64,15 @@ def test_int_mode_outside_16_bits_is_refused(bad):
         read_image(Image.fromarray(values), name="last_image")
 
 
+def test_int_mode_with_8_bit_values_is_ambiguous():
+    """Image.convert("I") of an 8-bit picture: as 16-bit data it would read black (0..255 >> 8 = 0), so it is
+    refused with the two conversions; the same picture as 'L' reads as itself."""
+    grey = Image.fromarray(np.array([[0, 90], [200, 255]], dtype=np.uint8))
+    with pytest.raises(InvalidArgument, match=r"image: a mode 'I' .*only values 0\.\.255 is ambiguous.*'L'.*'I;16'"):
+        read_image(grey.convert("I"))
+    assert np.array_equal(np.asarray(read_image(grey.convert("I").convert("L"))), rgb(np.asarray(grey)))
+
+
 def test_float_mode_is_scaled_by_255(tmp_path):
     values = np.array([[0.0, 0.2, 0.5, 1.0], [0.25, 0.75, 1 / 255, 0.999]], dtype=np.float32)
     want = np.array([[0, 51, 128, 255], [64, 191, 1, 255]], dtype=np.uint8)
