@@ -50,6 +50,10 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                                   f"of {name} (two formats or two names of one module in one file); keep one of "
                                   "them.")
         updates[name][part] = (key, value)
+    if not updates and not unmatched:  # every key is a norm's
+        raise InvalidArgument(f"{source}: its {len(tensors)} keys are all norm deltas, e.g. {sorted(tensors)[:3]}, "
+                              "which fastwan (like diffusers) does not merge: the file would change nothing; "
+                              "check that it is the LoRA you meant.")
     if not updates:
         raise InvalidArgument(f"{source}: none of its {len(tensors)} keys names a layer of this model, e.g. "
                               f"{sorted(tensors)[:3]}; the model's layers are named like {sorted(linears)[:3]} "

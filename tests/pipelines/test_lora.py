@@ -213,6 +213,11 @@ def test_bad_loras_raise_before_any_change(gen, tmp_path):
     with pytest.raises(InvalidArgument, match=r"none of its 3 keys.*lora_unet_blocks_0_self_attn_qk\.lora_down"
                                               r".*blocks\.0\..*'lora_unet_'"):
         gen.load_lora(kohya)
+    norms = tmp_path / "norms.safetensors"  # keys that name layers, but only norms: nothing would change
+    save_file({"diffusion_model.blocks.0.norm3.diff": torch.ones(24),
+               "diffusion_model.blocks.1.norm3.diff_b": torch.zeros(24)}, str(norms))
+    with pytest.raises(InvalidArgument, match=r"its 2 keys are all norm deltas.*norm3\.diff.*does not merge"):
+        gen.load_lora(norms)
     bad_shape = tmp_path / "shape.safetensors"
     lora = random_lora(gen.transformers[0], "diffusers")
     lora["transformer.blocks.1.attn1.to_q.lora_A.weight"] = torch.zeros(4, 7)
