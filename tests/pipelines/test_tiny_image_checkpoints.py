@@ -27,6 +27,23 @@ def frames(seed):
     return Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
 
 
+def generate_with_latents(gen, prompt, **kw):
+    """gen.generate_video(prompt, **kw) -> (result, the normalised latents it decoded). Frames within 1 hardly see
+    the conditioning on tiny random DiTs (another first image moves them by 2 to 4); the latents show it."""
+    seen = {}
+    decode = gen._decode
+
+    def keep(latents):
+        seen["z"] = latents.detach().clone()
+        return decode(latents)
+
+    gen._decode = keep
+    try:
+        return gen.generate_video(prompt, save_video=False, **kw), seen["z"]
+    finally:
+        del gen._decode
+
+
 def test_diffusers_runs_the_tiny_image_checkpoints(image_ckpt):
     from diffusers import WanImageToVideoPipeline
 
@@ -81,15 +98,23 @@ def test_pipeline_matches_diffusers(image_ckpt, guidance, negative):
     if variant == "wan2.2-i2v-a14b":
         kw.update(guidance_scale_2=guidance - 0.5 if guidance > 1 else guidance, num_inference_steps=6)
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
-    res = gen.generate_video("a fox in the snow", image=frames(0), negative_prompt=negative, seed=5,
-                             save_video=False, **extra, **kw)
+    res, latents = generate_with_latents(gen, "a fox in the snow", image=frames(0), negative_prompt=negative, seed=5,
+                                         **extra, **kw)
     pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    seen = {}
+
+    def last_latents(pipe, i, t, tensors):  # after the last step: what diffusers decodes (no expand_timesteps here)
+        seen["z"] = tensors["latents"].detach().clone()
+        return {}
+
     want = pipe(image=frames(0), prompt="a fox in the snow", negative_prompt=negative or WAN_NEGATIVE_PROMPT,
-                output_type="np", generator=torch.Generator("cpu").manual_seed(5), **extra, **kw).frames[0]
+                output_type="np", generator=torch.Generator("cpu").manual_seed(5), callback_on_step_end=last_latents,
+                **extra, **kw).frames[0]
     want = (want * 255).round().astype(np.uint8)
     assert res.frames.shape == want.shape == (9, 64, 64, 3) and want.std() > 5
     assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
+    torch.testing.assert_close(latents, seen["z"], rtol=0, atol=1e-5)
 
 
 def test_image_rules_before_any_compute(image_ckpt, tiny_ckpts):
@@ -126,7 +151,7 @@ def test_ti2v_image_mode_matches_diffusers(tiny_ckpts):
     path = tiny_ckpts["wan2.2-ti2v"]
     kw = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
-    res = gen.generate_video("a fox", image=frames(0), negative_prompt="blurry", seed=2, save_video=False, **kw)
+    res, latents = generate_with_latents(gen, "a fox", image=frames(0), negative_prompt="blurry", seed=2, **kw)
     pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
     assert pipe.config.expand_timesteps
     pipe.set_progress_bar_config(disable=True)
@@ -135,6 +160,9 @@ def test_ti2v_image_mode_matches_diffusers(tiny_ckpts):
     want = (want * 255).round().astype(np.uint8)
     assert res.frames.shape == want.shape and want.std() > 5
     assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
+    want_z = pipe(image=frames(0), prompt="a fox", negative_prompt="blurry", output_type="latent",
+                  generator=torch.Generator("cpu").manual_seed(2), **kw).frames  # the first frame the image's
+    torch.testing.assert_close(latents, want_z, rtol=0, atol=1e-5)
     text_only = gen.generate_video("a fox", negative_prompt="blurry", seed=2, save_video=False, **kw)
     assert np.abs(text_only.frames.astype(int) - res.frames.astype(int)).max() > 8  # the image really conditions
     with pytest.raises(InvalidArgument, match="TI2V-5B: its image mode fixes the first frame only"):
