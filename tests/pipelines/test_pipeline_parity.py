@@ -6,15 +6,23 @@ from diffusers import WanPipeline
 
 from fastwan import VideoGenerator
 from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT
+from tests.pipelines.test_tiny_image_checkpoints import generate_with_latents
 
 SIZE = dict(height=64, width=64, num_frames=9)
 
 
-def reference_frames(path, prompt, negative_prompt, seed, **kw):
+def reference_frames(path, prompt, negative_prompt, seed, latents=None, **kw):
+    """diffusers' uint8 frames; with a dict ``latents``, its ["z"] gets the latents of the last step (decoded)."""
     pipe = WanPipeline.from_pretrained(path, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+
+    def keep(pipe, i, t, tensors):
+        if latents is not None:
+            latents["z"] = tensors["latents"].detach().clone()
+        return {}
+
     out = pipe(prompt, negative_prompt=negative_prompt, generator=torch.Generator("cpu").manual_seed(seed),
-               output_type="np", **kw).frames[0]
+               output_type="np", callback_on_step_end=keep, **kw).frames[0]
     return (out * 255).round().astype(np.uint8)
 
 
@@ -30,13 +38,15 @@ CASES = [
 def test_pipeline_matches_diffusers(tiny_ckpts, variant, negative, kw):
     path = tiny_ckpts[variant]
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
-    res = gen.generate_video("a cat walks on the grass", negative_prompt=negative, seed=11, save_video=False,
-                             **SIZE, **kw)
+    res, latents = generate_with_latents(gen, "a cat walks on the grass", negative_prompt=negative, seed=11, **SIZE,
+                                         **kw)
     # fastwan applies Wan's default negative prompt when none is given; diffusers gets it explicitly
-    want = reference_frames(path, "a cat walks on the grass", negative or WAN_NEGATIVE_PROMPT, 11, **SIZE, **kw)
+    seen = {}
+    want = reference_frames(path, "a cat walks on the grass", negative or WAN_NEGATIVE_PROMPT, 11, seen, **SIZE, **kw)
     assert res.frames.dtype == np.uint8 and res.frames.shape == want.shape == (9, 64, 64, 3)
     assert want.std() > 5  # a real picture, not a constant
     assert np.abs(res.frames.astype(int) - want.astype(int)).max() <= 1
+    torch.testing.assert_close(latents, seen["z"], rtol=0, atol=1e-5)  # frames hardly see the text here
 
 
 def test_a14b_case_crosses_the_expert_boundary(tiny_ckpts):
