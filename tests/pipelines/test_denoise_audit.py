@@ -9,6 +9,7 @@ import torch
 from diffusers import WanPipeline
 
 from fastwan import VideoGenerator
+from tests.pipelines.latents import generate_with_latents
 from tests.pipelines.test_cfg import record_batches
 
 SIZE = dict(height=64, width=64, num_frames=5)
@@ -49,11 +50,8 @@ def diffusers_latents(path, seed, gate=None, **kw):
 
 def fastwan_latents(gen, **kw) -> torch.Tensor:
     """The final latents of one fastwan video (what its VAE decode receives)."""
-    seen = []
-    decode = gen._decode
-    gen._decode = lambda latents: seen.append(latents) or decode(latents)
-    gen.generate_video("a boat at sea", negative_prompt="ugly", seed=5, save_video=False, **SIZE, **kw)
-    return seen[0]
+    return generate_with_latents(gen, "a boat at sea", negative_prompt="ugly", seed=5, save_video=False, **SIZE,
+                                 **kw)[1]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

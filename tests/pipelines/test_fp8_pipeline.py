@@ -13,6 +13,7 @@ from fastwan.cli import main
 from fastwan.errors import InvalidArgument
 from fastwan.kernels.fp8 import Fp8Linear
 from tests.models.test_fp8_dit import rounded_copy
+from tests.pipelines.latents import generate_with_latents
 
 RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=3, guidance_scale=5.0, seed=7, save_video=False)
 
@@ -20,10 +21,8 @@ RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=3, guidance_sc
 def generate(model, **load) -> tuple[np.ndarray, torch.Tensor]:
     """(uint8 frames as ints, the denoised latents the decoder got)."""
     gen = VideoGenerator.from_pretrained(model, device="cpu", dtype=torch.float32, **load)
-    seen = []
-    decode = gen._decode
-    gen._decode = lambda latents: seen.append(latents.clone()) or decode(latents)
-    return gen.generate_video("a red kite over a beach", **RUN).frames.astype(int), seen[0]
+    res, latents = generate_with_latents(gen, "a red kite over a beach", **RUN)
+    return res.frames.astype(int), latents
 
 
 def frames(model, **load) -> np.ndarray:

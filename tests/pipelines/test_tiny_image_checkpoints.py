@@ -15,6 +15,7 @@ from fastwan.models import load_transformer
 from fastwan.options import DiTOptions
 from fastwan.pipelines.image import clip_tokens, condition_latents, pixels
 from fastwan.tiny import IMAGE_VARIANTS, write_tiny_checkpoint
+from tests.pipelines.latents import generate_with_latents
 
 
 @pytest.fixture(scope="module", params=IMAGE_VARIANTS)
@@ -25,23 +26,6 @@ def image_ckpt(request, tmp_path_factory):
 def frames(seed):
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
-
-
-def generate_with_latents(gen, prompt, **kw):
-    """gen.generate_video(prompt, **kw) -> (result, the normalised latents it decoded). Frames within 1 hardly see
-    the conditioning on tiny random DiTs (another first image moves them by 2 to 4); the latents show it."""
-    seen = {}
-    decode = gen._decode
-
-    def keep(latents):
-        seen["z"] = latents.detach().clone()
-        return decode(latents)
-
-    gen._decode = keep
-    try:
-        return gen.generate_video(prompt, save_video=False, **kw), seen["z"]
-    finally:
-        del gen._decode
 
 
 def test_diffusers_runs_the_tiny_image_checkpoints(image_ckpt):
@@ -98,8 +82,10 @@ def test_pipeline_matches_diffusers(image_ckpt, guidance, negative):
     if variant == "wan2.2-i2v-a14b":
         kw.update(guidance_scale_2=guidance - 0.5 if guidance > 1 else guidance, num_inference_steps=6)
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    # frames within 1 hardly see the conditioning on tiny random DiTs (another first image moves them by 2 to 4):
+    # the decoded latents do
     res, latents = generate_with_latents(gen, "a fox in the snow", image=frames(0), negative_prompt=negative, seed=5,
-                                         **extra, **kw)
+                                         save_video=False, **extra, **kw)
     pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     seen = {}
@@ -151,7 +137,8 @@ def test_ti2v_image_mode_matches_diffusers(tiny_ckpts):
     path = tiny_ckpts["wan2.2-ti2v"]
     kw = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
     gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
-    res, latents = generate_with_latents(gen, "a fox", image=frames(0), negative_prompt="blurry", seed=2, **kw)
+    res, latents = generate_with_latents(gen, "a fox", image=frames(0), negative_prompt="blurry", seed=2,
+                                         save_video=False, **kw)
     pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
     assert pipe.config.expand_timesteps
     pipe.set_progress_bar_config(disable=True)
