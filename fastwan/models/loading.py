@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -13,6 +14,8 @@ import torch
 from safetensors import safe_open
 
 from fastwan.errors import CheckpointError, MissingFileError
+
+logger = logging.getLogger("fastwan")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")  # 'owner/name' on the Hub
@@ -55,19 +58,22 @@ def json_type(value: object) -> str:
 
 
 # the file names diffusers and transformers save weights under; a ".VARIANT" after one of them names a variant
-_WEIGHT_BASES = ("diffusion_pytorch_model", "model")
+_WEIGHT_BASES = ("diffusion_pytorch_model", "pytorch_model", "model")
 _SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
+_INDEX_NAME = re.compile(r"^(?P<base>[^.]+)\.(?:safetensors|bin)\.index(?:\.(?P<tag>[^.]+))?\.json$")
 
 
 def file_variant(name: str) -> str | None:
     """The diffusers/transformers ``variant`` a weight file or shard index name belongs to (None: the plain
-    files). 'fp16' for 'diffusion_pytorch_model.fp16.safetensors', 'model.fp16-00001-of-00002.safetensors' and
-    'model.safetensors.index.fp16.json'; a name not built on 'diffusion_pytorch_model' / 'model' is plain."""
-    if name.endswith(".json"):
-        base, _, tag = name[: -len(".json")].rpartition(".safetensors.index")
-        tag = tag.lstrip(".")
+    files). 'fp16' for 'diffusion_pytorch_model.fp16.safetensors', 'model.fp16-00001-of-00002.safetensors',
+    'model.safetensors.index.fp16.json' and the pickle names 'pytorch_model.fp16.bin',
+    'pytorch_model.bin.index.fp16.json'; a name not built on one of the libraries' weight names is plain."""
+    index = _INDEX_NAME.match(name)
+    if index:
+        base, tag = index["base"], index["tag"]
     else:
-        base, _, tag = _SHARD_SUFFIX.sub("", name[: -len(".safetensors")]).rpartition(".")
+        stem = name[: -len(Path(name).suffix)] if Path(name).suffix else name
+        base, _, tag = _SHARD_SUFFIX.sub("", stem).rpartition(".")
     return tag if tag and base in _WEIGHT_BASES else None
 
 
@@ -89,7 +95,7 @@ def _chosen_variant(folder: Path, names: list[str]) -> str | None:
 def weight_variant(files: list[Path]) -> str | None:
     """The ``variant`` argument diffusers' / transformers' ``from_pretrained`` needs to load ``files`` (as
     :func:`weight_files` chose them)."""
-    return file_variant(files[0].name) if files and files[0].suffix == ".safetensors" else None
+    return file_variant(files[0].name) if files else None
 
 
 def plain_name_problem(name: object) -> str | None:
@@ -193,7 +199,8 @@ def _pickle_files(folder: Path, *, allow_pickle: bool) -> list[Path]:
     naming them (or no weights)."""
     pickles = _weight_named(sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES), _PICKLE_BASES)
     if pickles and allow_pickle:
-        return [_component_file(folder, name) for name in pickles]
+        variant = _chosen_variant(folder, pickles)
+        return [_component_file(folder, name) for name in pickles if file_variant(name) == variant]
     if pickles:
         raise CheckpointError(
             f"{folder} holds only pickle weights ({', '.join(pickles)}); fastwan loads safetensors only, "
@@ -367,26 +374,35 @@ def load_into(
     keep_fp32=lambda name: False,
     source: str = "checkpoint",
 ) -> None:
-    """Assign ``state`` to a meta-device ``model`` (``assign=True``), casting to ``dtype`` (fp32 where kept;
-    FP8 tensors, which must fill FP8 slots of the model, as they are).
+    """Assign ``state`` to a meta-device ``model`` (``assign=True``), casting to ``dtype`` (fp32 where kept).
+    Rule for FP8 storage: an FP8 slot of the model (a layer saved with its scales) takes the FP8 tensor as it is;
+    an FP8 tensor for any other slot is a plain value stored in 8 bits (no scale) and is cast like any float, as
+    diffusers' ``from_pretrained`` does.
 
     Names are checked against the model before any tensor is read; tensors are then streamed one by one.
     """
     check_names(model.state_dict(), state.keys(), source)
     slots = model.state_dict()
     cast = {}
+    upcast = []
     for k, v in state.items():
         if v.shape != slots[k].shape:
             raise shape_error(source, k, v.shape, slots[k].shape)
         if slots[k].is_floating_point() and not v.is_floating_point():
             raise CheckpointError(f"{source}: tensor {k!r} is {str(v.dtype).replace('torch.', '')}, but the model "
                                   "holds a floating-point weight there; the checkpoint is corrupt: re-download it.")
+        if v.dtype in FP8 and slots[k].dtype not in FP8:
+            upcast.append(k)
+            v = v.float()  # exact: every FP8 value is a bf16 / fp16 / fp32 value
         if (slots[k].dtype in FP8) != (v.dtype in FP8):
             raise CheckpointError(f"{source}: tensor {k!r} is {str(v.dtype).replace('torch.', '')}, but the model "
                                   f"holds it as {str(slots[k].dtype).replace('torch.', '')} (FP8 weights come only "
                                   "with their scales); the checkpoint is inconsistent: re-download or re-quantize it.")
         target = v.dtype if v.dtype in FP8 else torch.float32 if keep_fp32(k) else dtype
         cast[k] = v.to(device=device, dtype=target if v.is_floating_point() else v.dtype)
+    if upcast:
+        logger.info("%s: %d tensors stored in FP8 without scales (e.g. %s) were cast to %s", source, len(upcast),
+                    upcast[0], str(dtype).replace("torch.", ""))
     model.load_state_dict(cast, strict=True, assign=True)
 
 

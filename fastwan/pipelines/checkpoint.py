@@ -12,6 +12,14 @@ from types import MappingProxyType
 from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType, MissingFileError
 from fastwan.models.wan.config import WanConfig, check_text_to_video
 from fastwan.models.wan.loading import check_transformer_files
+from fastwan.pipelines.components import (
+    check_clip,
+    check_components,
+    check_latent_channels,
+    check_loader_files,
+    check_text_width,
+    scheduler_class,
+)
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -208,6 +216,7 @@ def _not_a_pipeline(root: Path, name: str, hub: bool) -> str:
         return (f"{where} is in the original Wan release layout, not the Diffusers layout; fastwan loads the "
                 "Diffusers-format repository of the same weights" + (
                     f" ({diffusers_id!r})." if diffusers_id else
+                    f" (Wan-AI/{root.name}-Diffusers for Wan-AI/{root.name})." if root.name.startswith("Wan") else
                     ", e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers for Wan-AI/Wan2.1-T2V-1.3B."))
     if isinstance(cls, str) and (root.parent / "model_index.json").is_file():
         return (f"{where} is the {root.name!r} component ({cls}) of a pipeline; pass the pipeline folder "
@@ -224,7 +233,8 @@ def _check_pipeline_class(index: dict, path: Path) -> None:
     if not (isinstance(cls, str) and cls.startswith("Wan")):
         raise CheckpointError(
             f"{path}: \"_class_name\": {json_text(cls)} describes a pipeline that is not a Wan pipeline; fastwan runs "
-            f"Wan checkpoints whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\" or \"{I2V_PIPELINE}\". "
+            f"Wan checkpoints whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\", \"{I2V_PIPELINE}\" or "
+            f"\"{DMD_PIPELINE}\". "
             "Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers layout."
         )
     task = next((t for word, t in OTHER_TASKS if word in cls), "this pipeline's task")
@@ -322,48 +332,6 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
                          i2v and _index_image_encoder(index, path), index.get("_class_name") == DMD_PIPELINE)
 
 
-# the configuration file (a JSON object) of each component loaded by diffusers / transformers; the DiTs' configs
-# and the scheduler's are read by their own checks (_expert_configs, check_scheduler_config)
-_COMPONENT_CONFIGS = {"text_encoder": "config.json", "vae": "config.json", "image_encoder": "config.json",
-                      "image_processor": "preprocessor_config.json"}
-_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # UMT5's tokenizer: the fast one or its SentencePiece model
-
-
-def _check_components(root: Path, index_path: Path, meta: PipelineIndex) -> None:
-    """Every component folder the checkpoint needs exists, holding its config (a JSON object) and, for the
-    tokenizer, tokenizer.json or spiece.model."""
-    needed = REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ())
-    for comp in needed:
-        if not (root / comp).is_dir():
-            raise MissingFileError(
-                f"checkpoint {root} is missing its '{comp}/' component; this Wan checkpoint (per {index_path.name}) "
-                f"needs {', '.join(needed)}. Download the checkpoint again."
-            )
-        if comp in _COMPONENT_CONFIGS:
-            read_json(root / comp / _COMPONENT_CONFIGS[comp], missing=f"the {comp} component needs it; download "
-                      "the checkpoint again.")
-    if not any((root / "tokenizer" / f).is_file() for f in _TOKENIZER_FILES):
-        raise MissingFileError(
-            f"{root / 'tokenizer'} holds neither {' nor '.join(_TOKENIZER_FILES)}; the UMT5 tokenizer needs one of "
-            "them. Download the checkpoint again."
-        )
-
-
-def check_scheduler_config(cfg: dict, path: Path):
-    """Rule: ``_class_name`` names a diffusers scheduler class -> that class."""
-    import diffusers
-
-    name = cfg.get("_class_name")
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
-        raise CheckpointError(
-            f"{path}: \"_class_name\": {json_text(name)} is not a diffusers scheduler class; Wan checkpoints use "
-            "\"UniPCMultistepScheduler\" or \"FlowMatchEulerDiscreteScheduler\". Fix the file or download the "
-            "checkpoint again."
-        )
-    return cls
-
-
 def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
     """Rules for the DiT of an image-to-video pipeline: it reads the noise, a 4-channel frame mask and the
     condition latents (in = 2 x out + 4), and CLIP image tokens exactly when the pipeline has a CLIP encoder."""
@@ -377,32 +345,6 @@ def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
             f"{source}: \"image_dim\": {json_text(cfg.image_dim)}, but the pipeline "
             f"{'has' if clip else 'has no'} CLIP image encoder; a Wan DiT reads image tokens exactly when its "
             "pipeline has one (Wan2.1 I2V / FLF2V). Download the checkpoint again.")
-
-
-def _check_clip(clip: dict, cfg: WanConfig, path: Path) -> None:
-    """Rules for the CLIP vision encoder beside the DiT: its width is the DiT's ``image_dim``, and an FLF2V DiT's
-    ``pos_embed_seq_len`` holds the tokens of two images (one per patch, plus the class token)."""
-    from transformers import CLIPVisionConfig
-
-    vision = clip.get("vision_config", clip)  # a whole CLIPModel's config nests the vision tower's
-    defaults = CLIPVisionConfig()  # what transformers reads for a key the file leaves out
-    width, size, patch = (vision.get(k, getattr(defaults, k)) for k in ("hidden_size", "image_size", "patch_size"))
-    if width != cfg.image_dim:
-        raise CheckpointError(
-            f"{path}: \"hidden_size\": {json_text(width)}, but the DiT's \"image_dim\" is {cfg.image_dim}; the CLIP "
-            "image encoder's hidden states enter the DiT's image embedder, so the two must be equal. Download the "
-            "checkpoint again.")
-    if cfg.pos_embed_seq_len is None:
-        return
-    if not (type(size) is int and type(patch) is int and 0 < patch <= size):
-        raise CheckpointError(f"{path}: \"image_size\": {json_text(size)}, \"patch_size\": {json_text(patch)} must be "
-                              "positive ints (patch_size <= image_size). Download the checkpoint again.")
-    tokens = (size // patch) ** 2 + 1
-    if cfg.pos_embed_seq_len != 2 * tokens:
-        raise CheckpointError(
-            f"{path}: a CLIP of image_size {size} and patch_size {patch} gives {tokens} tokens per image, but the "
-            f"DiT's \"pos_embed_seq_len\" is {cfg.pos_embed_seq_len}, not 2 x {tokens} (first and last frame). "
-            "Download the checkpoint again.")
 
 
 def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
@@ -464,16 +406,19 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
     if hub:
         root = _download(name, _component_patterns(meta.experts, allow_pickle, meta.image_encoder),
                          revision=root.name if HUB_COMMIT.match(root.name) else revision)
-    _check_components(root, index_path, meta)
+    check_components(root, index_path, REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ()))
     configs = _expert_configs(root, meta)
+    check_latent_channels(root, configs[0])
+    check_text_width(root, configs[0])
     if meta.image_encoder:
         clip_path = root / "image_encoder" / "config.json"
-        _check_clip(read_json(clip_path, missing="the image_encoder component needs it."), configs[0], clip_path)
-    files = {comp: weight_files(root / comp, allow_pickle=allow_pickle)
-             for comp in meta.experts + ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())}
+        check_clip(read_json(clip_path, missing="the image_encoder component needs it."), configs[0], clip_path)
+    loaded = ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())
+    files = {comp: weight_files(root / comp, allow_pickle=allow_pickle) for comp in meta.experts + loaded}
+    for comp in loaded:
+        check_loader_files(root / comp, comp, files[comp])
     gates = [check_transformer_files(files[e], cfg, str(root / e)) for e, cfg in zip(meta.experts, configs)]
-    scheduler_path = root / "scheduler" / "scheduler_config.json"
-    check_scheduler_config(read_json(scheduler_path, missing="the scheduler component needs it."), scheduler_path)
+    scheduler_class(index, root)
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2

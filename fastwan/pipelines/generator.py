@@ -43,6 +43,7 @@ from fastwan.pipelines.checkpoint import (
     resolve,
     with_overrides,
 )
+from fastwan.pipelines.components import tokenizer_class
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size, encode_request
@@ -223,7 +224,7 @@ class VideoGenerator:
         home = device if plan is None or not plan.levers() else torch.device("cpu")  # offloading loads to the host
 
         # ---- loading ----
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        from transformers import UMT5EncoderModel
 
         transformers_ = [
             load_transformer(ckpt.folder(e), dtype=dtype, device=home, attention=attention, options=dit_options,
@@ -233,13 +234,13 @@ class VideoGenerator:
         if enable_torch_compile:
             for t in transformers_:
                 t.compile_blocks(**compile_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(ckpt.folder("tokenizer"))
+        tokenizer = tokenizer_class(ckpt.index).from_pretrained(ckpt.folder("tokenizer"))
         text_encoder = UMT5EncoderModel.from_pretrained(
             ckpt.folder("text_encoder"), dtype=dtype, use_safetensors=None if allow_pickle else True,
             variant=ckpt.variants.get("text_encoder")).to(home).eval()
         vae = load_vae(ckpt.folder("vae"), vae_dtype, device, dit_options.fast, tiling, allow_pickle,
                        ckpt.variants.get("vae"))
-        scheduler = load_scheduler(ckpt.folder("scheduler"))
+        scheduler = load_scheduler(ckpt)
         image_encoder = image_processor = None
         if ckpt.image_encoder:
             from transformers import CLIPImageProcessor, CLIPVisionModel

@@ -17,7 +17,8 @@ from fastwan.attention.registry import backend_keys, requested_backend
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.options import DiTOptions
 from fastwan.pipelines.inputs import python_number
-from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, check_scheduler_config, trained_vsa_sparsity
+from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, trained_vsa_sparsity
+from fastwan.pipelines.components import scheduler_class
 
 logger = logging.getLogger("fastwan")
 
@@ -58,13 +59,11 @@ def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compi
     return vae_dtype, cfg_gate_step, dit_options, device
 
 
-def load_scheduler(folder: Path):
-    """The diffusers scheduler named by ``scheduler_config.json``'s ``_class_name``."""
-    from fastwan.models.loading import read_json
-
-    path = folder / "scheduler_config.json"
-    cfg = read_json(path, missing="the scheduler component needs it.")
-    return check_scheduler_config(cfg, path).from_config(cfg)
+def load_scheduler(ckpt: Checkpoint):
+    """The checkpoint's diffusers scheduler: the class diffusers' pipeline loading builds
+    (:func:`fastwan.pipelines.components.scheduler_class`) from ``scheduler/scheduler_config.json``."""
+    cls, cfg = scheduler_class(ckpt.index, ckpt.root)
+    return cls.from_config(cfg)
 
 
 def check_flags(**flags) -> None:

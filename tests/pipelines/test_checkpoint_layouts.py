@@ -99,7 +99,8 @@ def _write_json(path, text):
     (lambda r: [p.unlink() for p in (r / "tokenizer").iterdir()], MissingFileError,
      r"tokenizer holds neither tokenizer.json nor spiece.model"),
     (lambda r: _write_json(r / "scheduler" / "scheduler_config.json", json.dumps({"_class_name": "FancyScheduler"})),
-     CheckpointError, r"\"FancyScheduler\" is not a diffusers scheduler class"),
+     CheckpointError, r"names the scheduler class \"FancyScheduler\", but .*model_index.json names "
+     r"\"UniPCMultistepScheduler\""),
 ])
 def test_component_files_are_checked_before_loading(base, tmp_path, damage, error, match):
     root = copy(base, tmp_path)

@@ -184,12 +184,14 @@ def check_text_to_video(cfg: WanConfig, source: str) -> None:
     if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
         raise CheckpointError(
             f"{source} is an image-to-video Wan DiT (\"image_dim\": {json_text(cfg.image_dim)}, "
-            f"\"added_kv_proj_dim\": {json_text(cfg.added_kv_proj_dim)}); fastwan runs text-to-video checkpoints "
-            "(Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B in text mode); image-to-video is not supported yet."
+            f"\"added_kv_proj_dim\": {json_text(cfg.added_kv_proj_dim)}), but model_index.json names a "
+            "text-to-video pipeline; an image-to-video checkpoint's model_index.json has \"_class_name\": "
+            "\"WanImageToVideoPipeline\". Fix model_index.json, or download the checkpoint again."
         )
     if cfg.out_channels != cfg.in_channels:
         raise CheckpointError(
             f"{source}: \"in_channels\": {cfg.in_channels} and \"out_channels\": {cfg.out_channels} differ; a "
-            "text-to-video Wan DiT predicts a latent with the channels it reads (more input channels mean an "
-            "image-to-video DiT, which fastwan does not support yet). Use a text-to-video checkpoint."
+            "text-to-video Wan DiT predicts a latent with the channels it reads (in_channels = 2 x out_channels + "
+            "4 is an image-to-video DiT, whose model_index.json has \"_class_name\": \"WanImageToVideoPipeline\"). "
+            "Fix the config or model_index.json, or download the checkpoint again."
         )

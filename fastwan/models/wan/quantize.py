@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fastwan.errors import CheckpointError, InvalidArgument
 from fastwan.kernels.fp8 import E4M3, Fp8Linear, choose_route, fp8_state, quantize_weight
-from fastwan.models.loading import write_atomically
+from fastwan.models.loading import FP8, write_atomically
 
 logger = logging.getLogger("fastwan")
 
@@ -95,7 +95,8 @@ class QuantizingTensors:
             if name is None:
                 yield key, value
                 continue
-            w8, scale = quantize_weight(value.to(self.device))
+            # an FP8 tensor here has no scale (a layer saved with one is prequantized): a plain value in 8 bits
+            w8, scale = quantize_weight(value.to(self.device, torch.float32 if value.dtype in FP8 else None))
             yield key, w8
             yield f"{name}{SCALE_SUFFIX}", scale
 
