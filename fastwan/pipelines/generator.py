@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fastwan.attention import AttentionBackend, AttentionDispatch
+from fastwan.attention.registry import requested_backend
 from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear
@@ -216,6 +217,9 @@ class VideoGenerator:
             plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
         if launch == "spawn":  # every check passed (a budget too small too); the workers, "join" ranks, load
+            scoped, asked_by = requested_backend(call["attention_backend"], env={})  # contexts stay in this process
+            if asked_by == "attention_backend() context":
+                call = {**call, "attention_backend": scoped}
             return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device)
         if plan is not None:
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
@@ -283,6 +287,20 @@ class VideoGenerator:
     def vae_scale_factors(self) -> tuple[int, int]:
         """(temporal, spatial) latent compression of the VAE."""
         return vae_scale_factors(self.vae)
+
+    def _check_backend_context(self) -> None:
+        """Rule: the attention backend is fixed when the generator is built; an ``attention_backend()`` context
+        around a call must name the one it runs (a context meant for the call would otherwise go unheard)."""
+        scoped, source = requested_backend(None, env={})
+        if scoped is None or source != "attention_backend() context":
+            return
+        name = scoped.name if isinstance(scoped, AttentionBackend) else str(scoped).strip().upper()
+        built = self.attention.self_backend.name
+        if name != built:
+            raise InvalidArgument(
+                f"an attention_backend({name!r}) context is active, but this generator was built with {built}; the "
+                "backend is chosen when the model loads: enter the context around VideoGenerator.from_pretrained "
+                "(or pass attention_backend= there).")
 
     def _check_inputs(self, prompt, negative_prompt, s, seed) -> None:
         """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
@@ -370,6 +388,7 @@ class VideoGenerator:
         (FastWan) presets its own.
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
+        self._check_backend_context()
         req = check_image_request(self.checkpoint, image, last_image)
         if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
             cfg = self.checkpoint.transformer_config
@@ -392,6 +411,9 @@ class VideoGenerator:
         if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
             raise InvalidArgumentType(
                 f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
+        if not (save_video or return_frames):
+            raise InvalidArgument("save_video=False and return_frames=False would compute the video and keep "
+                                  "nothing; set one of them to True.")
         target = output.check_output_path(output_path, overwrite)
         seed = random_seed() if seed is None else int(seed)
         if negative_prompt is None:

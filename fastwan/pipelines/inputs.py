@@ -171,19 +171,25 @@ def random_seed() -> int:
 def _check_num_steps(scheduler, n: int) -> None:
     """Refuse a step count the scheduler cannot run, before any compute: at most ``num_train_timesteps``, and a
     strictly decreasing schedule (a dry run of ``set_timesteps`` on CPU). Integer timesteps repeat once steps are
-    finer than one timestep where flow_shift packs them (UniPC, shift 3: 999 twice from 334 steps); a repeated first
-    timestep starts the step counter at its second occurrence, so the last ``step`` runs past the schedule."""
+    finer than one timestep where flow_shift packs them (UniPC, shift 3: 999 twice from 334 steps; the larger the
+    shift, the fewer steps); a repeated first timestep starts the step counter at its second occurrence, so the last
+    ``step`` runs past the schedule."""
     limit = getattr(scheduler.config, "num_train_timesteps", None)
     name = type(scheduler).__name__
     probe = type(scheduler).from_config(scheduler.config)  # the generator's own scheduler keeps its state
     if limit is not None and n > limit:
+        most = _largest_distinct_steps(probe, limit)
         raise InvalidArgument(f"num_inference_steps={n} exceeds the {name}'s {limit} training timesteps; "
-                              f"use at most {_largest_distinct_steps(probe, limit)} (e.g. 50).")
+                              f"use at most {most}{' (e.g. 50)' if most >= 50 else ''}.")
     if not _distinct_timesteps(probe, n):
+        shift = next((getattr(scheduler.config, k) for k in ("flow_shift", "shift")
+                      if getattr(scheduler.config, k, None) is not None), None)
+        at = f" at flow_shift={shift:g}" if isinstance(shift, (int, float)) else ""
+        most = _largest_distinct_steps(probe, n - 1)
         raise InvalidArgument(
-            f"num_inference_steps={n} is more than the {name} can resolve: its timesteps (whole numbers) repeat "
-            f"at that count, and it cannot step through a repeated timestep; use at most "
-            f"{_largest_distinct_steps(probe, n - 1)} (e.g. 50)."
+            f"num_inference_steps={n} is more than the {name} can resolve{at}: its timesteps (whole numbers) "
+            f"repeat at that count, and it cannot step through a repeated timestep; use at most {most} steps"
+            f"{' (e.g. 50)' if most >= 50 else ''}{', or a smaller flow_shift' if at else ''}."
         )
 
 

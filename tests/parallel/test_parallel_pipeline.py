@@ -16,6 +16,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from fastwan import VideoGenerator
+from fastwan.attention.registry import attention_backend
 from fastwan.errors import InvalidArgument, OutputExistsError
 from fastwan.parallel.workers import ParallelError, ParallelGenerator
 from fastwan.tiny import write_tiny_checkpoint
@@ -141,3 +142,12 @@ def test_launcher_world_size_must_match(ckpts, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(InvalidArgument, match="num_gpus=2 but this job was launched with 4 processes"):
         VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", num_gpus=2)
+
+
+def test_a_backend_context_reaches_the_workers(ckpts):
+    """An ``attention_backend()`` context around from_pretrained(num_gpus=N) is what every worker builds with
+    (contexts do not cross processes: the request travels with the call)."""
+    with attention_backend("SLIDING_TILE_ATTN"):
+        with VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", dtype=torch.float32, num_gpus=2,
+                                            attention_config={"tile": [1, 2, 2]}) as par:
+            assert par.generate_video("a cat", **RUN).attention_backend.startswith("SLIDING_TILE_ATTN")

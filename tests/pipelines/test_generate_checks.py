@@ -127,3 +127,43 @@ def test_video_size_rules_follow_each_axis_patch():
         check_video_size(64, 192, 9, max_grid=5, **kw)
     with pytest.raises(InvalidArgumentType, match="height=64.0"):
         check_video_size(64.0, 96, 9, **kw)
+
+
+# ---- requests that would be lost or misread --------------------------------------------------------------------
+def test_a_backend_context_around_a_call_must_name_the_built_backend(gen):
+    from fastwan.attention.registry import attention_backend
+    from fastwan.errors import InvalidArgument
+
+    built = gen.attention.self_backend.name
+    with attention_backend(built.lower()):  # the backend the generator runs: fine
+        assert gen.generate_video("a cat", seed=1, save_video=False, **SMALL).frames is not None
+    with attention_backend("SLIDING_TILE_ATTN"), pytest.raises(
+            InvalidArgument, match=rf"attention_backend\('SLIDING_TILE_ATTN'\) context is active, but this generator "
+                                   rf"was built with {built}"):
+        gen.generate_video("a cat", seed=1, save_video=False, **SMALL)
+
+
+def test_nothing_to_keep_is_refused_before_compute(gen, monkeypatch):
+    from fastwan.errors import InvalidArgument
+
+    monkeypatch.setattr(gen, "_generate", lambda *a, **k: pytest.fail("computed"))
+    with pytest.raises(InvalidArgument, match="save_video=False and return_frames=False would compute the video"):
+        gen.generate_video("a cat", seed=1, save_video=False, return_frames=False, **SMALL)
+
+
+def test_compile_kwargs_without_compile_are_refused(tiny_ckpts):
+    from fastwan import VideoGenerator
+    from fastwan.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"torch_compile_kwargs=\{'mode': 'bogus'\} apply only when the DiT "
+                                              r"is compiled; pass enable_torch_compile=True"):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", torch_compile_kwargs={"mode": "bogus"})
+
+
+def test_a_step_limit_set_by_the_flow_shift_names_it(gen):
+    from fastwan.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"can resolve at flow_shift=100: .* use at most \d+ steps, or a "
+                                              r"smaller flow_shift\.$"):
+        gen.generate_video("a cat", seed=1, save_video=False, flow_shift=100.0,
+                           **{**SMALL, "num_inference_steps": 50})
