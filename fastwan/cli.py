@@ -197,6 +197,23 @@ def _check_output(args) -> None:
     output.prepare_output(output.check_output_path(args.output, args.overwrite))
 
 
+def _check_request(args) -> None:
+    """The video's arguments checked against the checkpoint's files before the model loads
+    (:func:`fastwan.pipelines.request.check_request`; a Hub checkpoint is downloaded first): a size, step count,
+    guidance or sampler mistake fails in seconds. generate_video checks again, with the attention backend's rules."""
+    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.pipelines.request import check_request, checkpoint_vae_factors
+    from fastwan.pipelines.setup import load_scheduler
+
+    ckpt = resolve(args.model, revision=args.revision)
+    check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
+                  image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
+                  height=args.height, width=args.width, num_frames=args.num_frames,
+                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                  guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, sampler=args.sampler,
+                  timesteps=args.timesteps, flow_shift=args.flow_shift)
+
+
 def _run_generate(args) -> int:
     """Check the output destination, load the model, make one video, print where it is, the seed and the
     timings."""
@@ -210,6 +227,7 @@ def _run_generate(args) -> int:
     for name in ("image", "last_image"):  # an unreadable image fails before the model loads
         if getattr(args, name) is not None:
             read_image(getattr(args, name), name)
+    _check_request(args)
     num_gpus = _num_gpus(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _dtype_name(args, device))

@@ -322,3 +322,25 @@ def test_cli_magcache_calibration_prints_json_that_feeds_mag_ratios(tmp_path, ca
     path = tmp_path / "ratios.json"
     path.write_text(lines[0].split(": ", 1)[1])
     assert check_cache(f"magcache:mag_ratios=@{path}").mag_ratios == tuple(ratios)
+
+
+def test_rules_of_the_checkpoint_fail_before_any_weight_loads(monkeypatch, tmp_path, capsys):
+    """Arguments that break a rule of the checkpoint (its VAE factors and patch, its scheduler's step limit, its
+    expert count, its sampler) fail as one line and exit 2 from the checkpoint's files, before any weight loads."""
+    import fastwan.pipelines.generator as generator
+
+    def loaded(*a, **k):
+        raise AssertionError("a DiT was loaded before the arguments were checked")
+
+    monkeypatch.setattr(generator, "load_transformer", loaded)
+    base = ["generate", "--prompt", "a kite", "--model", "tiny", "--output", str(tmp_path / "out")]
+    cases = [
+        (["--height", "33"], ["height=33 is not a multiple of 16"]), (["--num-frames", "4"], ["num_frames=4"]),
+        (["--steps", "400"], ["num_inference_steps=400", "use at most"]),
+        (["--guidance-scale-2", "3"], ["guidance_scale_2=3.0", "one DiT"]),
+        (["--timesteps", "1000,500"], ["timesteps=[1000.0, 500.0]", "sampler"]),
+    ]
+    for extra, words in cases:
+        capsys.readouterr()
+        assert _exit_code(base + extra) == 2, extra
+        assert_one_error_line(capsys.readouterr().err, words, extra)

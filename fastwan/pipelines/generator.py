@@ -42,14 +42,13 @@ from fastwan.pipelines.checkpoint import (
     WAN_NEGATIVE_PROMPT,
     Checkpoint,
     resolve,
-    with_overrides,
 )
 from fastwan.pipelines.components import tokenizer_class
 from fastwan.pipelines.denoise import cache_report, denoise
+from fastwan.pipelines.request import check_request
 from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
-from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size, encode_request
-from fastwan.pipelines.inputs import check_inputs, expert_guidance, python_number, random_seed, runs_cfg
-from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
+from fastwan.pipelines.image import ImageRequest, encode_request
+from fastwan.pipelines.inputs import python_number, random_seed, runs_cfg
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
@@ -302,18 +301,6 @@ class VideoGenerator:
                 "backend is chosen when the model loads: enter the context around VideoGenerator.from_pretrained "
                 "(or pass attention_backend= there).")
 
-    def _check_inputs(self, prompt, negative_prompt, s, seed) -> None:
-        """The prompts and the resolved settings ``s``: types, ranges, the scheduler's step limit, the seed."""
-        cfg = self.checkpoint.transformer_config
-        scheduler = None  # fastwan's own samplers checked their timesteps already
-        if s.sampler == "default":
-            scheduler = fresh_scheduler(self.scheduler, s.flow_shift)
-        else:
-            sampler_shift(s, self.scheduler)
-        grid = check_inputs(prompt, negative_prompt, s, seed, vae_factors=self.vae_scale_factors, patch=cfg.patch_size,
-                            scheduler=scheduler, max_grid=cfg.rope_max_seq_len, experts=len(self.transformers))
-        self.attention.layout_for(grid, self.device)  # the attention backend's grid rules
-
     def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
         a = self.attention
@@ -389,18 +376,12 @@ class VideoGenerator:
         Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
         """
         self._check_backend_context()
-        req = check_image_request(self.checkpoint, image, last_image)
-        if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
-            cfg = self.checkpoint.transformer_config
-            multiple = self.vae_scale_factors[1] * cfg.patch_size[1]
-            height, width = default_size(req.first, self.preset.height * self.preset.width, multiple, height, width,
-                                         max_side=cfg.rope_max_seq_len * multiple)
-        guidance_scale, guidance_scale_2 = expert_guidance(self.preset, guidance_scale, guidance_scale_2)
-        s = check_sampling(with_overrides(self.preset, height=height, width=width, num_frames=num_frames,
-                                          guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
-                           sampler, timesteps, flow_shift, num_inference_steps)
-        self._check_inputs(prompt, negative_prompt, s, seed)
-        check_frames(req, s.num_frames)
+        s, req, grid = check_request(
+            self.checkpoint, self.preset, self.scheduler, self.vae_scale_factors, prompt, image=image,
+            last_image=last_image, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
+            seed=seed, fps=fps, sampler=sampler, timesteps=timesteps, flow_shift=flow_shift)
+        self.attention.layout_for(grid, self.device)  # the attention backend's grid rules
         self._check_budget(s)
         cache = self.cache if cache is None else check_cache(cache)
         if self.parallel is not None:
