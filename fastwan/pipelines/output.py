@@ -187,18 +187,39 @@ def _numbered(dest: Path) -> Iterator[Path]:
 # ---- writing --------------------------------------------------------------------------------------------------------
 def save_video(target: OutputTarget, auto_name: str, frames: np.ndarray, fps: int) -> Path:
     """Encode ``frames`` (uint8 [T, H, W, 3]) to a temporary file in the target folder, then move it into place
-    by the rules above. Returns the path written."""
+    by the rules above. Returns the path written. Rules for what changed during the compute: a target folder
+    removed since its check is made again; a finished video that cannot take its name (an explicit file that
+    appeared, every numbered name taken) is kept beside it as ``<stem>-unsaved[-k].mp4``, which the error names."""
     dest = target.explicit or target.folder / auto_name
     try:
+        target.folder.mkdir(parents=True, exist_ok=True)
         tmp = _new_temp(target.folder)
     except OSError as exc:
         raise OutputPathError(f"the video {dest} cannot be written: its folder is not writable "
                               f"({exc.strerror or exc}).") from exc
     try:
         write_frames(tmp, frames, fps, dest=dest)
-        return _finalize(tmp, dest, numbered=target.explicit is None, overwrite=target.overwrite)
+        try:
+            return _finalize(tmp, dest, numbered=target.explicit is None, overwrite=target.overwrite)
+        except (OutputExistsError, OutputPathError) as exc:
+            kept = _keep(tmp, dest)
+            if kept is None:
+                raise
+            raise type(exc)(f"{exc} The finished video was kept as {kept}.") from exc
     finally:
         _remove_quietly(tmp)  # gone already when the file was moved into place
+
+
+def _keep(tmp: Path, dest: Path) -> Path | None:
+    """The finished video ``tmp`` under the first free ``<dest stem>-unsaved[-k].mp4`` beside ``dest`` (never
+    replacing a file), or None when none can be claimed."""
+    try:
+        for candidate in _numbered(dest.with_name(f"{dest.stem}-unsaved{dest.suffix}")):
+            if _claim(tmp, candidate):
+                return candidate
+    except OSError:
+        pass
+    return None
 
 
 def write_frames(path: Path, frames: np.ndarray, fps: int, *, dest: Path) -> None:

@@ -5,16 +5,19 @@ Assertions use builtin exception types (OSError, FileExistsError, ValueError) an
 """
 import errno
 import os
+import shutil
 import time
 from pathlib import Path
 
 import imageio.v2 as imageio_v2
 import imageio.v3 as iio
+import numpy as np
 import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.pipelines.output import check_output_path
+from fastwan.errors import OutputExistsError
+from fastwan.pipelines.output import check_output_path, prepare_output, save_video
 
 SMALL = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
 
@@ -252,3 +255,24 @@ def test_tilde_is_the_home_folder(gen, tmp_path, monkeypatch):
     assert Path(res.video_path).parent == home / "videos"
     assert files(cwd) == []  # no literal "~" folder
     assert mp4_frames(res.video_path) == 5
+
+
+# ---- what changes while the video is computed ---------------------------------------------------------------------
+def test_a_folder_removed_during_the_run_is_made_again(tmp_path):
+    target = check_output_path(tmp_path / "out" / "deep", False)
+    prepare_output(target)
+    shutil.rmtree(tmp_path / "out")  # between the check and the save
+    path = save_video(target, "v.mp4", np.zeros((5, 16, 16, 3), np.uint8), 8)
+    assert path == tmp_path / "out" / "deep" / "v.mp4" and path.stat().st_size > 0
+
+
+def test_a_file_that_appeared_during_the_run_is_kept_and_so_is_the_video(tmp_path):
+    out = tmp_path / "clip.mp4"
+    target = check_output_path(out, False)
+    prepare_output(target)
+    out.write_bytes(b"the user's file")  # appears while the video is computed
+    with pytest.raises(OutputExistsError, match=r"appeared while the video was made.* The finished video was kept "
+                                                r"as .*clip-unsaved.mp4"):
+        save_video(target, "ignored.mp4", np.zeros((5, 16, 16, 3), np.uint8), 8)
+    assert out.read_bytes() == b"the user's file"
+    assert files(tmp_path) == ["clip-unsaved.mp4", "clip.mp4"] and (tmp_path / "clip-unsaved.mp4").stat().st_size > 0
