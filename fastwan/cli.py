@@ -221,6 +221,7 @@ def _run_generate(args) -> int:
 
     from fastwan import VideoGenerator
     from fastwan.options import DiTOptions
+    from fastwan.parallel.workers import ParallelGenerator
     from fastwan.pipelines.image import read_image
 
     _check_output(args)
@@ -242,14 +243,18 @@ def _run_generate(args) -> int:
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:
         print(gen.memory_plan.describe())
-    res = gen.generate_video(
-        args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
-        height=args.height, width=args.width,
-        num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-        guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
-        overwrite=args.overwrite, return_frames=False, sampler=args.sampler, timesteps=args.timesteps,
-        flow_shift=args.flow_shift,
-    )
+    try:
+        res = gen.generate_video(
+            args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
+            height=args.height, width=args.width,
+            num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+            guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
+            overwrite=args.overwrite, return_frames=False, sampler=args.sampler, timesteps=args.timesteps,
+            flow_shift=args.flow_shift,
+        )
+    finally:  # worker processes fastwan started (--sp / --cfg-parallel outside a launcher) end with the run
+        if isinstance(gen, ParallelGenerator):
+            gen.close()
     if quiet:
         return 0
     t = res.timings

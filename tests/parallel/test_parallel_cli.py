@@ -1,6 +1,7 @@
 """``fastwan generate --sp N [--cfg-parallel]`` on the CPU (gloo): under torchrun (each process a rank) and on its
-own (fastwan starts the processes). The video equals the one-process CLI's, rank 0 alone prints and writes, and a
-user error under torchrun is printed with the rank named (exit 2)."""
+own (fastwan starts the processes). The video equals the one-process CLI's, rank 0 alone prints and writes, the
+processes fastwan started end with the run (nothing of theirs leaks), and a user error under torchrun is printed with
+the rank named (exit 2)."""
 from __future__ import annotations
 
 import os
@@ -47,6 +48,8 @@ def test_torchrun_and_spawned_processes_make_the_one_process_video(tmp_path):
         assert r.stdout.count("video: ") == 1 and f"video: {tmp_path / name}" in r.stdout, r.stdout  # rank 0 only
         if nproc is not None:
             assert r.stdout.count("process group after main: down") == nproc, r.stdout
+        else:  # the workers fastwan started are ended by the CLI: no semaphore of theirs outlives the run
+            assert "leaked semaphore" not in r.stderr, r.stderr
         got = iio.imread(tmp_path / name).astype(int)
         assert got.shape == want.shape and np.abs(got - want).mean() < 0.5  # mp4 re-encoding of frames within 1
     assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["one.mp4", "spawn.mp4", "tr.mp4"]
