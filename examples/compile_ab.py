@@ -6,7 +6,6 @@ Nothing is written: it prints the two denoising times and the largest frame diff
 
 A mistake (--runs 0, a model that does not exist) ends with one line, ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import sys
 import time
 
@@ -14,12 +13,12 @@ import numpy as np
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 from fastwan.errors import InvalidArgument
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompt", default="a sailing boat on a stormy sea")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's preset)")

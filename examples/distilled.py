@@ -8,20 +8,19 @@ step-distill LoRA sampled by 4-step Euler and no CFG; the video goes to outputs/
 
 A mistake (a LoRA file or a model that does not exist) ends with one line, ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import sys
 
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 
 # lightx2v's 4-step distill LoRAs: these timesteps of the 1000-step grid, flow shift 5, guidance 1
 LORA_SAMPLING = dict(sampler="euler", timesteps=[1000, 750, 500, 250], flow_shift=5.0, guidance_scale=1.0)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-fastwan2.1")
     p.add_argument("--lora", default=None, help="a step-distill LoRA (safetensors); sampled as lightx2v does")
     p.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")

@@ -7,7 +7,6 @@
 A mistake (an image file that does not exist, a model that does not exist) ends with one line,
 ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import os
 import sys
 
@@ -15,12 +14,12 @@ import numpy as np
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 from fastwan.errors import MissingFileError
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-wan2.1-i2v")
     p.add_argument("--image", default=None, help="first frame (default: a generated gradient)")
     p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints)")

@@ -10,19 +10,18 @@ Under torchrun every process runs this script and rank 0 alone gets the frames a
 (--gpus 0, more GPUs than the model's heads allow, a model that does not exist) ends with one line,
 ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 from fastwan.parallel.workers import ParallelGenerator
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--gpus", type=int, default=2, help="processes, one GPU each")
     p.add_argument("--cfg-parallel", action="store_true", help="the two CFG passes on two halves of the GPUs")

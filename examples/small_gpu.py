@@ -9,17 +9,16 @@
 A mistake (a budget without a unit, a budget off CUDA, a model that does not exist) ends with one line,
 ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import sys
 
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--budget", default=None, help="GPU memory budget, e.g. 24GiB (CUDA only)")
     p.add_argument("--fp8", action="store_true", help="FP8 DiT weights (half the DiT's memory)")

@@ -5,17 +5,16 @@
 
 A mistake (a bad argument, a model that does not exist) ends with one line, ``fastwan: error: ...``, and exit code 2.
 """
-import argparse
 import sys
 
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cli import report_user_errors
+from fastwan.cli import Parser, report_user_errors
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
     p.add_argument("--attention-backend", default=None, help="default: the fastest that runs here")

@@ -22,8 +22,9 @@ USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
 LORA_EXPERTS = {"high": 0, "low": 1}  # --lora PATH:...:high|low -> the Wan2.2 A14B expert it goes into
 
 
-class _Parser(OneLineParser):
-    """The fastwan command's parser (its subcommands' too): errors start with 'fastwan: error:'."""
+class Parser(OneLineParser):
+    """The fastwan command's parser (its subcommands' too, and the examples' scripts'): errors are one line
+    starting with 'fastwan: error:', exit code 2."""
 
     label = "fastwan"
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "env":
         return report_user_errors(lambda: _run_env(argv[1:]))
-    parser = _Parser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
+    parser = Parser(prog="fastwan", description="Fast Wan2.1/Wan2.2 text-to-video.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _quantize_parser(sub)

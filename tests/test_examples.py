@@ -112,10 +112,14 @@ BAD = [  # script, a mistake, words the one line must hold
     ("small_gpu.py", ["--budget", "24"], ["'24' has no unit", "'24GiB'"]),
     ("multi_gpu.py", ["--gpus", "0"], ["num_gpus=0", ">= 1"]),
     ("compile_ab.py", ["--runs", "0"], ["--runs 0", ">= 1"]),
+] + [  # an argument the script's parser refuses: the same one line, not argparse's usage and '<script>: error:'
+    (script, [flag, "abc"], [f"argument {flag}: invalid int value: 'abc'", f"'{script} --help'"])
+    for script, flag in (("text_to_video.py", "--seed"), ("image_to_video.py", "--seed"), ("distilled.py", "--seed"),
+                         ("small_gpu.py", "--height"), ("multi_gpu.py", "--gpus"), ("compile_ab.py", "--runs"))
 ]
 
 
-@pytest.mark.parametrize("script,args,words", BAD, ids=[f"{s[:-3]}{a[0]}" for s, a, _ in BAD])
+@pytest.mark.parametrize("script,args,words", BAD, ids=[f"{s[:-3]}{''.join(a)}" for s, a, _ in BAD])
 def test_a_mistake_is_one_line_and_exit_2(script, args, words, tmp_path, env):
     r = run(script, *args, cwd=tmp_path, env=env)
     assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr)
