@@ -344,3 +344,16 @@ def test_rules_of_the_checkpoint_fail_before_any_weight_loads(monkeypatch, tmp_p
         capsys.readouterr()
         assert _exit_code(base + extra) == 2, extra
         assert_one_error_line(capsys.readouterr().err, words, extra)
+
+
+def test_python_m_fastwan_is_the_command(tmp_path):
+    """``python -m fastwan`` runs the CLI's main: its help, and a user error's one line with exit code 2."""
+    env = {**os.environ, "FASTWAN_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "fastwan", "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: fastwan "), (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "fastwan", "generate", "--prompt", "a kite", "--steps", "0"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr)
+    assert_one_error_line(r.stderr, ["--steps", "0 must be >= 1"], "python -m fastwan")
+    assert list(tmp_path.iterdir()) == []  # nothing written
