@@ -36,7 +36,12 @@ def mode(num_gpus, cfg_parallel) -> str:
             raise InvalidArgument(f"num_gpus={num_gpus} but this job was launched with {world} processes "
                                   f"(WORLD_SIZE); give num_gpus={world}, or launch {num_gpus} processes.")
         return "join"
-    return "single" if sp * cfg == 1 else "spawn"
+    if sp * cfg == 1:
+        return "single"
+    from fastwan.parallel.workers import refuse_while_importing_main
+
+    refuse_while_importing_main(sp * cfg)  # a worker re-importing a script that starts workers unguarded
+    return "spawn"
 
 
 def check_devices(num_gpus: int, device: torch.device) -> None:

@@ -13,11 +13,18 @@ failure (a rank raising anything else, a rank silent after the others' error, a 
 -- the ranks still waiting in a collective cannot finish -- and raises :class:`ParallelError` naming the rank, so
 no call hangs on a failed rank. A call left before every rank answered (Ctrl-C) ends every worker too: a late
 answer must never be taken as the next request's. Loading failures end the workers (they exit after reporting).
+
+Rule (Python's, for the spawn start method): each worker first re-imports the main module, so a script starts
+workers only under ``if __name__ == "__main__":``. A process still re-importing its main module that is asked for
+workers (:func:`refuse_while_importing_main`) exits with :data:`MAIN_REIMPORT_EXIT`, which the parent reports as a
+:class:`MainGuardError` naming the fix.
 """
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.connection as mpc
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -30,10 +37,33 @@ from fastwan import envs
 from fastwan.errors import UserError
 
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
+MAIN_REIMPORT_EXIT = 78  # a spawned process's exit code: its main module asked for workers while being re-imported
 
 
 class ParallelError(RuntimeError):
     """A worker process failed; the message names its rank."""
+
+
+class MainGuardError(ParallelError, UserError):
+    """The workers died re-importing the caller's main module, which starts workers at import time: the call
+    belongs under ``if __name__ == "__main__":``."""
+
+
+def main_module() -> str:
+    """The main module's file (``__main__.__file__``), or a description when it has none."""
+    return getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+
+
+def refuse_while_importing_main(num_gpus: int) -> None:
+    """In a spawned process still re-importing its parent's main module (the spawn start method re-runs the script
+    before the process's own work), starting workers would start them again in every worker and fail: say so on one
+    line and exit with :data:`MAIN_REIMPORT_EXIT`; the parent's :class:`ParallelGenerator` raises
+    :class:`MainGuardError`. Elsewhere nothing happens."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # set by spawn while it re-imports main
+        print(f"fastwan: error: from_pretrained(num_gpus={num_gpus}) runs while this spawned process re-imports "
+              "its main module; put that call under 'if __name__ == \"__main__\":' (Python's multiprocessing "
+              "rule); this process exits.", file=sys.stderr)
+        raise SystemExit(MAIN_REIMPORT_EXIT)
 
 
 def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, device: str, conn) -> None:
@@ -122,6 +152,12 @@ class ParallelGenerator:
         world, cause = len(self._conns), failed[0]
         self.close(force=True)
         trace = first[3]  # None for a process that died without a word
+        if trace is None and self._exitcodes[cause] == MAIN_REIMPORT_EXIT:
+            raise MainGuardError(
+                f"num_gpus={world}: the worker processes died re-importing {main_module()}, which calls "
+                f"from_pretrained(num_gpus={world}) when imported (the spawn start method re-runs the main script in "
+                "every new process, so each worker would start workers of its own); put the call and the code "
+                "using it under 'if __name__ == \"__main__\":', as Python's multiprocessing requires.") from None
         what = (f"the process died (exit code {self._exitcodes[cause]})" if trace is None
                 else trace.strip().splitlines()[-1])
         raise ParallelError(f"rank {cause} of {world} failed: {what}; every worker was stopped"

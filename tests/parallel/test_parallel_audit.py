@@ -3,11 +3,14 @@ every rank answered ends the workers (a late answer is never taken as the next r
 after the other ranks finished is raised as itself and the workers stay; a CUDA device index that is not the
 rank's own is refused before any process starts or joins; a stale WORLD_SIZE without a launcher is a user error;
 the video equals the one-process video under CFG parallelism with a step cache, and with one DiT token over two
-sequence ranks (one rank's shard empty); NVLink multicast is off in spawned workers unless the user set it."""
+sequence ranks (one rank's shard empty); NVLink multicast is off in spawned workers unless the user set it; a
+script that asks for workers without ``if __name__ == "__main__":`` gets a user error that says to add it."""
 from __future__ import annotations
 
 import _thread
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -175,3 +178,30 @@ def test_cfg_parallel_gated_steps_under_a_step_cache_equal_one_process(tmp_path)
         got = par.generate_video("a cat", **kw)
     assert got.cache == one.cache and 2 not in one.cache["computed"]["cond"]
     assert one.frames.std() > 5 and np.array_equal(got.frames, one.frames)
+
+
+# A script as diffusers users write them: no ``if __name__ == "__main__":``, so each spawned worker re-runs it
+UNGUARDED = """import torch
+from fastwan import VideoGenerator
+from fastwan.errors import UserError
+try:
+    VideoGenerator.from_pretrained({ckpt!r}, device="cpu", dtype=torch.float32, num_gpus=2)
+except UserError as exc:
+    print(type(exc).__name__ + ": " + str(exc))
+"""
+
+
+def test_workers_started_without_a_main_guard_raise_a_user_error_naming_the_guard(ckpt, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(ckpt=str(ckpt)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()  # the parent's error, caught as a UserError
+    assert line.startswith(f"MainGuardError: num_gpus=2: the worker processes died re-importing {script}"), line
+    assert "under 'if __name__ == \"__main__\":'" in line, line
+    # each worker said why it stopped, on one line
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("fastwan: error: from_pretrained(num_gpus=2) runs while this "
+                                                 "spawned process re-imports its main module") for ln in lines), \
+        r.stderr
