@@ -56,7 +56,8 @@ def _number(owner: str, name: str, value, *, lo: float = 0.0, hi: float = math.i
     if isinstance(value, bool) or not isinstance(value, kind):
         raise InvalidArgumentType(f"{owner}({name}={value!r}): must be {'an int' if integer else 'a number'}.")
     if not (lo <= value <= hi) or (not integer and not math.isfinite(value)):
-        raise InvalidArgument(f"{owner}({name}={value!r}): must be a finite number in [{lo}, {hi}].")
+        bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+        raise InvalidArgument(f"{owner}({name}={value!r}): must be a finite number {bounds}.")
     return value
 
 
@@ -222,23 +223,23 @@ def _parse_value(name: str, field: str, text: str):
             try:
                 return json.loads(path.read_text())
             except (OSError, ValueError) as exc:
-                raise InvalidArgument(f"--cache {name}: {field}={text!r}: cannot read a JSON list from {path} "
-                                      f"({exc}).") from None
+                raise InvalidArgument(f"cache {name!r} (CLI --cache): {field}={text!r}: cannot read a JSON list "
+                                      f"from {path} ({exc}).") from None
         out = []
         for part in text.split("/"):
             if field == "steps" and "-" in part:
                 lo, _, hi = part.partition("-")
                 lo, hi = int(lo), int(hi)
                 if not 0 <= hi - lo <= MAX_RANGE:
-                    raise InvalidArgument(f"--cache {name}: steps range {part!r} must be a-b with a <= b and at most "
-                                          f"{MAX_RANGE} steps, e.g. 10-20.")
+                    raise InvalidArgument(f"cache {name!r} (CLI --cache): steps range {part!r} must be a-b with "
+                                          f"a <= b and at most {MAX_RANGE} steps, e.g. 10-20.")
                 out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part) if field == "steps" else float(part))
         return out
     if field in ("use_ret_steps", "calibrate", "first_block"):
         if text.lower() not in ("true", "false", "1", "0"):
-            raise InvalidArgument(f"--cache {name}: {field}={text!r} must be true or false.")
+            raise InvalidArgument(f"cache {name!r} (CLI --cache): {field}={text!r} must be true or false.")
         return text.lower() in ("true", "1")
     return int(text) if field == "max_skip_steps" else float(text)
 
@@ -248,25 +249,29 @@ def parse_cache(text: str) -> CacheConfig | None:
     (steps also 'a-b' ranges) or '@file.json'. E.g. 'magcache:threshold=0.1,mag_ratios=@wan13b.json',
     'skip_steps:steps=10-20/30'."""
     name, _, rest = text.strip().partition(":")
-    if name.lower() == "none" and not rest:
+    if name.lower() == "none":
+        if rest:
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): 'none' takes no settings; pass 'none' alone, or a "
+                                  f"cache type ({', '.join(CACHES)}) with its settings.")
         return None
     cls = CACHES.get(name.lower())
     if cls is None:
-        raise InvalidArgument(f"--cache {text!r}: unknown type {name!r}; use none, {', '.join(CACHES)}.")
+        raise InvalidArgument(f"cache={text!r} (CLI --cache): unknown type {name!r}; use none, {', '.join(CACHES)}.")
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in fields:
-            raise InvalidArgument(f"--cache {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(fields)}.")
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): {item!r} is not KEY=VALUE with KEY one of "
+                                  f"{sorted(fields)}.")
         if key in kwargs:
-            raise InvalidArgument(f"--cache {text!r}: {key} is given twice; give each setting once.")
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): {key} is given twice; give each setting once.")
         try:
             kwargs[key] = _parse_value(name, key, value)
         except InvalidArgument:
             raise
         except ValueError:
-            raise InvalidArgument(f"--cache {text!r}: {key}={value!r}: must be {FORMS[key]}.") from None
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): {key}={value!r}: must be {FORMS[key]}.") from None
     return cls(**kwargs)
 
 

@@ -237,3 +237,12 @@ def test_cached_forward_cfg_equals_two_cached_forwards(block, config):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert [p.computed for p in pair] == [s.computed for s in single]
     assert len(pair[0].computed) < 4  # something was skipped
+
+
+def test_cache_errors_name_the_argument_and_a_reachable_range():
+    with pytest.raises(InvalidArgument, match=r"^cache='none:threshold=1' \(CLI --cache\): 'none' takes no settings"):
+        parse_cache("none:threshold=1")
+    with pytest.raises(InvalidArgument, match=r"^cache='bogus' \(CLI --cache\): unknown type 'bogus'"):
+        parse_cache("bogus")
+    with pytest.raises(InvalidArgument, match=r"threshold=inf\): must be a finite number >= 0.0\.$"):
+        FirstBlockCache(threshold=float("inf"))
