@@ -121,10 +121,11 @@ BAD = [  # script, a mistake, words the one line must hold
 
 @pytest.mark.parametrize("script,args,words", BAD, ids=[f"{s[:-3]}{''.join(a)}" for s, a, _ in BAD])
 def test_a_mistake_is_one_line_and_exit_2(script, args, words, tmp_path, env):
-    r = run(script, *args, cwd=tmp_path, env=env)
+    cache = tmp_path.with_name(f"{tmp_path.name}-cache")  # an empty cache: no tiny checkpoint to build comes first
+    r = run(script, *args, cwd=tmp_path, env={**env, "FASTWAN_CACHE": str(cache)})
     assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr)
     assert r.stderr.startswith("fastwan: error: ") and r.stderr.count("\n") == 1, r.stderr  # no traceback
     for w in words:
         assert w in r.stderr, (w, r.stderr)
-    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert list(tmp_path.iterdir()) == [] and not cache.exists()  # nothing written, nothing built
 

@@ -27,10 +27,8 @@ def finite(x) -> bool:
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
 
-def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
-    from safetensors import SafetensorError, safe_open
-
+def check_lora_path(path) -> Path:
+    """``path`` (``~`` expanded) when it names an existing file that is not a pickle; else the user error."""
     if not isinstance(path, (str, Path)):
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
     if not str(path).strip():
@@ -45,6 +43,14 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise InvalidArgument(f"LoRA file {str(path)!r} is a PyTorch pickle file ({path.suffix}); fastwan loads LoRAs "
                               "from safetensors only (convert it with safetensors.torch.save_file).")
+    return path
+
+
+def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = check_lora_path(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             header = f.metadata() or {}

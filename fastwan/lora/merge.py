@@ -12,7 +12,7 @@ import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
-from fastwan.lora.files import finite, read_lora
+from fastwan.lora.files import check_lora_path, finite, read_lora
 from fastwan.lora.keys import LAYERS, OTHER_ADAPTERS, PART_NAMES, module_name
 
 logger = logging.getLogger("fastwan")
@@ -216,6 +216,7 @@ def parse_lora_spec(spec) -> list[tuple[str, float, int | None]]:
         if not finite(item[1]):
             raise InvalidArgument(f"lora={spec!r}: the scale of {str(item[0])!r} is {item[1]!r}; a LoRA scale must "
                                   "be a finite number (1.0 as trained, 0.5 for half strength).")
+        check_lora_path(item[0])  # a missing file fails before the checkpoint is fetched or built
         out.append((str(item[0]), float(item[1]), None if item[2] is None else int(item[2])))
     return out
 
