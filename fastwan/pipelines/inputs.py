@@ -49,7 +49,8 @@ def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, in
                 f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
                 "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
     if not is_int(s.fps) or not 1 <= s.fps <= MAX_FPS:
-        raise InvalidArgument(f"fps={s.fps!r} must be an int in [1, {MAX_FPS}] (e.g. 16).")
+        raise (InvalidArgument if is_int(s.fps) else InvalidArgumentType)(
+            f"fps={s.fps!r} must be an int in [1, {MAX_FPS}] (e.g. 16).")
     _check_seed(seed)
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))

@@ -48,8 +48,9 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
     num_inference_steps, flow_shift = python_number(num_inference_steps), python_number(flow_shift)
     name = preset.sampler if sampler is None else sampler
     if not isinstance(name, str) or name not in SAMPLERS:
-        raise InvalidArgument(f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
-                              "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+        raise (InvalidArgument if isinstance(name, str) else InvalidArgumentType)(
+            f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
+            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
     steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
     integral = isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
     if not integral or steps < 1:  # a type error for a non-int, a value error for an int out of range
@@ -70,9 +71,10 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
         ts = preset.timesteps if preset.timesteps is not None and len(preset.timesteps) == steps else None
     shift = preset.flow_shift if flow_shift is None else flow_shift
     if shift is not None:
-        if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or (finite_float(shift) or 0) <= 0:
-            raise InvalidArgument(f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, "
-                                  "8.0 for FastWan).")
+        number = isinstance(shift, numbers.Real) and not isinstance(shift, bool)
+        if not number or (finite_float(shift) or 0) <= 0:
+            raise (InvalidArgument if number else InvalidArgumentType)(
+                f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
         shift = float(shift)
     return replace(preset, sampler=name, num_inference_steps=int(steps), timesteps=ts, flow_shift=shift)
 

@@ -34,10 +34,12 @@ def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compi
     vae_dtype = dtype if vae_dtype is None else vae_dtype  # bf16 halves the VAE's time; fp32 on request
     for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
         if dt not in DTYPES:
-            raise InvalidArgument(f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
+            raise (InvalidArgument if isinstance(dt, torch.dtype) else InvalidArgumentType)(
+                f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
     if cfg_mode not in CFG_MODES:
-        raise InvalidArgument(f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
-                              "'sequential' saves memory).")
+        raise (InvalidArgument if isinstance(cfg_mode, str) else InvalidArgumentType)(
+            f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
+            "'sequential' saves memory).")
     cfg_gate_step = envs.cfg_gate_step() if cfg_gate_step is None else envs.validate_cfg_gate_step(
         python_number(cfg_gate_step))
     if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):

@@ -167,3 +167,20 @@ def test_a_step_limit_set_by_the_flow_shift_names_it(gen):
                                               r"smaller flow_shift\.$"):
         gen.generate_video("a cat", seed=1, save_video=False, flow_shift=100.0,
                            **{**SMALL, "num_inference_steps": 50})
+
+
+@pytest.mark.parametrize("kw", [dict(fps="8"), dict(fps=8.0), dict(fps=True), dict(flow_shift="3"), dict(sampler=5)])
+def test_a_wrong_type_is_a_type_error(gen, kw):
+    from fastwan.errors import InvalidArgumentType
+
+    with pytest.raises(InvalidArgumentType, match=f"{list(kw)[0]}="):
+        gen.generate_video("a cat", seed=1, save_video=False, **{**SMALL, **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="float32"), dict(vae_dtype=16), dict(cfg_mode=None)])
+def test_a_wrong_load_option_type_is_a_type_error(tiny_ckpts, kw):
+    from fastwan import VideoGenerator
+    from fastwan.errors import InvalidArgumentType
+
+    with pytest.raises(InvalidArgumentType, match=f"{list(kw)[0]}="):
+        VideoGenerator.from_pretrained(tiny_ckpts["wan2.1"], device="cpu", **kw)

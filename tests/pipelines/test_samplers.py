@@ -197,7 +197,7 @@ def test_vsa_gates_change_the_output(fastwan_ckpt):
 
 BAD = [
     (dict(sampler="lcm"), InvalidArgument, "sampler='lcm' is not one of"),
-    (dict(sampler=3), InvalidArgument, "sampler=3"),
+    (dict(sampler=3), InvalidArgumentType, "sampler=3"),
     (dict(sampler="dmd", timesteps=[1000, 1000, 500]), InvalidArgument, "strictly decreasing"),
     (dict(sampler="euler", timesteps=[500, 750]), InvalidArgument, "strictly decreasing"),
     (dict(sampler="dmd", timesteps=[1200, 500]), InvalidArgument, "1200.0 is outside (0, 1000]"),
@@ -208,7 +208,7 @@ BAD = [
     (dict(timesteps=[1000, 500]), InvalidArgument, "need sampler='euler' or 'dmd'"),
     (dict(sampler="euler", timesteps=[1000, 500], num_inference_steps=3), InvalidArgument, "disagrees"),
     (dict(sampler="euler", flow_shift=0), InvalidArgument, "flow_shift=0"),
-    (dict(sampler="euler", flow_shift=True), InvalidArgument, "flow_shift=True"),
+    (dict(sampler="euler", flow_shift=True), InvalidArgumentType, "flow_shift=True"),
     (dict(num_inference_steps=0, sampler="dmd"), InvalidArgument, "num_inference_steps=0"),
 ]
 
