@@ -18,12 +18,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from fastwan.errors import InvalidArgument, MissingFileError
+from fastwan.files import new_file_mode, new_temp_folder, set_file_modes
 from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
@@ -196,7 +196,7 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-", dir=final.parent))
+        tmp = new_temp_folder(final.parent, f".{variant}-", ".tmp")
     except OSError as exc:
         raise MissingFileError(
             f"the tiny checkpoint cannot be written under {final.parent} ({exc.strerror or exc}); point "
@@ -204,6 +204,7 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
         ) from None
     try:
         write_tiny_checkpoint(tmp, variant)
+        set_file_modes(tmp, new_file_mode(tmp))  # the weights too, which safetensors writes owner-only
         try:
             os.replace(tmp, final)
         except OSError:  # another process won the race

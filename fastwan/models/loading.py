@@ -7,13 +7,13 @@ import os
 import pickle
 import re
 import struct
-import tempfile
 from pathlib import Path, PureWindowsPath
 
 import torch
 from safetensors import safe_open
 
 from fastwan.errors import CheckpointError, MissingFileError
+from fastwan.files import new_temp_file
 
 logger = logging.getLogger("fastwan")
 
@@ -408,11 +408,13 @@ def load_into(
 
 def write_atomically(path: Path, write) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then move it onto ``path``: the file is replaced whole
-    or not at all (the temporary file is removed when writing fails)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    or not at all (the temporary file is removed when writing fails), with a new file's mode (0o666 less the
+    umask, :mod:`fastwan.files`)."""
+    tmp = str(new_temp_file(path.parent, f".{path.name}.", ".tmp"))
+    mode = os.stat(tmp).st_mode & 0o7777  # a new file's: 0o666 less the umask
     try:
         write(tmp)
+        os.chmod(tmp, mode)  # back to a new file's, should write() have made the file owner-only
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -3,21 +3,22 @@
 The new folder has the source's ``model_index.json``, each DiT expert written in FP8
 (:func:`fastwan.models.wan.quantize.save_fp8_transformer`) and every other component (text encoder, VAE, ...) as
 a symbolic link to the source's folder (absolute), so only the DiT's bytes are written. The folder is built beside
-the destination under a temporary name and moved into place when complete: a failure leaves no partial folder,
-an existing destination is replaced only with ``overwrite`` and only when it is a pipeline folder (it holds a
-``model_index.json``), and never when it is or holds the source checkpoint (the new folder links there).
+the destination under a temporary name (with the umask's modes, :mod:`fastwan.files`) and moved into place when
+complete: a failure leaves no partial folder, an existing destination is replaced only with ``overwrite`` and only
+when it is a pipeline folder (it holds a ``model_index.json``), and never when it is or holds the source checkpoint
+(the new folder links there).
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from fastwan.errors import InvalidArgument, OutputExistsError, OutputPathError
+from fastwan.files import new_temp_folder
 
 logger = logging.getLogger("fastwan")
 
@@ -99,7 +100,7 @@ def export_fp8(model: str | Path, output: str | Path, *, overwrite: bool = False
     components = [k for k, v in ckpt.index.items() if not k.startswith("_") and isinstance(v, list)]
     _check_apart(output, [ckpt.root, *(ckpt.folder(n) for n in components if ckpt.folder(n).exists())])
     try:
-        tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
+        tmp = new_temp_folder(output.parent, f".{output.name}.", ".tmp")
     except OSError as exc:
         raise OutputPathError(f"cannot write a folder beside output={str(output)!r} ({exc.strerror}); choose a "
                               "folder you can write to.") from None

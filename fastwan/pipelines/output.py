@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import unicodedata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType, OutputExistsError, OutputPathError, VideoWriteError
+from fastwan.files import FILE_MODE, new_temp_file
 
 VIDEO_SUFFIX = ".mp4"
 # Suffixes that name a video or image file of a format fastwan does not write (refused rather than made a folder).
@@ -270,7 +270,7 @@ def _claim(tmp: Path, candidate: Path) -> bool:
     except OSError:
         pass  # no hard links on this file system: reserve the name with an exclusive create, then move onto it
     try:
-        fd = os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        fd = os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
     except FileExistsError:
         return False
     os.close(fd)
@@ -279,15 +279,9 @@ def _claim(tmp: Path, candidate: Path) -> bool:
 
 
 def _new_temp(folder: Path) -> Path:
-    """Create a new empty hidden file in ``folder`` (exclusive create; mode 0o666 less the umask, like any file)."""
-    while True:
-        path = folder / f"{TEMP_PREFIX}{secrets.token_hex(6)}{TEMP_SUFFIX}"
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-        except FileExistsError:
-            continue
-        os.close(fd)
-        return path
+    """Create a new empty hidden file in ``folder`` (:func:`fastwan.files.new_temp_file`: exclusive create, mode
+    0o666 less the umask, like any file)."""
+    return new_temp_file(folder, TEMP_PREFIX, TEMP_SUFFIX)
 
 
 def _remove_quietly(path: Path) -> None:
