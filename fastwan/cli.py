@@ -97,7 +97,8 @@ def _quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="write a copy of a Wan checkpoint with FP8 DiT weights")
     p.add_argument("--model", required=True, help="Hub id, Diffusers-format folder, or a tiny model name")
     p.add_argument("--output", required=True, help="the new checkpoint folder (other components are linked)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an output folder a former fastwan quantize wrote (no other folder is replaced)")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available)")
 
 

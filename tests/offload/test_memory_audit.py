@@ -2,7 +2,7 @@
 budget the job needs (checked against the planner itself); a budget the allocator's reserve eats is refused by that
 rule; unit-less sizes that are no size at all; an FP8 folder loaded without ``quantization=`` is planned at its FP8
 size (the bytes its loaded DiT holds); ``export_fp8`` never deletes the source checkpoint or a folder that is not a
-checkpoint, checks its device and destination before reading a weight, and replaces a former export whatever
+former export, checks its device and destination before reading a weight, and replaces a former export whatever
 lies beside it."""
 from __future__ import annotations
 
@@ -101,22 +101,29 @@ def test_export_never_replaces_the_source(tiny_ckpts, tmp_path, where, no_loadin
 
 
 def test_export_never_replaces_what_the_source_links_to(tiny_ckpts, tmp_path, monkeypatch):
-    """An FP8 folder re-exported onto the checkpoint its text encoder and VAE link to."""
+    """An FP8 folder re-exported onto the checkpoint its text encoder and VAE link to; a former export that a
+    source's component links into."""
     orig = tmp_path / "orig"
     shutil.copytree(tiny_ckpts["wan2.1"], orig)
     first = export_fp8(orig, tmp_path / "fp8", device="cpu")
-    before = tree(orig)
+    linking = tmp_path / "linking"
+    shutil.copytree(orig, linking, ignore=shutil.ignore_patterns("transformer"))
+    (linking / "transformer").symlink_to(first / "transformer", target_is_directory=True)
+    before, before_first = tree(orig), tree(first)
     monkeypatch.setattr("fastwan.models.load_transformer", lambda *a, **k: pytest.fail("a weight was read"))
-    with pytest.raises(OutputPathError, match=f"is or holds {orig}/"):
+    with pytest.raises(OutputPathError, match=re.escape(f"output={str(orig)!r} is not a folder fastwan quantize")):
         export_fp8(first, orig, overwrite=True, device="cpu")
-    assert tree(orig) == before
+    with pytest.raises(OutputPathError, match=f"is or holds {first}/transformer, part of the source checkpoint"):
+        export_fp8(linking, first, overwrite=True, device="cpu")
+    assert tree(orig) == before and tree(first) == before_first
 
 
-def test_export_overwrites_only_a_checkpoint_folder(tiny_ckpts, tmp_path, no_loading):
+def test_export_overwrites_only_a_former_export(tiny_ckpts, tmp_path, no_loading):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    with pytest.raises(OutputPathError, match="holds no model_index.json: overwrite replaces only a pipeline"):
+    with pytest.raises(OutputPathError, match=r"is not a folder fastwan quantize wrote \(it holds no pipeline's "
+                                              r"model_index.json\); overwrite \(--overwrite\) replaces only a former"):
         export_fp8(tiny_ckpts["wan2.1"], out, overwrite=True, device="cpu")
     assert (out / "notes.txt").read_text() == "keep me"
 
