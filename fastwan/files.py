@@ -46,7 +46,6 @@ def new_temp_folder(folder: str | Path, prefix: str, suffix: str) -> Path:
         return path
 
 
-
 def new_file_mode(folder: str | Path) -> int:
     """The permission bits a new file in ``folder`` gets (0o666 less the umask), read off a probe file created and
     removed there (``os.umask`` would change the umask of every thread to read it)."""

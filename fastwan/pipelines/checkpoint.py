@@ -418,7 +418,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
     for comp in loaded:
         check_loader_files(root / comp, comp, files[comp])
     gates = [check_transformer_files(files[e], cfg, str(root / e)) for e, cfg in zip(meta.experts, configs)]
-    scheduler_class(index, root)
+    scheduler_class(index, root, warn=True)
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2

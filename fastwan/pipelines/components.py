@@ -5,12 +5,15 @@ loaders read; the scheduler and tokenizer are the classes diffusers' ``Diffusion
 (those ``model_index.json`` names), the scheduler with valid settings."""
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 from fastwan.errors import CheckpointError, MissingFileError
 from fastwan.models.loading import PICKLE_SUFFIXES, file_variant, json_text, read_json
 from fastwan.models.wan.config import WanConfig
+
+logger = logging.getLogger("fastwan")
 
 # the configuration file (a JSON object) of each component loaded by diffusers / transformers; the DiTs' configs
 # and the scheduler's are read by their own checks
@@ -132,27 +135,25 @@ def _index_class(index: dict, component: str) -> str | None:
     return None
 
 
-def scheduler_class(index: dict, root: Path):
-    """The diffusers scheduler class of the checkpoint, with its config checked -> (class, config). Rule: the
-    class is the one ``model_index.json`` names for the scheduler (what diffusers' pipeline loading builds), else
-    the config's ``_class_name``; when both name one they must agree (diffusers would build the index's and drop
-    the config's choice); it must be a diffusers scheduler, and the shifts of ``SCHEDULER_SHIFTS`` positive
-    finite numbers."""
+def scheduler_class(index: dict, root: Path, *, warn: bool = False):
+    """The diffusers scheduler class of the checkpoint, with its config checked -> (class, config). Rule, as
+    diffusers' pipeline loading builds it: the class ``model_index.json`` names for the scheduler, else the config's
+    ``_class_name``; it must be a diffusers scheduler, and the shifts of ``SCHEDULER_SHIFTS`` positive finite
+    numbers. ``warn``: log when the config names another class (its choice is not the one that runs)."""
     import diffusers
 
     path = root / "scheduler" / "scheduler_config.json"
     cfg = read_json(path, missing="the scheduler component needs it.")
     own, named = cfg.get("_class_name"), _index_class(index, "scheduler")
-    if named is not None and own is not None and own != named:
-        raise CheckpointError(
-            f"{path} names the scheduler class {json_text(own)}, but {root / 'model_index.json'} names "
-            f"\"{named}\"; diffusers builds the index's class. Make the two agree (set the class you want in both "
-            "files), or download the checkpoint again.")
+    if warn and named is not None and own is not None and own != named:
+        logger.warning("%s names the scheduler class %s, but %s names %s: the scheduler is a %s, as diffusers "
+                       "builds it; set the class you want in both files", path, json_text(own),
+                       root / "model_index.json", named, named)
     name = named or own
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
         raise CheckpointError(
-            f"{path if own is not None else root / 'model_index.json'}: the scheduler class {json_text(name)} is not "
+            f"{root / 'model_index.json' if named else path}: the scheduler class {json_text(name)} is not "
             "a diffusers scheduler class; Wan checkpoints use \"UniPCMultistepScheduler\" or "
             "\"FlowMatchEulerDiscreteScheduler\". Fix the file or download the checkpoint again.")
     for key in SCHEDULER_SHIFTS:

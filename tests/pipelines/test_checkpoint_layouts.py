@@ -98,9 +98,9 @@ def _write_json(path, text):
     (lambda r: _write_json(r / "vae" / "config.json", "{not json"), CheckpointError, r"vae/config.json is not valid"),
     (lambda r: [p.unlink() for p in (r / "tokenizer").iterdir()], MissingFileError,
      r"tokenizer holds neither tokenizer.json nor spiece.model"),
-    (lambda r: _write_json(r / "scheduler" / "scheduler_config.json", json.dumps({"_class_name": "FancyScheduler"})),
-     CheckpointError, r"names the scheduler class \"FancyScheduler\", but .*model_index.json names "
-     r"\"UniPCMultistepScheduler\""),
+    (lambda r: _write_json(r / "model_index.json", json.dumps(
+        {**json.loads((r / "model_index.json").read_text()), "scheduler": ["diffusers", "FancyScheduler"]})),
+     CheckpointError, r"model_index.json: the scheduler class \"FancyScheduler\" is not a diffusers scheduler class"),
 ])
 def test_component_files_are_checked_before_loading(base, tmp_path, damage, error, match):
     root = copy(base, tmp_path)
