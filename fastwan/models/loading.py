@@ -236,7 +236,7 @@ def _check_safetensors_header(path: Path) -> None:
         ) from None
 
 
-def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path]:
+def weight_files(folder: str | Path, *, allow_pickle: bool = False, single_first: bool = False) -> list[Path]:
     """The safetensors files holding a component's weights (validated), in a deterministic order.
 
     Accepts one or more ``*.safetensors`` files, or the shards listed by a ``*.safetensors.index.json``; of a
@@ -244,7 +244,8 @@ def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path
     Files are addressed by their name inside ``folder`` (index entries must be plain file names) and the
     returned paths keep that name; a folder entry that is a symlink is followed wherever it points, as in
     the Hugging Face cache, whose snapshot files link into ``../../blobs/``. Pickle checkpoints are refused
-    unless ``allow_pickle``.
+    unless ``allow_pickle``. A folder holding both a shard index and single files gives the index's shards, or with
+    ``single_first`` the single files (what transformers' ``from_pretrained`` reads; diffusers reads the index).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -253,6 +254,8 @@ def weight_files(folder: str | Path, *, allow_pickle: bool = False) -> list[Path
     singles = _weight_named(sorted(p.name for p in folder.glob("*.safetensors")))
     variant = _chosen_variant(folder, indexes + singles)
     indexes = [n for n in indexes if file_variant(n) == variant]
+    if single_first and any(file_variant(n) == variant for n in singles):
+        indexes = []
     if indexes:  # the first index by name is the one read
         files = _shard_files(folder, folder / indexes[0])
     else:

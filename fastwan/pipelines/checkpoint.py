@@ -100,6 +100,7 @@ T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, W
 DMD_PIPELINE = "WanDMDPipeline"  # FastVideo's DMD-distilled text-to-video (FastWan): the Wan layout, DMD sampling
 I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
+TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders transformers' from_pretrained reads
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
 OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("VACE", "VACE (video editing)"),
                ("Animate", "character animation"))
@@ -414,7 +415,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         clip_path = root / "image_encoder" / "config.json"
         check_clip(read_json(clip_path, missing="the image_encoder component needs it."), configs[0], clip_path)
     loaded = ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())
-    files = {comp: weight_files(root / comp, allow_pickle=allow_pickle) for comp in meta.experts + loaded}
+    files = {comp: weight_files(root / comp, allow_pickle=allow_pickle, single_first=comp in TRANSFORMERS_LOADED)
+             for comp in meta.experts + loaded}
     for comp in loaded:
         check_loader_files(root / comp, comp, files[comp])
     gates = [check_transformer_files(files[e], cfg, str(root / e)) for e, cfg in zip(meta.experts, configs)]

@@ -121,3 +121,17 @@ def test_image_to_video_dit_under_a_text_to_video_index_names_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"model_index.json names a text-to-video pipeline; an image-to-video "
                        r"checkpoint's model_index.json has \"_class_name\": \"WanImageToVideoPipeline\""):
         resolve(root)
+
+
+def test_an_encoder_with_a_single_file_and_an_index_is_checked_on_the_file_transformers_reads(ckpt):
+    """transformers' from_pretrained reads model.safetensors when it exists, whatever index sits beside it."""
+    te = ckpt / "text_encoder"
+    tensors = load_file(te / "model.safetensors")
+    save_file(tensors, te / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    (te / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
+    resolve(ckpt)  # both sets whole: fine
+    data = (te / "model.safetensors").read_bytes()
+    (te / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"text_encoder/model.safetensors is not a valid safetensors file"):
+        resolve(ckpt)
