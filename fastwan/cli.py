@@ -201,12 +201,18 @@ def _check_output(args) -> None:
 
 def _check_request(args) -> None:
     """The video's arguments checked against the checkpoint's files before the model loads
-    (:func:`fastwan.pipelines.request.check_request`; a Hub checkpoint is downloaded first): a size, step count,
+    (:func:`fastwan.pipelines.request.check_request`; local folders and tiny models, as a Hub id would be
+    downloaded first): a size, step count,
     guidance or sampler mistake fails in seconds. generate_video checks again, with the attention backend's rules."""
+    from fastwan.lora.merge import parse_lora_spec
     from fastwan.pipelines.checkpoint import resolve
     from fastwan.pipelines.request import check_request, checkpoint_vae_factors
     from fastwan.pipelines.setup import load_scheduler
+    from fastwan.tiny import TINY_IDS
 
+    parse_lora_spec([_lora_arg(a) for a in args.lora])  # a missing LoRA file before anything is fetched
+    if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
+        return  # a Hub id: resolving it downloads the checkpoint; from_pretrained's own checks come first
     ckpt = resolve(args.model, revision=args.revision)
     check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
                   image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,

@@ -183,6 +183,11 @@ def test_cli_build_options_reach_the_generator(monkeypatch, tmp_path):
     run("--dit-block", "reference")
     assert seen["dit_options"] == DiTOptions(block="reference")
     assert seen["lora"] == []
+    monkeypatch.chdir(tmp_path)  # LoRA files must exist: the CLI checks them before anything loads
+    for name in ("a.safetensors", "c:/x/b.safetensors", "d:e.safetensors", "h.safetensors", "c:/l.safetensors",
+                 "x:low.safetensors"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
     run("--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5", "--lora", "d:e.safetensors",
         "--lora", "h.safetensors:high", "--lora", "c:/l.safetensors:0.25:LOW", "--lora", "x:low.safetensors")
     assert seen["lora"] == [("a.safetensors", 1.0, None), ("c:/x/b.safetensors", 0.5, None),
@@ -357,3 +362,17 @@ def test_python_m_fastwan_is_the_command(tmp_path):
     assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr)
     assert_one_error_line(r.stderr, ["--steps", "0 must be >= 1"], "python -m fastwan")
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_hub_model_is_not_fetched_before_the_arguments_fail(monkeypatch, tmp_path, capsys):
+    """For a Hub id the pre-load request check is skipped (resolving would download the checkpoint): argument
+    errors that need no checkpoint still come first, a missing LoRA file among them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    base = ["generate", "--prompt", "a kite", "--model", "some-org/some-wan-model", "--output", str(tmp_path / "o")]
+    for extra, words in ((["--lora", str(tmp_path / "missing.safetensors")], ["missing.safetensors", "does not exist"]),
+                         (["--cache", "teacache:threshhold=0.1"], ["threshhold"]),
+                         (["--cfg-gate-step", "2"], ["cfg_gate_step"])):
+        capsys.readouterr()
+        assert _exit_code(base + extra) == 2, extra
+        assert_one_error_line(capsys.readouterr().err, words, extra)

@@ -392,9 +392,6 @@ class VideoGenerator:
         if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
             raise InvalidArgumentType(
                 f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
-        if not (save_video or return_frames):
-            raise InvalidArgument("save_video=False and return_frames=False would compute the video and keep "
-                                  "nothing; set one of them to True.")
         target = output.check_output_path(output_path, overwrite)
         seed = random_seed() if seed is None else int(seed)
         if negative_prompt is None:

@@ -46,7 +46,7 @@ def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compi
         raise InvalidArgumentType(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile "
                                   "kwargs.")
     check_flags(enable_torch_compile=enable_torch_compile, allow_pickle=allow_pickle)
-    if torch_compile_kwargs is not None and not enable_torch_compile:
+    if torch_compile_kwargs and not enable_torch_compile:
         raise InvalidArgument(f"torch_compile_kwargs={dict(torch_compile_kwargs)!r} apply only when the DiT is "
                               "compiled; pass enable_torch_compile=True with them, or drop them.")
     if dit_options is None:
