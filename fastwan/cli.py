@@ -202,8 +202,8 @@ def _check_output(args) -> None:
 def _check_request(args) -> None:
     """The video's arguments checked against the checkpoint's files before the model loads
     (:func:`fastwan.pipelines.request.check_request`; local folders and tiny models, as a Hub id would be
-    downloaded first): a size, step count,
-    guidance or sampler mistake fails in seconds. generate_video checks again, with the attention backend's rules."""
+    downloaded first): a size, step count, guidance or sampler mistake fails in seconds. generate_video checks
+    again, with the attention backend's rules."""
     from fastwan.lora.merge import parse_lora_spec
     from fastwan.pipelines.checkpoint import resolve
     from fastwan.pipelines.request import check_request, checkpoint_vae_factors

@@ -167,13 +167,18 @@ def attention_backend(backend: AttentionBackend | str | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
+def context_backend() -> AttentionBackend | str | None:
+    """The backend an enclosing :func:`attention_backend` context names (None outside one)."""
+    return _CURRENT.get()
+
+
 def requested_backend(
     explicit: AttentionBackend | str | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[AttentionBackend | str | None, str]:
     """Which backend was asked for, and by whom: (argument | context | env var | None)."""
     if explicit is not None:
         return explicit, "attention_backend= (CLI --attention-backend)"
-    scoped = _CURRENT.get()
+    scoped = context_backend()
     if scoped is not None:
         return scoped, "attention_backend() context"
     name = envs.attention_backend(env)

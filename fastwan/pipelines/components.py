@@ -12,6 +12,7 @@ from pathlib import Path
 from fastwan.errors import CheckpointError, MissingFileError
 from fastwan.models.loading import PICKLE_SUFFIXES, file_variant, json_text, read_json
 from fastwan.models.wan.config import WanConfig
+from fastwan.pipelines.inputs import SHIFT_KEYS
 
 logger = logging.getLogger("fastwan")
 
@@ -24,8 +25,6 @@ TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # UMT5's tokenizer: the fa
 LOADER_NAMES = {"vae": ("diffusers' AutoencoderKLWan", "diffusion_pytorch_model", "diffusion_pytorch_model"),
                 "text_encoder": ("transformers' UMT5EncoderModel", "model", "pytorch_model"),
                 "image_encoder": ("transformers' CLIPVisionModel", "model", "pytorch_model")}
-# the scheduler settings the flow-matching sampler reads: a positive finite number when present
-SCHEDULER_SHIFTS = ("flow_shift", "shift")
 
 
 def check_components(root: Path, index_path: Path, needed: tuple[str, ...]) -> None:
@@ -138,7 +137,7 @@ def _index_class(index: dict, component: str) -> str | None:
 def scheduler_class(index: dict, root: Path, *, warn: bool = False):
     """The diffusers scheduler class of the checkpoint, with its config checked -> (class, config). Rule, as
     diffusers' pipeline loading builds it: the class ``model_index.json`` names for the scheduler, else the config's
-    ``_class_name``; it must be a diffusers scheduler, and the shifts of ``SCHEDULER_SHIFTS`` positive finite
+    ``_class_name``; it must be a diffusers scheduler, and the shifts of ``SHIFT_KEYS`` positive finite
     numbers. ``warn``: log when the config names another class (its choice is not the one that runs)."""
     import diffusers
 
@@ -156,7 +155,7 @@ def scheduler_class(index: dict, root: Path, *, warn: bool = False):
             f"{root / 'model_index.json' if named else path}: the scheduler class {json_text(name)} is not "
             "a diffusers scheduler class; Wan checkpoints use \"UniPCMultistepScheduler\" or "
             "\"FlowMatchEulerDiscreteScheduler\". Fix the file or download the checkpoint again.")
-    for key in SCHEDULER_SHIFTS:
+    for key in SHIFT_KEYS:
         value = cfg.get(key)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if value is not None and not (number and math.isfinite(value) and value > 0):

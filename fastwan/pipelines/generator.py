@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastwan.attention import AttentionBackend, AttentionDispatch
-from fastwan.attention.registry import requested_backend
+from fastwan.attention.registry import context_backend
 from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear
@@ -216,9 +216,8 @@ class VideoGenerator:
             plan = plan_offload(fp, usable(budget))
             logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
         if launch == "spawn":  # every check passed (a budget too small too); the workers, "join" ranks, load
-            scoped, asked_by = requested_backend(call["attention_backend"], env={})  # contexts stay in this process
-            if asked_by == "attention_backend() context":
-                call = {**call, "attention_backend": scoped}
+            if call["attention_backend"] is None and context_backend() is not None:  # contexts stay in this process
+                call = {**call, "attention_backend": context_backend()}
             return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device)
         if plan is not None:
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
@@ -290,8 +289,8 @@ class VideoGenerator:
     def _check_backend_context(self) -> None:
         """Rule: the attention backend is fixed when the generator is built; an ``attention_backend()`` context
         around a call must name the one it runs (a context meant for the call would otherwise go unheard)."""
-        scoped, source = requested_backend(None, env={})
-        if scoped is None or source != "attention_backend() context":
+        scoped = context_backend()
+        if scoped is None:
             return
         name = scoped.name if isinstance(scoped, AttentionBackend) else str(scoped).strip().upper()
         built = self.attention.self_backend.name

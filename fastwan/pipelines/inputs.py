@@ -16,6 +16,8 @@ import torch
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.pipelines.text import clean_prompt
 
+SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
+
 SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
 RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
 MAX_FPS = 1000  # the mp4 writer (ffmpeg) clamps or refuses far larger frame rates, and only after the compute
@@ -183,7 +185,7 @@ def _check_num_steps(scheduler, n: int) -> None:
         raise InvalidArgument(f"num_inference_steps={n} exceeds the {name}'s {limit} training timesteps; "
                               f"use at most {most}{' (e.g. 50)' if most >= 50 else ''}.")
     if not _distinct_timesteps(probe, n):
-        shift = next((getattr(scheduler.config, k) for k in ("flow_shift", "shift")
+        shift = next((getattr(scheduler.config, k) for k in SHIFT_KEYS
                       if getattr(scheduler.config, k, None) is not None), None)
         at = f" at flow_shift={shift:g}" if isinstance(shift, (int, float)) else ""
         most = _largest_distinct_steps(probe, n - 1)

@@ -28,11 +28,10 @@ from dataclasses import replace
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.inputs import as_float, finite_float, python_number
+from fastwan.pipelines.inputs import SHIFT_KEYS, as_float, finite_float, python_number
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
-SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
 NUMBER_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2", "fps")
 
 
