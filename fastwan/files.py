@@ -21,29 +21,30 @@ FILE_MODE = 0o666  # less the umask
 FOLDER_MODE = 0o777  # less the umask
 
 
-def new_temp_file(folder: str | Path, prefix: str, suffix: str) -> Path:
-    """Create a new empty file ``<prefix><random><suffix>`` in ``folder`` (exclusive create, mode 0o666 less the
-    umask) -> its path. Raises OSError when ``folder`` is not writable."""
+def _new_temp(folder: str | Path, prefix: str, suffix: str, create) -> Path:
+    """``create(path)`` at a new ``<prefix><random><suffix>`` in ``folder`` until it does not exist yet -> the
+    path. ``create`` raises FileExistsError for a taken name (another random name is tried) and OSError when
+    ``folder`` is not writable (raised)."""
     while True:
         path = Path(folder) / f"{prefix}{secrets.token_hex(6)}{suffix}"
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+            create(path)
         except FileExistsError:
             continue
-        os.close(fd)
         return path
+
+
+def new_temp_file(folder: str | Path, prefix: str, suffix: str) -> Path:
+    """Create a new empty file ``<prefix><random><suffix>`` in ``folder`` (exclusive create, mode 0o666 less the
+    umask) -> its path. Raises OSError when ``folder`` is not writable."""
+    return _new_temp(folder, prefix, suffix,
+                     lambda path: os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)))
 
 
 def new_temp_folder(folder: str | Path, prefix: str, suffix: str) -> Path:
     """Create a new empty folder ``<prefix><random><suffix>`` in ``folder`` (mode 0o777 less the umask) -> its
     path. Raises OSError when ``folder`` is not writable."""
-    while True:
-        path = Path(folder) / f"{prefix}{secrets.token_hex(6)}{suffix}"
-        try:
-            os.mkdir(path, FOLDER_MODE)
-        except FileExistsError:
-            continue
-        return path
+    return _new_temp(folder, prefix, suffix, lambda path: os.mkdir(path, FOLDER_MODE))
 
 
 def new_file_mode(folder: str | Path) -> int:
