@@ -1,6 +1,7 @@
 """Safetensors-only weight loading (single file or shards + index), with checks that fail early and clearly."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -135,9 +136,9 @@ def _component_file(folder: Path, name: str, named_by: Path | None = None) -> Pa
 _SHARD_NAME = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")  # a shard's name: stem, number, shard count
 
 
-def _shard_files(folder: Path, index: Path) -> list[Path]:
-    """The shards ``index`` lists: each entry must be a plain file name inside ``folder`` (see
-    :func:`plain_name_problem`), and each shard must exist."""
+def _shard_names(folder: Path, index: Path, names: list[str]) -> list[str]:
+    """The shards ``index`` lists, of a folder whose files are ``names``: each entry must be a plain file name
+    inside ``folder`` (see :func:`plain_name_problem`), and no shard of the set may go unnamed."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except OSError as exc:
@@ -170,15 +171,15 @@ def _shard_files(folder: Path, index: Path) -> list[Path]:
             )
     named = sorted(set(weight_map.values()))
     sets = {m.group(1, 3) for n in named if (m := _SHARD_NAME.fullmatch(n))}  # (stem, shard count)
-    unnamed = sorted(p.name for p in folder.glob("*.safetensors")
-                     if p.name not in named and (m := _SHARD_NAME.fullmatch(p.name)) and m.group(1, 3) in sets)
+    unnamed = sorted(n for n in names if n.endswith(".safetensors")
+                     and n not in named and (m := _SHARD_NAME.fullmatch(n)) and m.group(1, 3) in sets)
     if unnamed:  # every shard holds tensors, so an index naming none of a shard's is incomplete
         raise CheckpointError(
             f"{index} names no tensor of {', '.join(unnamed)}, a shard of the set it reads ({', '.join(named[:2])}"
             f"{', ...' if len(named) > 2 else ''}); the index is incomplete or from another download: download the "
             "checkpoint again."
         )
-    return [_component_file(folder, name, index) for name in named]
+    return named
 
 
 _PICKLE_BASES = ("diffusion_pytorch_model", "pytorch_model", "model")  # pickle weight names (with -i-of-n shards)
@@ -193,14 +194,14 @@ def _weight_named(names: list[str], bases: tuple[str, ...] = _SAFETENSORS_BASES)
     return named or names
 
 
-def _pickle_files(folder: Path, *, allow_pickle: bool) -> list[Path]:
+def _pickle_names(folder: Path, names: list[str], *, allow_pickle: bool) -> list[str]:
     """A folder's pickle weight files when ``allow_pickle`` (those named as diffusers / transformers save weights,
     ``diffusion_pytorch_model*`` / ``pytorch_model*`` / ``model*``, when it has any; else all); otherwise an error
     naming them (or no weights)."""
-    pickles = _weight_named(sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES), _PICKLE_BASES)
+    pickles = _weight_named(sorted(n for n in names if Path(n).suffix in PICKLE_SUFFIXES), _PICKLE_BASES)
     if pickles and allow_pickle:
         variant = _chosen_variant(folder, pickles)
-        return [_component_file(folder, name) for name in pickles if file_variant(name) == variant]
+        return [name for name in pickles if file_variant(name) == variant]
     if pickles:
         raise CheckpointError(
             f"{folder} holds only pickle weights ({', '.join(pickles)}); fastwan loads safetensors only, "
@@ -236,6 +237,28 @@ def _check_safetensors_header(path: Path) -> None:
         ) from None
 
 
+def _select(folder: Path, names: list[str], allow_pickle: bool, single_first: bool) -> tuple[list[str], str | None]:
+    """(the weight file names read from a folder holding the files ``names``, the shard index naming them or
+    None); see :func:`weight_files`."""
+    indexes = _weight_named(sorted(n for n in names if fnmatch.fnmatchcase(n, "*.safetensors.index*.json")))
+    singles = _weight_named(sorted(n for n in names if n.endswith(".safetensors")))
+    variant = _chosen_variant(folder, indexes + singles)
+    indexes = [n for n in indexes if file_variant(n) == variant]
+    if single_first and any(file_variant(n) == variant for n in singles):
+        indexes = []
+    if indexes:  # the first index by name is the one read
+        return _shard_names(folder, folder / indexes[0], names), indexes[0]
+    return ([n for n in singles if file_variant(n) == variant]
+            or _pickle_names(folder, names, allow_pickle=allow_pickle)), None
+
+
+def weight_names(folder: str | Path, names: list[str], *, allow_pickle: bool = False,
+                 single_first: bool = False) -> list[str]:
+    """The names of the files :func:`weight_files` reads from ``folder`` when it holds the files ``names`` (a Hub
+    repository's listing, before the weights are fetched); a shard index among them is read from ``folder``."""
+    return _select(Path(folder), names, allow_pickle, single_first)[0]
+
+
 def weight_files(folder: str | Path, *, allow_pickle: bool = False, single_first: bool = False) -> list[Path]:
     """The safetensors files holding a component's weights (validated), in a deterministic order.
 
@@ -250,20 +273,11 @@ def weight_files(folder: str | Path, *, allow_pickle: bool = False, single_first
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingFileError(f"{folder} does not exist or is not a folder; download the checkpoint again.")
-    indexes = _weight_named(sorted(p.name for p in folder.glob("*.safetensors.index*.json")))
-    singles = _weight_named(sorted(p.name for p in folder.glob("*.safetensors")))
-    variant = _chosen_variant(folder, indexes + singles)
-    indexes = [n for n in indexes if file_variant(n) == variant]
-    if single_first and any(file_variant(n) == variant for n in singles):
-        indexes = []
-    if indexes:  # the first index by name is the one read
-        files = _shard_files(folder, folder / indexes[0])
-    else:
-        files = [_component_file(folder, n) for n in singles if file_variant(n) == variant]
-    if not files:
-        return _pickle_files(folder, allow_pickle=allow_pickle)
+    chosen, index = _select(folder, sorted(p.name for p in folder.iterdir()), allow_pickle, single_first)
+    files = [_component_file(folder, n, None if index is None else folder / index) for n in chosen]
     for f in files:
-        _check_safetensors_header(f)
+        if f.suffix == ".safetensors":
+            _check_safetensors_header(f)
     return files
 
 

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType, MissingFileError
 from fastwan.models.wan.config import WanConfig, check_text_to_video
 from fastwan.models.wan.loading import check_transformer_files
+from fastwan.pipelines.hub import download, fetch_components
 from fastwan.pipelines.components import (
     check_clip,
     check_components,
@@ -23,7 +24,6 @@ from fastwan.pipelines.components import (
 from fastwan.models.loading import (
     HUB_COMMIT,
     HUB_MODEL_ID,
-    PICKLE_SUFFIXES,
     json_text,
     read_json,
     weight_files,
@@ -104,8 +104,6 @@ TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders tr
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
 OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("VACE", "VACE (video editing)"),
                ("Animate", "character animation"))
-# the files a component folder holds that fastwan reads (configs, weights, tokenizer files)
-_COMPONENT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")
 
 
 @dataclass(frozen=True)
@@ -146,39 +144,6 @@ class PipelineIndex:
     distilled: bool = False
 
 
-def _download(model_id: str, patterns: list[str], revision: str | None = None) -> Path:
-    """``snapshot_download`` of the files matching ``patterns`` (from the cache when offline); the snapshot
-    folder. Its files may be symlinks into the cache's ``blobs/``."""
-    from huggingface_hub import errors as hf_errors
-    from huggingface_hub import snapshot_download
-
-    incomplete = getattr(hf_errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 2
-    try:
-        return Path(snapshot_download(model_id, revision=revision, allow_patterns=patterns))
-    except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError, hf_errors.GatedRepoError) as exc:
-        raise MissingFileError(
-            f"model {model_id!r} is neither a local folder nor a Hub repository you can access ({type(exc).__name__}). "
-            "Pass a Diffusers-format Wan folder, a Hub id such as 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', or 'tiny'."
-        ) from None
-    except incomplete as exc:
-        raise MissingFileError(
-            f"model {model_id!r} is in the Hugging Face cache, but its snapshot misses files ({exc}). Download it "
-            "again with network access (unset HF_HUB_OFFLINE), or pass a complete local folder."
-        ) from None
-    except hf_errors.LocalEntryNotFoundError:
-        raise MissingFileError(
-            f"model {model_id!r} is not a local folder and is not in the Hugging Face cache, and the Hub cannot be "
-            "reached (offline or HF_HUB_OFFLINE=1). Download it first or pass a local folder."
-        ) from None
-
-
-def _component_patterns(experts: tuple[str, ...], allow_pickle: bool, image_encoder: bool = False) -> list[str]:
-    """allow_patterns for the files of the components fastwan loads (pickle weights only when allowed)."""
-    suffixes = _COMPONENT_FILES + (tuple(f"*{s}" for s in PICKLE_SUFFIXES) if allow_pickle else ())
-    comps = experts + tuple(c for c in REQUIRED if c not in experts) + (IMAGE_COMPONENTS if image_encoder else ())
-    return ["model_index.json"] + [f"{c}/{s}" for c in comps for s in suffixes]
-
-
 def _locate(name: str, revision: str | None = None) -> tuple[Path, str | None, bool]:
     """(folder, tiny variant or None, whether it is a Hub snapshot holding only model_index.json so far)."""
     tiny_variant = TINY_IDS.get(name)
@@ -192,7 +157,7 @@ def _locate(name: str, revision: str | None = None) -> tuple[Path, str | None, b
             )
         return root, None, False
     if HUB_MODEL_ID.match(name) and not name.startswith((".", "/", "~")):
-        return _download(name, ["model_index.json"], revision), None, True
+        return download(name, ["model_index.json"], revision), None, True
     raise MissingFileError(
         f"model {name!r} is not a folder that exists, not a Hub id (owner/name), and not one of "
         f"{', '.join(TINY_IDS)}. Check the path or the model id."
@@ -404,17 +369,19 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
     index_path = root / "model_index.json"
     index = read_json(index_path, missing="" if index_path.is_file() else _not_a_pipeline(root, name, hub))
     meta = read_pipeline_index(index, index_path)
-    if hub:
-        root = _download(name, _component_patterns(meta.experts, allow_pickle, meta.image_encoder),
-                         revision=root.name if HUB_COMMIT.match(root.name) else revision)
-    check_components(root, index_path, REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ()))
+    loaded = ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())  # besides the DiT
+    components = REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ())
+    if hub:  # only the files fastwan reads (hub.py)
+        weighted = {c: c in TRANSFORMERS_LOADED for c in meta.experts + loaded}
+        root = fetch_components(name, root.name if HUB_COMMIT.match(root.name) else revision, weighted,
+                                tuple(c for c in components if c not in weighted), allow_pickle)
+    check_components(root, index_path, components)
     configs = _expert_configs(root, meta)
     check_latent_channels(root, configs[0])
     check_text_width(root, configs[0])
     if meta.image_encoder:
         clip_path = root / "image_encoder" / "config.json"
         check_clip(read_json(clip_path, missing="the image_encoder component needs it."), configs[0], clip_path)
-    loaded = ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())
     files = {comp: weight_files(root / comp, allow_pickle=allow_pickle, single_first=comp in TRANSFORMERS_LOADED)
              for comp in meta.experts + loaded}
     for comp in loaded:
