@@ -5,7 +5,8 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
 * diffusers / PEFT: ``[transformer.]blocks.N.attn1.to_q.lora_A.weight`` and ``lora_B.weight`` under the
   model's own module names, optionally ``<module>.alpha`` and a bias ``lora_B.bias`` (PEFT's ``lora_bias``); PEFT's
   in-memory names with the adapter's (``lora_A.default.weight``), and diffusers' older spellings
-  (``lora.down`` / ``lora.up``, attention-processor keys ``attn1.processor.to_q_lora.down.weight``);
+  (``lora.down`` / ``lora.up``, attention-processor keys ``attn1.processor.to_q_lora.down.weight``, a DoRA's
+  ``attn1.to_out.lora_magnitude_vector`` for ``to_out.0``);
 * the original Wan / ComfyUI / lightx2v layout: ``diffusion_model.blocks.N.self_attn.q.lora_down.weight`` /
   ``lora_up.weight`` (or ``lora_A`` / ``lora_B``), ``<module>.alpha``, full deltas ``<module>.diff`` and bias
   deltas ``<module>.diff_b``, under the original module names (:data:`fastwan.lora.keys.WAN_NAMES` maps them);
@@ -19,8 +20,12 @@ dequantized, updated in fp32 and quantized again (new per-channel scales). Merge
 :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
 The layers are the linear ones and the convolutions (the patch embedding: there ``A`` holds the kernel,
 ``[rank, in, *kernel]``, and ``B`` is ``[out, rank, 1, ...]``, as PEFT trains one). Deltas of norms (zeros in the
-files that carry them) are skipped. Where diffusers drops a delta it cannot express as a PEFT LoRA (full-weight
-``diff`` keys, a ``time_projection`` ``diff_b`` without its weights), fastwan merges it as written.
+files that carry them; under diffusers' names or the original ones: ``self_attn.norm_q``, ``cross_attn.norm_k_img``,
+``norm3``, ``head.norm``, ``img_emb.proj.0``) and of the parameters outside the layers (lightx2v's modulation deltas
+``blocks.N.diff_m`` / ``head.diff_m``, ``modulation.diff``) are skipped, as diffusers skips them; non-zero ones are
+named in a warning. Where diffusers drops a delta of a layer it cannot express as a PEFT LoRA (full-weight ``diff``
+keys, a ``time_projection`` ``diff_b`` without its weights), fastwan merges it as written. Tensors stored in FP8
+are read as the bf16 values they hold (exactly).
 
 A module's alpha is its ``<module>.alpha`` tensor; else, for ``lora_A`` / ``lora_B`` keys, the LoraConfig that
 diffusers / PEFT save in the file's safetensors metadata (``lora_adapter_metadata``: ``lora_alpha``, its

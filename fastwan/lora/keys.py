@@ -25,7 +25,21 @@ WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
     (r"head\.head", "proj_out"),
     (r"img_emb\.proj\.1", "condition_embedder.image_embedder.ff.net.0.proj"),
     (r"img_emb\.proj\.3", "condition_embedder.image_embedder.ff.net.2"),
+    # norms (their deltas are not merged, as in diffusers; named so that they read as norms, not unknown keys)
+    (r"blocks\.(\d+)\.self_attn\.norm_([qk])", r"blocks.\1.attn1.norm_\2"),
+    (r"blocks\.(\d+)\.cross_attn\.norm_([qk])", r"blocks.\1.attn2.norm_\2"),
+    (r"blocks\.(\d+)\.cross_attn\.norm_k_img", r"blocks.\1.attn2.norm_added_k"),
+    (r"head\.norm", "norm_out"),
+    (r"img_emb\.proj\.0", "condition_embedder.image_embedder.norm1"),
+    (r"img_emb\.proj\.4", "condition_embedder.image_embedder.norm2"),
+    # parameters outside the layers (modulation tables, FLF2V's image position embedding): their deltas are not
+    # merged, as in diffusers
+    (r"blocks\.(\d+)\.modulation", r"blocks.\1.scale_shift_table"),
+    (r"head\.modulation", "scale_shift_table"),
+    (r"img_emb\.emb_pos", "condition_embedder.image_embedder.pos_embed"),
 )
+# the parameters (not layers) whose deltas a file may carry, as the model names them: not merged (see above)
+TABLES = ("scale_shift_table", "pos_embed")
 PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.", "model.")
 KOHYA_PREFIX = "lora_unet_"
 # WAN_NAMES with every separating dot read as an underscore; each pattern spells its literal parts out in full and
@@ -36,16 +50,19 @@ METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffuse
 OTHER_ADAPTERS = (("dora_scale", "kohya DoRA (dora_scale)"), ("hada_", "LyCORIS LoHa"), ("lokr_", "LyCORIS LoKr"),
                   ("lora_mid", "LyCORIS Tucker (lora_mid)"))
 PART_NAMES = {"A": "lora_A / lora_down", "B": "lora_B / lora_up", "alpha": "alpha", "diff": "diff",
-              "diff_b": "diff_b", "B_bias": "lora_B.bias", "M": "lora_magnitude_vector"}
+              "diff_b": "diff_b", "diff_m": "diff_m", "B_bias": "lora_B.bias", "M": "lora_magnitude_vector"}
 # a key's end -> its part: lora_A / lora_down / lora.down (A) and the B names likewise, each with PEFT's optional
-# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b;
-# or a DoRA's magnitude (M): 'lora_magnitude_vector' as PEFT saves it, '.weight' or '.default.weight' after it
+# adapter name before the tensor's ('lora_A.default.weight'); B's bias is PEFT's lora_bias; or alpha, diff, diff_b,
+# diff_m (lightx2v's delta of a block's modulation, '<block>.diff_m'); or a DoRA's magnitude (M):
+# 'lora_magnitude_vector' as PEFT saves it, '.weight' or '.default.weight' after it
 PART_RE = re.compile(r"\.(?:(?:(?P<a>lora_A|lora_down|lora\.down)|(?P<b>lora_B|lora_up|lora\.up))"
-                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b)"
+                     r"(?:\.(?!(?:weight|bias)$)[^.]+)?\.(?P<tensor>weight|bias)|(?P<other>alpha|diff|diff_b|diff_m)"
                      r"|(?P<m>lora_magnitude_vector)(?:(?:\.(?!weight$)[^.]+)?\.weight)?)$")
 # diffusers' attention-processor LoRA spelling (as its loader reads it): 'attn1.processor.to_q_lora.down.weight'
+# and its DoRA magnitude of to_out ('attn1.to_out.lora_magnitude_vector', the layer being to_out.0)
 OLD_SPELLINGS = ((re.compile(r"\.processor\."), "."), (re.compile(r"\.to_out_lora\."), ".to_out.0.lora."),
-                 (re.compile(r"\.(to_[qkv])_lora\."), r".\1.lora."))
+                 (re.compile(r"\.(to_[qkv])_lora\."), r".\1.lora."),
+                 (re.compile(r"\.to_out\.lora_magnitude_vector\b"), ".to_out.0.lora_magnitude_vector"))
 LAYERS = (torch.nn.Linear, Fp8Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)  # the layers LoRAs change
 
 
@@ -60,8 +77,9 @@ def kohya_name(flat: str, modules: set[str]) -> str | None:
 
 
 def split_part(key: str) -> tuple[str, str] | None:
-    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b, M), or None for a key that
-    is no LoRA part (lora_A's bias included: PEFT gives lora_A none)."""
+    """A file key -> (its module name as written, part: A, B, B_bias, alpha, diff, diff_b, diff_m, M), or None for a
+    key that is no LoRA part (lora_A's bias included: PEFT gives lora_A none). A ``diff_m``'s module is the
+    modulation it changes (``blocks.N.diff_m`` -> ``blocks.N.modulation``, ``head.diff_m`` -> ``head.modulation``)."""
     for pattern, repl in OLD_SPELLINGS:
         key = pattern.sub(repl, key)
     m = PART_RE.search(key)
@@ -73,12 +91,14 @@ def split_part(key: str) -> tuple[str, str] | None:
         part = "A" if m["a"] else "B"
     else:
         part = "B_bias" if m["b"] else None
-    return None if part is None else (key[: m.start()], part)
+    if part is None:
+        return None
+    return key[: m.start()] + (".modulation" if part == "diff_m" else ""), part
 
 
 def module_name(key: str, modules: set[str]) -> tuple[str, str] | None:
-    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b, M), or None for a key of no
-    module."""
+    """A file key -> (the model's module name, part: A, B, B_bias, alpha, diff, diff_b, diff_m, M), or None for a key
+    of no module; ``modules`` may name parameters too (:data:`TABLES`)."""
     found = split_part(key)
     if found is None:
         return None

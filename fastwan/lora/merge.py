@@ -13,7 +13,7 @@ import torch
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
 from fastwan.lora.files import check_lora_path, finite, read_lora
-from fastwan.lora.keys import LAYERS, OTHER_ADAPTERS, PART_NAMES, module_name
+from fastwan.lora.keys import LAYERS, OTHER_ADAPTERS, PART_NAMES, TABLES, module_name
 
 logger = logging.getLogger("fastwan")
 
@@ -21,25 +21,33 @@ logger = logging.getLogger("fastwan")
 def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "the LoRA file"):
     """{module name: {part: tensor}} for the model's linear and convolution layers; raises when no key names one
     of them (with examples of both sides), a tensor's shape does not fit its module or an alpha is not one finite
-    number (naming the key)."""
+    number (naming the key). Deltas of norms and of the parameters outside the layers (:data:`TABLES`: the
+    modulation tables, ``diff_m``) are not merged, as in diffusers: named in a warning where they are not zeros."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, LAYERS)}
     norms = {n for n, m in model.named_modules() if "norm" in n.rsplit(".", 1)[-1]}
+    tables = {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in TABLES}
     updates: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    unmatched, skipped_norms = [], []
+    unmatched: list[str] = []
+    skipped: dict[str, list[str]] = {"norm": [], "modulation": []}  # deltas not merged (the non-zero ones)
+    kinds = set()  # the kinds of deltas not merged the file has
     for key, value in tensors.items():
         kind = next((k for marker, k in OTHER_ADAPTERS if marker in key), None)
         if kind is not None:
             raise InvalidArgument(f"{source}: {key} is a {kind} tensor; fastwan merges plain LoRAs only (lora_A / "
                                   "lora_down, lora_B / lora_up, alpha, diff, diff_b): merge it into a plain LoRA "
                                   "or into the model first.")
-        found = module_name(key, set(linears) | norms)
+        if value.is_floating_point() and value.element_size() == 1:  # FP8 files: bf16 holds each value exactly
+            value = value.to(torch.bfloat16)  # (PyTorch's CPU kernels lack the checks below for FP8)
+        found = module_name(key, set(linears) | norms | tables)
         if found is None:
             unmatched.append(key)
             continue
         name, part = found
-        if name in norms:  # norm deltas are not applied (as in diffusers): zeros in the files that carry them
+        if name in norms or name in tables:  # not applied, as in diffusers (norm deltas: zeros in the files)
+            group = "norm" if name in norms else "modulation"
+            kinds.add(group)
             if value.count_nonzero():
-                skipped_norms.append(key)
+                skipped[group].append(key)
             continue
         if part != "alpha" and value.is_floating_point() and not torch.isfinite(value).all():  # black videos
             bad = int((~torch.isfinite(value)).sum())
@@ -50,8 +58,9 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                                   f"of {name} (two formats or two names of one module in one file); keep one of "
                                   "them.")
         updates[name][part] = (key, value)
-    if not updates and not unmatched:  # every key is a norm's
-        raise InvalidArgument(f"{source}: its {len(tensors)} keys are all norm deltas, e.g. {sorted(tensors)[:3]}, "
+    if not updates and not unmatched:  # every key is a norm's or a modulation table's
+        what = " or ".join(sorted(kinds)) + " deltas"
+        raise InvalidArgument(f"{source}: its {len(tensors)} keys are all {what}, e.g. {sorted(tensors)[:3]}, "
                               "which fastwan (like diffusers) does not merge: the file would change nothing; "
                               "check that it is the LoRA you meant.")
     if not updates:
@@ -62,9 +71,13 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     if unmatched:  # e.g. text-encoder keys, or blocks this model does not have: the rest still applies
         logger.warning("%s: %d of its %d keys name no layer of this model and are not applied, e.g. %s",
                        source, len(unmatched), len(tensors), sorted(unmatched)[:3])
-    if skipped_norms:
+    if skipped["norm"]:
         logger.warning("%s: %d norm deltas hold non-zero values and are not applied (fastwan, like diffusers, merges "
-                       "no norms), e.g. %s", source, len(skipped_norms), sorted(skipped_norms)[:3])
+                       "no norms), e.g. %s", source, len(skipped["norm"]), sorted(skipped["norm"])[:3])
+    if skipped["modulation"]:
+        logger.warning("%s: %d deltas of parameters outside the layers (modulation tables: diff_m, modulation.diff) "
+                       "hold non-zero values and are not applied (diffusers drops them too), e.g. %s", source,
+                       len(skipped["modulation"]), sorted(skipped["modulation"])[:3])
     for name, parts in updates.items():
         weight = linears[name].weight
         ones = (1,) * (weight.dim() - 2)

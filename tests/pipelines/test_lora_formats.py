@@ -1,12 +1,15 @@
 """Every Wan LoRA key spelling diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline.load_lora_weights`` reads,
-merged by fastwan (``VideoGenerator.load_lora``) into the tiny Wan2.1 T2V and I2V DiTs, against diffusers' own
-merge (``load_lora_weights`` + ``fuse_lora``) of the same file: every weight and bias, fp32, to 1e-6 relative.
+merged by fastwan (``VideoGenerator.load_lora``) into the tiny Wan DiTs (T2V, I2V, FLF2V, TI2V, A14B), against
+diffusers' own merge (``load_lora_weights`` + ``fuse_lora``) of the same file: every weight and bias, fp32, to 1e-6
+relative.
 
 Spellings: the original Wan / ComfyUI / lightx2v keys (``diffusion_model.``; lora_down / lora_up or lora_A /
-lora_B, alpha, diff_b, ``head.head.diff``) on every layer diffusers maps (time_projection, head, text / time
-embeddings, the I2V image embedder and k_img / v_img); diffusers / PEFT keys on every layer (the patch embedding's
+lora_B, alpha, diff_b, ``head.head.diff``; FP8-stored; lightx2v's norm and modulation deltas, which neither side
+merges) on every layer diffusers maps (time_projection, head, text / time embeddings, the I2V / FLF2V image embedder
+and k_img / v_img; Wan2.2 TI2V-5B too); diffusers / PEFT keys on every layer (the patch embedding's
 convolution too), with ``lora_B.bias``, metadata alphas, mixed ranks, diffusers' older ``lora.down`` and
-attention-processor spellings, a T2V LoRA on the I2V model, and PEFT DoRAs (magnitudes; at scales 1.0 and 0.7,
+attention-processor spellings (a DoRA's ``to_out.lora_magnitude_vector`` too), a T2V LoRA on the I2V model, a Wan2.2
+A14B expert's LoRA against ``load_into_transformer_2``, and PEFT DoRAs (magnitudes; at scales 1.0 and 0.7,
 after a plain LoRA, on FP8 layers against a float64 hand computation). Where diffusers drops a delta it cannot express
 (full-weight ``diff`` keys, a time_projection ``diff_b`` without its weights) or misreads a spelling (PEFT's
 adapter names), fastwan's merge is checked against a hand computation / diffusers' merge of the plain spelling."""
@@ -38,7 +41,9 @@ TOP = [("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head
        ("condition_embedder.time_embedder.linear_2", "time_embedding.2")]
 TOP_IMAGE = [("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
              ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3")]
-VARIANTS = {"t2v": "wan2.1", "i2v": "wan2.1-i2v"}
+VARIANTS = {"t2v": "wan2.1", "i2v": "wan2.1-i2v", "flf2v": "wan2.1-flf2v", "ti2v": "wan2.2-ti2v"}
+# the original Wan norm names (their deltas: zeros in the files that carry them, merged by neither side)
+WAN_NORMS = ("self_attn.norm_q", "self_attn.norm_k", "cross_attn.norm_q", "cross_attn.norm_k", "norm3")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +139,30 @@ def case_wan_full_diffs(lo):  # full-weight diff keys and an AccVideo-like time_
     lo.dropped("diffusion_model.patch_embedding.diff_b", "patch_embedding.bias")
 
 
+def case_wan_fp8_tensors(lo):  # a file stored in FP8 (no alphas: diffusers cannot scale FP8 tensors), zero norms
+    lo.add(lo.modules(top=True), "diffusion_model.", diff_b=("attn2", "proj_out", "image_embedder"))
+    dim = lo.mods["blocks.0.attn1.to_q"].weight.shape[0]
+    lo.sd["diffusion_model.blocks.0.norm3.diff"] = torch.zeros(dim)
+    lo.sd.update({k: v.to(torch.float8_e4m3fn) for k, v in lo.sd.items()})
+
+
+def case_wan_deltas_diffusers_drops(lo):  # lightx2v's: zero norm deltas under every original name, diff_m
+    lo.add(lo.modules(), "diffusion_model.", "lora_A", "lora_B", alpha=4.0, diff_b=("attn1", "ffn"))
+    lo.add(lo.modules(blocks=False, top=True), "diffusion_model.", "lora_A", "lora_B")  # diffusers: no alphas here
+    dim = lo.mods["blocks.0.attn1.to_q"].weight.shape[0]
+    for i in range(lo.blocks):
+        for norm in WAN_NORMS + (("cross_attn.norm_k_img",) if lo.image else ()):
+            lo.sd[f"diffusion_model.blocks.{i}.{norm}.diff"] = torch.zeros(dim)
+        lo.sd[f"diffusion_model.blocks.{i}.diff_m"] = lo.randn(1, 6, dim)  # neither side merges them
+    lo.sd["diffusion_model.head.diff_m"] = lo.randn(1, 2, dim)
+    lo.sd["diffusion_model.head.norm.diff"] = torch.zeros(dim)
+    if lo.image:
+        image_dim = lo.mods["condition_embedder.image_embedder.ff.net.0.proj"].weight.shape[1]
+        for part in ("diff", "diff_b"):
+            lo.sd[f"diffusion_model.img_emb.proj.0.{part}"] = torch.zeros(image_dim)
+            lo.sd[f"diffusion_model.img_emb.proj.4.{part}"] = torch.zeros(dim)
+
+
 def case_peft_every_layer(lo):  # diffusers names on every linear and the patch embedding's convolution
     lo.add(lo.modules(top=True) + [("patch_embedding", "")], "transformer.", "lora_A", "lora_B", wan=False)
 
@@ -170,6 +199,12 @@ def case_diffusers_attention_processor(lo):  # 'attn1.processor.to_q_lora.down.w
                     w.shape[0], 4)
 
 
+def case_diffusers_old_spelling_dora(lo):  # 'lora.down' with a DoRA: 'attn1.to_out.lora_magnitude_vector'
+    add_magnitudes(lo.add(lo.modules(), "transformer.", "lora_A", "lora_B", wan=False))
+    lo.sd = {k.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")
+             .replace(".to_out.0.lora_magnitude_vector", ".to_out.lora_magnitude_vector"): v for k, v in lo.sd.items()}
+
+
 def case_t2v_lora_on_i2v(lo):  # no image cross-attention keys: diffusers pads them with zeros
     lo.add(lo.modules(image=False), "transformer.", "lora_A", "lora_B", wan=False)
 
@@ -179,20 +214,23 @@ def case_kohya_alpha(lo):  # musubi-tuner: every block module with an alpha
 
 
 CASES = {  # name -> (builder, variants)
-    "wan lora_A/lora_B alpha diff_b": (case_wan_lora_ab_alpha, ("t2v", "i2v")),
+    "wan lora_A/lora_B alpha diff_b": (case_wan_lora_ab_alpha, ("t2v", "i2v", "ti2v")),
     "wan small alpha": (case_wan_small_alpha, ("t2v",)),
-    "wan outside the blocks": (case_wan_outside_blocks, ("t2v", "i2v")),
+    "wan outside the blocks": (case_wan_outside_blocks, ("t2v", "i2v", "flf2v", "ti2v")),
+    "wan fp8 tensors": (case_wan_fp8_tensors, ("t2v", "i2v")),
+    "wan deltas diffusers drops": (case_wan_deltas_diffusers_drops, ("t2v", "i2v")),
     "wan head.head.diff": (case_wan_head_diff, ("t2v",)),
     "wan bias-only module, norms": (case_wan_bias_only_module_and_norms, ("t2v",)),
     "wan full diffs (diffusers drops)": (case_wan_full_diffs, ("t2v",)),
-    "peft every layer": (case_peft_every_layer, ("t2v", "i2v")),
+    "peft every layer": (case_peft_every_layer, ("t2v", "i2v", "flf2v", "ti2v")),
     "peft lora_B.bias metadata": (case_peft_lora_bias_metadata, ("t2v", "i2v")),
     "peft conv metadata": (case_peft_conv_metadata, ("t2v",)),
     "peft mixed ranks, text encoder": (case_peft_mixed_ranks_and_text_encoder, ("t2v",)),
     "diffusers lora.down": (case_diffusers_old_lora_down, ("t2v",)),
     "diffusers attention processor": (case_diffusers_attention_processor, ("t2v",)),
+    "diffusers old spelling dora": (case_diffusers_old_spelling_dora, ("t2v",)),
     "t2v lora on i2v": (case_t2v_lora_on_i2v, ("i2v",)),
-    "kohya alpha": (case_kohya_alpha, ("i2v",)),
+    "kohya alpha": (case_kohya_alpha, ("t2v", "i2v")),
 }
 PARAMS = [pytest.param(name, kind, id=f"{name}-{kind}") for name, (_, kinds) in CASES.items() for kind in kinds]
 
@@ -203,7 +241,7 @@ def diffusers_fused(variant, path, scale):
 
     t = WanTransformer3DModel.from_pretrained(tiny_checkpoint(variant) / "transformer", torch_dtype=torch.float32)
     before = {k: v.clone() for k, v in t.state_dict().items()}
-    image = "i2v" in variant
+    image = "i2v" in variant or "flf2v" in variant
     cls = WanImageToVideoPipeline if image else WanPipeline
     pipe = cls(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=t,
                **({"image_encoder": None, "image_processor": None} if image else {}))
@@ -268,6 +306,83 @@ def test_spellings_diffusers_misreads_merge_as_their_plain_spelling(gens, tmp_pa
         sd = {k.replace("blocks.1.attn1.to_v.", "blocks.1.attn1.processor.to_v."): v for k, v in lo.sd.items()}
     save_file(sd, str(odd))
     assert_same_merge(fastwan_merged(gen, odd, SCALE), diffusers_fused("wan2.1", plain, SCALE))
+
+
+def test_fp8_lora_with_alphas_merges_as_its_values_do(gens, tmp_path):
+    """A file stored in FP8 with alphas (diffusers' converter cannot scale FP8 tensors: "not implemented") merges as
+    diffusers merges the same values stored in fp32."""
+    gen = gens["wan2.1-i2v"]
+    lo = Lora(gen.transformers[0], seed=6)
+    lo.add(lo.modules(), "diffusion_model.", alpha=3.0, diff_b=("attn2",))
+    lo.add(lo.modules(blocks=False, top=True), "diffusion_model.", diff_b=("proj_out",))  # diffusers: no alphas here
+    lo.sd["diffusion_model.blocks.0.norm3.diff"] = torch.zeros(lo.mods["blocks.0.attn1.to_q"].weight.shape[0])
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in lo.sd.items()}
+    plain, odd = tmp_path / "fp32.safetensors", tmp_path / "fp8.safetensors"
+    save_file({k: v.float() for k, v in fp8.items()}, str(plain))
+    save_file(fp8, str(odd))
+    assert_same_merge(fastwan_merged(gen, odd, SCALE), diffusers_fused("wan2.1-i2v", plain, SCALE))
+
+
+def test_deltas_diffusers_drops_are_named_as_what_they_are(gens, tmp_path, caplog):
+    """lightx2v's norm deltas under their original names (zeros) pass quietly, as zero norm deltas under diffusers'
+    names do, instead of being reported as keys of no layer; its modulation deltas (``blocks.N.diff_m``,
+    ``head.diff_m``, ``modulation.diff``), which diffusers drops, are named in a warning as such; a file of such
+    deltas only would change nothing and raises."""
+    import logging
+
+    from fastwan.errors import InvalidArgument
+
+    gen = gens["wan2.1-i2v"]
+    lo = Lora(gen.transformers[0], seed=7)
+    case_wan_deltas_diffusers_drops(lo)
+    path = tmp_path / "lightx2v.safetensors"
+    save_file(lo.sd, str(path))
+    caplog.set_level(logging.WARNING, logger="fastwan")
+    fastwan_merged(gen, path, SCALE)
+    assert "name no layer" not in caplog.text and "norm deltas" not in caplog.text
+    assert f"{lo.blocks + 1} deltas of parameters outside the layers (modulation tables" in caplog.text
+    assert "diffusion_model.blocks.0.diff_m" in caplog.text
+    only = tmp_path / "only.safetensors"
+    dim, image_dim = (lo.sd[f"diffusion_model.{k}.diff_b"].shape for k in ("img_emb.proj.4", "img_emb.proj.0"))
+    save_file({"diffusion_model.blocks.0.cross_attn.norm_k_img.diff": torch.ones(dim),
+               "diffusion_model.img_emb.proj.0.diff_b": torch.ones(image_dim),
+               "diffusion_model.blocks.1.modulation.diff": torch.ones(1, 6, *dim)}, str(only))
+    with pytest.raises(InvalidArgument, match=r"its 3 keys are all modulation or norm deltas.*does not merge"):
+        gen.load_lora(only)
+
+
+def test_a14b_expert_lora_merges_as_load_into_transformer_2(tmp_path):
+    """Wan2.2 A14B: ``load_lora(expert=1)`` merges into the low-noise DiT only, as diffusers'
+    ``load_lora_weights(load_into_transformer_2=True)`` fuses into ``transformer_2``, in the original Wan layout
+    (alphas, diff_b, the layers outside the blocks) and PEFT's."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    gen = VideoGenerator.from_pretrained(str(tiny_checkpoint("wan2.2-a14b")), device="cpu", dtype=torch.float32)
+    for layout in ("wan", "peft"):
+        lo = Lora(gen.transformers[1], seed=8)
+        if layout == "wan":
+            lo.add(lo.modules(), "diffusion_model.", alpha=2.0, diff_b=("attn2", "ffn"))
+            lo.add(lo.modules(blocks=False, top=True), "diffusion_model.", diff_b=("proj_out",))
+        else:
+            lo.add(lo.modules(top=True), "transformer.", "lora_A", "lora_B", wan=False, bias=("to_out",))
+        path = tmp_path / f"{layout}.safetensors"
+        save_file(lo.sd, str(path))
+        high = {k: v.clone() for k, v in gen.transformers[0].state_dict().items()}
+        before = {k: v.clone() for k, v in gen.transformers[1].state_dict().items()}
+        gen.load_lora(path, SCALE, expert=1)
+        ours = (before, {k: v.clone() for k, v in gen.transformers[1].state_dict().items()})
+        assert all(torch.equal(high[k], v) for k, v in gen.transformers[0].state_dict().items())
+        gen.unload_lora()
+        ckpt = tiny_checkpoint("wan2.2-a14b")
+        t1, t2 = (WanTransformer3DModel.from_pretrained(ckpt / sub, torch_dtype=torch.float32)
+                  for sub in ("transformer", "transformer_2"))
+        w0 = {k: v.clone() for k, v in t2.state_dict().items()}
+        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=t1,
+                           transformer_2=t2)
+        pipe.load_lora_weights(str(path), adapter_name="low", load_into_transformer_2=True, low_cpu_mem_usage=False)
+        pipe.fuse_lora(lora_scale=SCALE, components=["transformer_2"])
+        pipe.unload_lora_weights()
+        assert_same_merge(ours, (w0, pipe.transformer_2.state_dict()))
 
 
 # -- PEFT DoRA: lora_A / lora_B with a magnitude per output feature ------------------------------------------------
