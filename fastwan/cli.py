@@ -48,7 +48,9 @@ def _generate_parser(sub) -> None:
                    help="default: the checkpoint's (its scheduler; dmd for FastWan); euler for step-distilled LoRAs")
     p.add_argument("--timesteps", type=_timesteps_arg, default=None, metavar="T1,T2,...",
                    help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)")
-    p.add_argument("--flow-shift", type=_shift_arg, default=None, help="default: the checkpoint's (8 for FastWan)")
+    p.add_argument("--flow-shift", type=_shift_arg, default=None,
+                   help="default: the preset's (8 for FastWan), else 8 for dmd (FastVideo's DMD stage) and the "
+                        "checkpoint scheduler's otherwise")
     p.add_argument("--guidance-scale", type=_scale_arg, default=None)
     p.add_argument("--guidance-scale-2", type=_scale_arg, default=None,
                    help="low-noise expert's scale (Wan2.2 A14B; default: --guidance-scale when given, else the "

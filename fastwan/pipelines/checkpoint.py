@@ -13,6 +13,7 @@ from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.config import WanConfig, check_text_to_video
 from fastwan.models.wan.loading import check_transformer_files
 from fastwan.pipelines.hub import download, fetch_components
+from fastwan.pipelines.sampling import DMD_SHIFT
 from fastwan.pipelines.components import (
     check_clip,
     check_components,
@@ -61,12 +62,14 @@ PRESETS = {
     "wan2.1-flf2v": Preset(720, 1280, 81, 50, 5.0, None, 16),
     "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
 }
-# FastVideo's DMD-distilled FastWan checkpoints (model_index.json "_class_name": "WanDMDPipeline") sample as
-# FastVideo's DMD stage does: timesteps 1000, 757, 522 on its shift-8 grid (for every kind: the stage builds its
-# own shift-8 scheduler, whatever the pipeline config's flow_shift, TI2V-5B's 5.0 included), no CFG;
-# the Wan2.1 ones at FastVideo's 61 x 448 x 832 preset, any other kind (TI2V-5B) at its own preset's size.
+# FastVideo's DMD-distilled checkpoints (model_index.json "_class_name": "WanDMDPipeline", FastWan; or its
+# image-to-video "WanImageToVideoDmdPipeline") sample as FastVideo's DMD stage does: timesteps 1000, 757, 522 on
+# its shift-8 grid (for every kind: the stage builds its own shift-8 scheduler, whatever the pipeline config's
+# flow_shift, TI2V-5B's 5.0 included), no CFG; the Wan2.1 text-to-video ones at FastVideo's 61 x 448 x 832 preset
+# (fast_wan_t2v_480p, for FastWan2.1-T2V-1.3B and -14B-480P), any other kind at its own preset's size (TI2V-5B:
+# 121 x 704 x 1280 at 24 fps, as fast_wan_2_2_ti2v_5b).
 DMD_SETTINGS = MappingProxyType(dict(num_inference_steps=3, guidance_scale=1.0, guidance_scale_2=None,
-                                     sampler="dmd", timesteps=(1000.0, 757.0, 522.0), flow_shift=8.0))
+                                     sampler="dmd", timesteps=(1000.0, 757.0, 522.0), flow_shift=DMD_SHIFT))
 DISTILLED_SIZES = MappingProxyType({"wan2.1": MappingProxyType(dict(height=448, width=832, num_frames=61))})
 # VSA-trained checkpoints (the DiT carries to_gate_compress gates) run VSA by default, at FastVideo's sparsity for
 # FastWan: 0.9 for the 14B width (5120), 0.8 below; 4 x 4 x 4-token cubes as trained
@@ -99,11 +102,18 @@ REQUIRED = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 T2V_PIPELINE = "WanPipeline"  # the Diffusers text-to-video class (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B)
 DMD_PIPELINE = "WanDMDPipeline"  # FastVideo's DMD-distilled text-to-video (FastWan): the Wan layout, DMD sampling
 I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B
+# FastVideo's DMD-distilled image-to-video (fastvideo/pipelines/basic/wan/wan_i2v_dmd_pipeline.py, class spelled
+# so): the image-to-video layout, DMD sampling
+I2V_DMD_PIPELINE = "WanImageToVideoDmdPipeline"
+PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE)
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders transformers' from_pretrained reads
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
 OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("VACE", "VACE (video editing)"),
-               ("Animate", "character animation"))
+               ("Animate", "character animation"),
+               # FastVideo's WanCausalPipeline / WanCausalDMDPipeline (Self-Forcing, e.g. SFWan2.1-T2V-1.3B): a
+               # causal DiT that generates frame blocks one after another with a KV cache
+               ("Causal", "causal (autoregressive, Self-Forcing) generation"))
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class Checkpoint:
     boundary_ratio: float | None
     expand_timesteps: bool
     image_encoder: bool = False  # a CLIP image encoder (image_encoder/, image_processor/) to load
-    distilled: bool = False  # DMD-distilled (FastWan): the preset samples with "dmd"
+    distilled: bool = False  # DMD-distilled (FastWan, WanImageToVideoDmdPipeline): the preset samples with "dmd"
     vsa_gates: bool = False  # the DiT was trained with VSA (it carries to_gate_compress gates)
     # the diffusers ``variant`` of each component's weight files (None: the plain files); from_pretrained passes
     # it to diffusers / transformers
@@ -192,22 +202,28 @@ def _not_a_pipeline(root: Path, name: str, hub: bool) -> str:
 
 
 def _check_pipeline_class(index: dict, path: Path) -> None:
-    """Rule: ``_class_name`` is the Wan text-to-video or image-to-video pipeline class."""
+    """Rule: ``_class_name`` is one of :data:`PIPELINES` (the Wan text-to-video or image-to-video pipeline classes,
+    diffusers' or FastVideo's DMD ones, spelled exactly: diffusers and FastVideo look them up so)."""
     cls = index.get("_class_name")
-    if cls in (T2V_PIPELINE, I2V_PIPELINE, DMD_PIPELINE):
+    if cls in PIPELINES:
         return
+    names = ", ".join(f'"{c}"' for c in PIPELINES)
+    known = next((c for c in PIPELINES if isinstance(cls, str) and cls.lower() == c.lower()), None)
+    if known is not None:
+        raise CheckpointError(
+            f"{path}: \"_class_name\": {json_text(cls)} is not a pipeline class; diffusers and FastVideo find the "
+            f"class by its exact name, \"{known}\". Fix model_index.json or download the checkpoint again.")
     if not (isinstance(cls, str) and cls.startswith("Wan")):
         raise CheckpointError(
             f"{path}: \"_class_name\": {json_text(cls)} describes a pipeline that is not a Wan pipeline; fastwan runs "
-            f"Wan checkpoints whose model_index.json has \"_class_name\": \"{T2V_PIPELINE}\", \"{I2V_PIPELINE}\" or "
-            f"\"{DMD_PIPELINE}\". "
+            f"Wan checkpoints whose model_index.json has \"_class_name\" {names}. "
             "Point fastwan at a Wan2.1/Wan2.2 checkpoint in the Diffusers layout."
         )
     task = next((t for word, t in OTHER_TASKS if word in cls), "this pipeline's task")
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
-        f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\") checkpoints, and "
-        f"{task} is not supported yet. Use a text- or image-to-video checkpoint."
+        f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\", \"{I2V_DMD_PIPELINE}\") "
+        f"checkpoints, and {task} is not supported yet. Use a text- or image-to-video checkpoint."
     )
 
 
@@ -293,9 +309,10 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
     """The checked meaning of a ``model_index.json`` (``index``, read from ``path``)."""
     _check_pipeline_class(index, path)
     experts = _index_experts(index, path)
-    i2v = index.get("_class_name") == I2V_PIPELINE
+    cls = index.get("_class_name")
+    i2v = cls in (I2V_PIPELINE, I2V_DMD_PIPELINE)
     return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path), i2v,
-                         i2v and _index_image_encoder(index, path), index.get("_class_name") == DMD_PIPELINE)
+                         i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE))
 
 
 def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:

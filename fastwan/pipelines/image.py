@@ -280,8 +280,8 @@ def check_frames(req: ImageRequest | None, num_frames) -> None:
 
 def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
     """The rules of a checkpoint's task, before any compute: image-to-video checkpoints need ``image``; text-only
-    ones take none; ``last_image`` (first-last-frame) needs a checkpoint made for it (Wan2.1 FLF2V, which needs
-    it, or Wan2.2 I2V-A14B)."""
+    ones (a DMD-distilled ``WanDMDPipeline`` too, TI2V-5B's layout included) take none; ``last_image``
+    (first-last-frame) needs a checkpoint made for it (Wan2.1 FLF2V, which needs it, or Wan2.2 I2V-A14B)."""
     variant = checkpoint.variant
     if image is None:
         if checkpoint.needs_image:
@@ -290,6 +290,12 @@ def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
         if last_image is not None:
             raise InvalidArgument("last_image is given without image; the first frame comes first (image=).")
         return None
+    if checkpoint.distilled and not checkpoint.needs_image:
+        raise InvalidArgument(
+            f"image= was given, but this checkpoint ({variant}) is DMD-distilled text-to-video (model_index.json "
+            "\"WanDMDPipeline\", FastWan): FastVideo's WanDMDPipeline has no image stage, and FastWan2.2-TI2V-5B was "
+            "distilled on text-to-video only (its video does not follow an image). Drop image=, or use "
+            "Wan-AI/Wan2.2-TI2V-5B-Diffusers for image-to-video.")
     if not (checkpoint.needs_image or checkpoint.expand_timesteps):
         raise InvalidArgument(f"image= was given, but this checkpoint ({variant}) is text-to-video; use an "
                               "image-to-video checkpoint (Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B, "

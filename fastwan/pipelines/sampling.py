@@ -8,13 +8,20 @@
   ``timesteps`` are points of the 1000-step training grid, t_i = 1000, 750, 500, 250 by default for 4 steps
   (evenly spaced from 1000); each becomes sigma_i = shift * s / (1 + (shift - 1) * s) with s = t_i / 1000,
   the model sees 1000 * sigma_i, and x <- x + (sigma_{i+1} - sigma_i) * v with sigma_N = 0.
-- ``"dmd"``: DMD sampling as FastVideo runs its FastWan models: the model sees t_i itself (1000, 757, 522
-  for FastWan); sigma_i is the sigma of the shifted 1000-step flow-matching grid (``flow_shift``) nearest to
-  t_i / 1000; x0 = x - sigma_i * v; then x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise with fresh Gaussian
-  noise (from the request's seed), and the last step returns x0.
+- ``"dmd"``: DMD sampling as FastVideo runs its FastWan models (``DmdDenoisingStage`` in
+  fastvideo/pipelines/stages/denoising.py): the model sees t_i itself (1000, 757, 522 for FastWan); sigma_i is
+  the sigma of the shifted 1000-step flow-matching grid nearest to t_i / 1000 (``pred_noise_to_pred_video`` and
+  ``add_noise``: the argmin over the grid's timesteps); x0 = x - sigma_i * v; then
+  x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise with fresh Gaussian noise (from the request's seed), and the
+  last step returns x0. The grid's shift is ``flow_shift`` when the call or the preset gives one, else FastVideo's
+  DMD stage's own, 8 (it builds ``FlowMatchEulerDiscreteScheduler(shift=8.0)`` whatever the checkpoint's
+  scheduler says). Timesteps are not warped; a whole-number t_i is what FastVideo passes (it reads them as
+  ``torch.long``), a fractional one is taken as it is, the grid's nearest sigma with it (FastVideo's warped
+  DMD schedules, e.g. 1000 * shift(t / 1000), are such timesteps).
 
 ``timesteps`` (euler and dmd only) are strictly decreasing numbers in (0, 1000] (a list, tuple or 1-d numpy array /
-torch tensor); given, they set the step count.
+torch tensor; ints or floats) on the 1000-step training grid, not sigmas: a list within [0, 1], such as
+[1.0, 0.75, 0.5, 0.25, 0.0], is refused as sigmas, naming the timesteps to pass; given, they set the step count.
 A checkpoint's preset may carry a sampler, timesteps and flow shift (FastWan: dmd, (1000, 757, 522), 8); a call
 that asks for another step count without timesteps gets evenly spaced ones.
 """
@@ -32,6 +39,7 @@ from fastwan.pipelines.inputs import SHIFT_KEYS, as_float, finite_float, python_
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
+DMD_SHIFT = 8.0  # FastVideo's DmdDenoisingStage: FlowMatchEulerDiscreteScheduler(shift=8.0), for every checkpoint
 NUMBER_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2", "fps")
 
 
@@ -92,6 +100,12 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
     ts = tuple(as_float(t) for t in ts)
+    if all(0 <= t <= 1 for t in ts) and ts[0] > 0:  # sigmas, as diffusers' schedulers and ComfyUI take them
+        grid = [float(f"{t * TRAIN_TIMESTEPS:.6g}") for t in ts if t > 0]
+        raise InvalidArgument(
+            f"timesteps={list(ts)!r} look like sigmas (all within [0, 1]); timesteps are points of the "
+            f"{TRAIN_TIMESTEPS}-step training grid (sigma x {TRAIN_TIMESTEPS}; the final 0 is implied): pass "
+            f"{grid!r}.")
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
     if bad:
         raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
@@ -119,10 +133,13 @@ def grid_sigma(t: float, shift: float) -> float:
 
 
 def sampler_shift(s, scheduler) -> float:
-    """The flow shift an euler / dmd request ``s`` samples with: its own, else the checkpoint scheduler's; raises
-    when neither has one."""
+    """The flow shift an euler / dmd request ``s`` samples with: its own (the call's or the preset's), else for
+    dmd FastVideo's DMD stage's (:data:`DMD_SHIFT`) and for euler the checkpoint scheduler's; raises when an euler
+    request has none."""
     if s.flow_shift is not None:
         return s.flow_shift
+    if s.sampler == "dmd":
+        return DMD_SHIFT
     cfg = scheduler.config
     for key in SHIFT_KEYS:
         if cfg.get(key) is not None:

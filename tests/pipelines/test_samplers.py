@@ -5,7 +5,8 @@ written here from the published update rules, computed in float64:
 
 - Euler, as lightx2v's step-distill scheduler: sigma_i = shift * s / (1 + (shift - 1) * s), s = t_i / 1000; the
   model sees 1000 * sigma_i; x <- x + (sigma_{i+1} - sigma_i) * v, sigma_N = 0.
-- DMD, as FastVideo's DMD stage: the model sees t_i; sigma_i is the shifted 1000-step grid's sigma nearest t_i;
+- DMD, as FastVideo's DMD stage: the model sees t_i; sigma_i is the shifted 1000-step grid's sigma nearest t_i
+  (shift 8, the stage's own, unless flow_shift is given);
   x0 = x - sigma_i * v; x <- (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise, noise drawn from the request's
   generator after the initial latents; the last step gives x0.
 """
@@ -87,7 +88,7 @@ CASES = [  # variant, sampler, timesteps (None: the sampler's own), flow_shift (
     ("wan2.1", "euler", [1000, 750, 500, 250], 5.0, 1.0),
     ("wan2.1", "euler", None, None, 1.0),  # 3 evenly spaced steps at the checkpoint's shift (3.0)
     ("wan2.1", "dmd", [1000, 757, 522], 8.0, 1.0),
-    ("wan2.1", "dmd", [999, 600, 300, 100], None, 3.0),  # with CFG, at the scheduler's shift
+    ("wan2.1", "dmd", [999, 600, 300, 100], None, 3.0),  # with CFG, at the DMD stage's own shift (8)
     ("wan2.2-a14b", "euler", [1000, 900, 750, 500], 5.0, 1.0),  # crosses the expert boundary (875)
 ]
 
@@ -100,7 +101,8 @@ def test_sampler_matches_float64_reference(tiny_ckpts, variant, sampler, timeste
     res = gen.generate_video(PROMPT, sampler=sampler, timesteps=timesteps, flow_shift=shift, seed=5,
                              guidance_scale=guidance, save_video=False, **SIZE, **kw)
     ts = timesteps or [1000, 1000 * 2 / 3, 1000 / 3]
-    want = reference_frames(path, sampler, ts, 3.0 if shift is None else shift, 5, guidance_scale=guidance,
+    default_shift = 8.0 if sampler == "dmd" else 3.0  # FastVideo's DMD stage's; euler: the scheduler's (UniPC 3.0)
+    want = reference_frames(path, sampler, ts, default_shift if shift is None else shift, 5, guidance_scale=guidance,
                             **({"guidance_scale_2": guidance} if variant == "wan2.2-a14b" else {}))
     assert res.settings["sampler"] == sampler and res.settings["num_inference_steps"] == len(ts)
     assert res.num_transformer_forwards == len(ts) * (2 if guidance > 1 else 1)

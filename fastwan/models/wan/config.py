@@ -133,6 +133,11 @@ class WanConfig:
 def _check_class_name(raw: dict, source: str) -> None:
     """Rule: ``_class_name`` names the Wan DiT class."""
     name = raw.get("_class_name")
+    if isinstance(name, str) and name.startswith("Causal") and name.endswith("WanTransformer3DModel"):
+        raise CheckpointError(
+            f"{source}: \"_class_name\": {json_text(name)} is a causal Wan DiT (FastVideo's Self-Forcing models, which "
+            "generate frame blocks one after another with a KV cache); fastwan runs the bidirectional "
+            f"{WAN_CLASS_NAMES[0]}. Use a Wan2.1/Wan2.2 or FastWan checkpoint.")
     if not (isinstance(name, str) and name in WAN_CLASS_NAMES):
         raise CheckpointError(
             f"{source}: \"_class_name\": {json_text(name)} describes a model that is not a Wan DiT (expected "
