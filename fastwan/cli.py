@@ -216,6 +216,7 @@ def _check_request(args) -> None:
     if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
         return  # a Hub id: resolving it downloads the checkpoint; from_pretrained's own checks come first
     ckpt = resolve(args.model, revision=args.revision)
+    _check_lora_experts(args.lora, ckpt)
     check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
                   image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
                   height=args.height, width=args.width, num_frames=args.num_frames,
@@ -295,22 +296,57 @@ def _run_quantize(args) -> int:
 def _lora_arg(text: str) -> tuple[str, float, int | None]:
     """'style.safetensors:0.8' -> (path, 0.8, None); a path without a ':SCALE' suffix gets 1.0; a last ':high' /
     ':low' names the Wan2.2 A14B expert (0 / 1) the LoRA goes into (None: every expert). A file whose name holds a
-    colon is itself the path; a suffix after an existing file that is not a number raises naming it."""
+    colon is itself the path; a suffix after an existing file that is not [:SCALE][:high|low] raises naming it."""
     given = text
     head, sep, last = text.rpartition(":")
     expert = None
     if sep and head and last.lower() in LORA_EXPERTS:
         text, expert = head, LORA_EXPERTS[last.lower()]
     path, sep, scale = text.rpartition(":")
-    if not (sep and path) or Path(text).expanduser().is_file():
-        return text, 1.0, expert
-    try:
-        return path, float(scale), expert
-    except ValueError:
-        if Path(path).expanduser().is_file():
-            raise InvalidArgument(f"--lora {given!r}: the scale {scale!r} after {path!r} is not a number; write "
-                                  "PATH:SCALE with a number, e.g. style.safetensors:0.8.") from None
-        return text, 1.0, expert
+    if not (sep and path) or _is_file(text):
+        parsed = (text, 1.0, expert)
+    else:
+        try:
+            parsed = (path, float(scale), expert)
+        except ValueError:
+            if _is_file(path):
+                raise InvalidArgument(f"--lora {given!r}: the scale {scale!r} after {path!r} is not a number; write "
+                                      "PATH:SCALE with a number, e.g. style.safetensors:0.8.") from None
+            parsed = (text, 1.0, expert)
+    if not (_is_file(parsed[0]) or _is_file(given)):
+        _check_lora_suffix(given)
+    return parsed
+
+
+def _is_file(path: str) -> bool:
+    return bool(path) and Path(path).expanduser().is_file()
+
+
+def _check_lora_suffix(given: str) -> None:
+    """--lora GIVEN names no file as parsed: when a part of it before a colon is an existing file, what follows is a
+    malformed suffix (e.g. 'style.safetensors:0.5:mid'), reported as such rather than as a missing file."""
+    parts = given.split(":")
+    for i in range(len(parts) - 1, 0, -1):  # the longest file first
+        prefix = ":".join(parts[:i])
+        if _is_file(prefix):
+            raise InvalidArgument(
+                f"--lora {given!r}: {prefix!r} is a file, but the suffix {':' + ':'.join(parts[i:])!r} after it is "
+                "not :SCALE, :high, :low or :SCALE:high / :SCALE:low; write PATH[:SCALE][:high|low], e.g. "
+                "style.safetensors:0.8 or style.safetensors:0.8:low.")
+
+
+def _check_lora_experts(lora_args: list[str], ckpt) -> None:
+    """':high' / ':low' picks one expert of a two-expert (Wan2.2 A14B) checkpoint: on a one-DiT checkpoint it
+    names nothing, so it is refused (':high' would otherwise merge silently and ':low' fail by index)."""
+    if len(ckpt.experts) > 1:
+        return
+    for text in lora_args:
+        if _lora_arg(text)[2] is not None:
+            suffix = text.rpartition(":")[2]
+            raise InvalidArgument(
+                f"--lora {text!r}: ':{suffix}' merges a LoRA into one expert of a Wan2.2 A14B checkpoint (high or "
+                f"low noise), but this checkpoint ({ckpt.variant}) has one DiT; drop ':{suffix}' to merge it into "
+                "that DiT.")
 
 
 def _leave_job() -> None:

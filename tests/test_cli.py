@@ -188,8 +188,9 @@ def test_cli_build_options_reach_the_generator(monkeypatch, tmp_path):
                  "x:low.safetensors"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
-    run("--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5", "--lora", "d:e.safetensors",
-        "--lora", "h.safetensors:high", "--lora", "c:/l.safetensors:0.25:LOW", "--lora", "x:low.safetensors")
+    run("--model", "tiny-wan2.2-a14b", "--lora", "a.safetensors", "--lora", "c:/x/b.safetensors:0.5",
+        "--lora", "d:e.safetensors", "--lora", "h.safetensors:high", "--lora", "c:/l.safetensors:0.25:LOW",
+        "--lora", "x:low.safetensors")
     assert seen["lora"] == [("a.safetensors", 1.0, None), ("c:/x/b.safetensors", 0.5, None),
                             ("d:e.safetensors", 1.0, None), ("h.safetensors", 1.0, 0), ("c:/l.safetensors", 0.25, 1),
                             ("x:low.safetensors", 1.0, None)]

@@ -1,0 +1,60 @@
+"""--lora specs as a user types them: a malformed suffix after an existing file, and an A14B expert suffix
+(':high' / ':low') on a one-DiT checkpoint, are one-line user errors (exit 2) naming the value and the fix, before
+the model loads; a well-formed expert suffix on an A14B checkpoint reaches the generator."""
+import pytest
+
+from fastwan import VideoGenerator, cli
+from tests.test_cli import assert_one_error_line
+
+
+class Loaded(Exception):
+    pass
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """from_pretrained records its lora argument, then stops the run (raises Loaded)."""
+    seen = {}
+
+    def fake(model, **kw):
+        seen["lora"] = kw["lora"]
+        raise Loaded
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+    return seen
+
+
+@pytest.fixture
+def lora_file(tmp_path):
+    path = tmp_path / "style.safetensors"
+    path.write_bytes(b"")  # the spec's syntax and the expert rule are checked before the file is read
+    return path
+
+
+def run(tmp_path, *extra) -> int:
+    return cli.main(["generate", "--prompt", "a kite", "--output", str(tmp_path / "out"), *extra])
+
+
+@pytest.mark.parametrize("suffix", [":0.5:mid", ":0.5:", "::0.5", ":high:0.5", ":0.5:low:x"])
+def test_malformed_suffix_after_an_existing_file_names_the_suffix(tmp_path, lora_file, loads, capsys, suffix):
+    assert run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", f"{lora_file}{suffix}") == 2
+    assert_one_error_line(capsys.readouterr().err, [f"'{lora_file}' is a file", repr(suffix), "PATH[:SCALE]"],
+                          suffix)
+    assert "lora" not in loads  # refused before the model loads
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-wan2.2-ti2v"])
+@pytest.mark.parametrize("suffix", [":high", ":0.5:low", ":LOW"])
+def test_expert_suffix_on_a_one_dit_checkpoint_is_refused(tmp_path, lora_file, loads, capsys, model, suffix):
+    spec = f"{lora_file}{suffix}"
+    assert run(tmp_path, "--model", model, "--lora", spec) == 2
+    expert = suffix.rpartition(":")[2]
+    assert_one_error_line(capsys.readouterr().err, [repr(spec), "one DiT", f"drop ':{expert}'"], (model, suffix))
+    assert "lora" not in loads
+
+
+def test_expert_suffix_on_an_a14b_checkpoint_reaches_the_generator(tmp_path, lora_file, loads):
+    with pytest.raises(Loaded):
+        run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", f"{lora_file}:high", "--lora", f"{lora_file}:0.5:low",
+            "--lora", str(lora_file))
+    assert loads["lora"] == [(str(lora_file), 1.0, 0), (str(lora_file), 0.5, 1), (str(lora_file), 1.0, None)]
