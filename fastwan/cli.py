@@ -298,6 +298,8 @@ def _lora_arg(text: str) -> tuple[str, float, int | None]:
     ':low' names the Wan2.2 A14B expert (0 / 1) the LoRA goes into (None: every expert). A file whose name holds a
     colon is itself the path; a suffix after an existing file that is not [:SCALE][:high|low] raises naming it."""
     given = text
+    if _is_file(text):  # an existing file is the path, whatever its name ends with
+        return text, 1.0, None
     head, sep, last = text.rpartition(":")
     expert = None
     if sep and head and last.lower() in LORA_EXPERTS:
@@ -313,7 +315,7 @@ def _lora_arg(text: str) -> tuple[str, float, int | None]:
                 raise InvalidArgument(f"--lora {given!r}: the scale {scale!r} after {path!r} is not a number; write "
                                       "PATH:SCALE with a number, e.g. style.safetensors:0.8.") from None
             parsed = (text, 1.0, expert)
-    if not (_is_file(parsed[0]) or _is_file(given)):
+    if not _is_file(parsed[0]):
         _check_lora_suffix(given)
     return parsed
 

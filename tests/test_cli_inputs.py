@@ -58,3 +58,13 @@ def test_expert_suffix_on_an_a14b_checkpoint_reaches_the_generator(tmp_path, lor
         run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", f"{lora_file}:high", "--lora", f"{lora_file}:0.5:low",
             "--lora", str(lora_file))
     assert loads["lora"] == [(str(lora_file), 1.0, 0), (str(lora_file), 0.5, 1), (str(lora_file), 1.0, None)]
+
+
+@pytest.mark.parametrize("name", ["style:high", "style:0.5:LOW"])
+def test_an_existing_file_named_like_an_expert_suffix_is_the_path(tmp_path, loads, name):
+    """A file whose name ends in ':high' / ':low' is itself the LoRA, as a name ending in ':SCALE' is."""
+    path = tmp_path / name
+    path.write_bytes(b"")
+    with pytest.raises(Loaded):
+        run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", str(path), "--lora", f"{path}:0.25")
+    assert loads["lora"] == [(str(path), 1.0, None), (str(path), 0.25, None)]
