@@ -236,9 +236,9 @@ def _run_generate(args) -> int:
     from fastwan.pipelines.image import read_image
 
     _check_output(args)
-    for name in ("image", "last_image"):  # an unreadable image fails before the model loads
-        if getattr(args, name) is not None:
-            read_image(getattr(args, name), name)
+    for name in ("image", "last_image"):  # read once: an unreadable image fails before the model loads, and a
+        if getattr(args, name) is not None:  # pipe (bash's <(...)) is not read a second time, empty
+            setattr(args, name, read_image(getattr(args, name), name))
     _check_request(args)
     num_gpus = _num_gpus(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

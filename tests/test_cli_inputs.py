@@ -1,7 +1,13 @@
 """--lora specs as a user types them: a malformed suffix after an existing file, and an A14B expert suffix
 (':high' / ':low') on a one-DiT checkpoint, are one-line user errors (exit 2) naming the value and the fix, before
-the model loads; a well-formed expert suffix on an A14B checkpoint reaches the generator."""
+the model loads; a well-formed expert suffix on an A14B checkpoint reaches the generator. --image / --last-image
+from a pipe (bash's <(...)) are read once and make the video; an endless stream is refused."""
+import os
+
+import imageio.v3 as iio
+import numpy as np
 import pytest
+from PIL import Image
 
 from fastwan import VideoGenerator, cli
 from tests.test_cli import assert_one_error_line
@@ -68,3 +74,32 @@ def test_an_existing_file_named_like_an_expert_suffix_is_the_path(tmp_path, load
     with pytest.raises(Loaded):
         run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", str(path), "--lora", f"{path}:0.25")
     assert loads["lora"] == [(str(path), 1.0, None), (str(path), 0.25, None)]
+
+
+def piped(data: bytes) -> str:
+    """A pipe holding ``data`` (its write end closed), as a path: what bash's ``<(cat file)`` passes."""
+    r, w = os.pipe()
+    os.write(w, data)  # under the pipe's buffer size: no reader needed yet
+    os.close(w)
+    return f"/dev/fd/{r}"
+
+
+def test_images_from_pipes_make_the_video(tmp_path):
+    """--image <(...) / --last-image <(...): a pipe can be read once only; the CLI reads it once and the video is
+    made from its pixels."""
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    Image.fromarray(np.full((48, 64, 3), 200, dtype=np.uint8)).save(first)
+    Image.fromarray(np.full((48, 64, 3), 20, dtype=np.uint8)).save(last)
+    out = tmp_path / "v.mp4"
+    args = ["generate", "--prompt", "a kite", "--model", "tiny-wan2.1-flf2v", "--height", "64", "--width", "64",
+            "--num-frames", "5", "--steps", "1", "--seed", "0", "--output", str(out)]
+    assert cli.main([*args, "--image", piped(first.read_bytes()), "--last-image", piped(last.read_bytes())]) == 0
+    assert iio.imread(out).shape == (5, 64, 64, 3)
+
+
+def test_an_endless_stream_is_refused_as_too_large(monkeypatch, tmp_path, loads, capsys):
+    monkeypatch.setattr("fastwan.pipelines.image.MAX_STREAM_BYTES", 1000)
+    path = piped(b"\0" * 2000)
+    assert run(tmp_path, "--model", "tiny-wan2.1-i2v", "--image", path) == 2
+    assert_one_error_line(capsys.readouterr().err, [f"image={path!r}", "more than", "too large"], path)
+    assert "lora" not in loads

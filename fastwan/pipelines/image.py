@@ -22,6 +22,7 @@ is conditioned on, with the numerics of diffusers' ``WanImageToVideoPipeline``.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import numbers
 import os
@@ -39,6 +40,7 @@ from fastwan.vae.decode import vae_scale_factors
 
 
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})  # Pillow's 16-bit greyscale modes
+MAX_STREAM_BYTES = 256 * 2**20  # a piped image file's size limit
 INT_MODE_MAX = 65535  # an "I" (32-bit integer) image is read as 16-bit data: values 0..65535
 
 
@@ -84,7 +86,7 @@ def _open_file(path, label: str):
         if path.is_dir():
             raise InvalidArgument(f"{label} is a folder, not a readable image; give the path of a PNG/JPEG/WebP "
                                   "file.")
-        with Image.open(path) as img:
+        with Image.open(path if path.is_file() else _read_stream(path, label)) as img:
             img.load()
             return _exif_upright(img, label)
     except FileNotFoundError:
@@ -93,8 +95,21 @@ def _open_file(path, label: str):
         raise InvalidArgument(f"{label} is too large to read: {_bomb_size(exc)}, Pillow's guard against "
                               "decompression bombs; resize it (a video frame needs about 1 megapixel, e.g. "
                               "1280 x 720) and pass the smaller file.") from None
-    except OSError as exc:  # UnidentifiedImageError is an OSError
-        raise InvalidArgument(f"{label} is not a readable image ({exc}); give a PNG/JPEG/WebP file.") from None
+    except OSError as exc:  # UnidentifiedImageError is an OSError; a stream's names its buffer: the path instead
+        detail = f"cannot identify image file {str(path)!r}" if isinstance(exc, Image.UnidentifiedImageError) else exc
+        raise InvalidArgument(f"{label} is not a readable image ({detail}); give a PNG/JPEG/WebP file.") from None
+
+
+def _read_stream(path: Path, label: str) -> io.BytesIO:
+    """A path that is not a regular file (a pipe such as bash's ``<(curl ...)``, a device) read into memory, as
+    Pillow seeks in what it opens; at most :data:`MAX_STREAM_BYTES`, so an endless device fails instead of filling
+    memory."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_STREAM_BYTES + 1)
+    if len(data) > MAX_STREAM_BYTES:
+        raise InvalidArgument(f"{label} is a stream of more than {MAX_STREAM_BYTES // 2**20} MiB, too large for an "
+                              "image; give the path of a PNG/JPEG/WebP file.")
+    return io.BytesIO(data)
 
 
 def _upright(image, label: str):
