@@ -15,7 +15,9 @@ blocks are replaced:
 * :class:`MagCache` (diffusers' ``MagCacheConfig``): from step ``round(retention_ratio * N)`` on, the product of the
   model's per-step residual magnitude ratios is accumulated and its distance from 1 summed; while that error is at
   most ``threshold`` and at most ``max_skip_steps`` steps were skipped in a row, the stack is skipped (input plus
-  the last residual). ``calibrate=True`` never skips and records the curve of the model it runs.
+  the last residual). ``calibrate=True`` never skips and records the curve of the model it runs. On Wan2.2 A14B the
+  retention steps and ratios follow the request's step index across both experts (the calibrated curve runs over
+  them in order); diffusers' per-transformer hooks count the second expert's steps from 0 instead.
 * :class:`SkipSteps`: the listed steps reuse the last computed residual (a fixed schedule, e.g. for measurements).
 
 A threshold of 0 turns a method off (the request runs as without a cache, bit for bit; a calibrating MagCache,

@@ -176,3 +176,36 @@ def test_dmd_lora_fast_block_sequential_equals_reference_block(tmp_path):
         want = dmd_frames(ref, **kw).frames.astype(int)
         assert np.abs(dmd_frames(fast, **kw).frames.astype(int) - want).max() <= 1
     assert np.abs(want - base).max() > 10
+
+
+def magcache_reference(ratios, steps: int, switch: int, threshold: float, max_skip: int, retention: float) -> list:
+    """MagCache's rule as the README states it for A14B: the ratio curve (nearest-resampled to the step count) and
+    the retention steps by the request's step index, the accumulators and the residual fresh at the switch."""
+    curve = [ratios[round(i * (len(ratios) - 1) / (steps - 1))] for i in range(steps)]
+    computed, have, ratio, run_length, err = [], False, 1.0, 0, 0.0
+    for i in range(steps):
+        if i == switch:
+            have, ratio, run_length, err = False, 1.0, 0, 0.0
+        if i >= int(retention * steps + 0.5):
+            ratio, run_length = ratio * curve[i], run_length + 1
+            err += abs(1.0 - ratio)
+            if have and err <= threshold and run_length <= max_skip:
+                continue
+            ratio, run_length, err = 1.0, 0, 0.0
+        computed.append(i)
+        have = True
+    return computed
+
+
+def test_a14b_image_magcache_indexes_ratios_by_the_request_step():
+    gen = load("wan2.2-i2v-a14b")
+    sched = type(gen.scheduler).from_config(gen.scheduler.config)
+    sched.set_timesteps(10)
+    boundary = gen.checkpoint.boundary_ratio * sched.config.num_train_timesteps
+    switch = next(i for i, t in enumerate(sched.timesteps.tolist()) if t < boundary)
+    assert 2 < switch < 9
+    res = run(gen, "wan2.2-i2v-a14b", 10, cache=MagCache(threshold=0.05, max_skip_steps=2, retention_ratio=0.2,
+                                                          mag_ratios=RATIOS))
+    want = magcache_reference(RATIOS, 10, switch, 0.05, 2, 0.2)
+    assert res.cache["computed"] == {"cond": want, "uncond": want}
+    assert switch in want and len(want) < 10
