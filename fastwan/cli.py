@@ -201,7 +201,7 @@ def _check_output(args) -> None:
     output.prepare_output(output.check_output_path(args.output, args.overwrite))
 
 
-def _check_request(args) -> None:
+def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
     """The video's arguments checked against the checkpoint's files before the model loads
     (:func:`fastwan.pipelines.request.check_request`; local folders and tiny models, as a Hub id would be
     downloaded first): a size, step count, guidance or sampler mistake fails in seconds. generate_video checks
@@ -212,11 +212,11 @@ def _check_request(args) -> None:
     from fastwan.pipelines.setup import load_scheduler
     from fastwan.tiny import TINY_IDS
 
-    parse_lora_spec([_lora_arg(a) for a in args.lora])  # a missing LoRA file before anything is fetched
+    parse_lora_spec(loras)  # a missing LoRA file before anything is fetched
     if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
         return  # a Hub id: resolving it downloads the checkpoint; from_pretrained's own checks come first
     ckpt = resolve(args.model, revision=args.revision)
-    _check_lora_experts(args.lora, ckpt)
+    _check_lora_experts(args.lora, loras, ckpt)
     check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
                   image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
                   height=args.height, width=args.width, num_frames=args.num_frames,
@@ -239,7 +239,8 @@ def _run_generate(args) -> int:
     for name in ("image", "last_image"):  # read once: an unreadable image fails before the model loads, and a
         if getattr(args, name) is not None:  # pipe (bash's <(...)) is not read a second time, empty
             setattr(args, name, read_image(getattr(args, name), name))
-    _check_request(args)
+    loras = [_lora_arg(a) for a in args.lora]  # each --lora parsed once
+    _check_request(args, loras)
     num_gpus = _num_gpus(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _dtype_name(args, device))
@@ -248,7 +249,7 @@ def _run_generate(args) -> int:
         attention_config=args.attention_config, enable_torch_compile=args.compile,
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
-        lora=[_lora_arg(a) for a in args.lora], quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
+        lora=loras, quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
         num_gpus=num_gpus, cfg_parallel=args.cfg_parallel, revision=args.revision,
     )
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
@@ -337,13 +338,13 @@ def _check_lora_suffix(given: str) -> None:
                 "style.safetensors:0.8 or style.safetensors:0.8:low.")
 
 
-def _check_lora_experts(lora_args: list[str], ckpt) -> None:
+def _check_lora_experts(lora_args: list[str], loras: list[tuple[str, float, int | None]], ckpt) -> None:
     """':high' / ':low' picks one expert of a two-expert (Wan2.2 A14B) checkpoint: on a one-DiT checkpoint it
     names nothing, so it is refused (':high' would otherwise merge silently and ':low' fail by index)."""
     if len(ckpt.experts) > 1:
         return
-    for text in lora_args:
-        if _lora_arg(text)[2] is not None:
+    for text, (_, _, expert) in zip(lora_args, loras):
+        if expert is not None:
             suffix = text.rpartition(":")[2]
             raise InvalidArgument(
                 f"--lora {text!r}: ':{suffix}' merges a LoRA into one expert of a Wan2.2 A14B checkpoint (high or "
