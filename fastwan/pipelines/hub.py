@@ -58,7 +58,7 @@ def fetch_components(model_id: str, revision: str | None, weighted: dict[str, bo
         if names and (root / comp).is_dir():  # a missing component is reported by the component checks
             weights += [f"{comp}/{n}" for n in weight_names(root / comp, names, allow_pickle=allow_pickle,
                                                             single_first=single_first)]
-    return download(model_id, small + weights, revision)
+    return download(model_id, ["model_index.json"] + weights, revision)  # the small files are there already
 
 
 @contextmanager
