@@ -207,16 +207,18 @@ def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
     downloaded first): a size, step count, guidance or sampler mistake fails in seconds. generate_video checks
     again, with the attention backend's rules."""
     from fastwan.lora.merge import parse_lora_spec
-    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.pipelines.checkpoint import pipeline_index, resolve
     from fastwan.pipelines.request import check_request, checkpoint_vae_factors
     from fastwan.pipelines.setup import load_scheduler
     from fastwan.tiny import TINY_IDS
 
     parse_lora_spec(loras)  # a missing LoRA file before anything is fetched
     if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
-        return  # a Hub id: resolving it downloads the checkpoint; from_pretrained's own checks come first
+        if any(expert is not None for _, _, expert in loras):  # a Hub id: its model_index.json alone is fetched
+            _check_lora_experts(args.lora, loras, len(pipeline_index(args.model, args.revision).experts), args.model)
+        return  # resolving a Hub id downloads the checkpoint; from_pretrained's own checks come first
     ckpt = resolve(args.model, revision=args.revision)
-    _check_lora_experts(args.lora, loras, ckpt)
+    _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
     check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
                   image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
                   height=args.height, width=args.width, num_frames=args.num_frames,
@@ -338,17 +340,19 @@ def _check_lora_suffix(given: str) -> None:
                 "style.safetensors:0.8 or style.safetensors:0.8:low.")
 
 
-def _check_lora_experts(lora_args: list[str], loras: list[tuple[str, float, int | None]], ckpt) -> None:
+def _check_lora_experts(lora_args: list[str], loras: list[tuple[str, float, int | None]], experts: int,
+                        model: str) -> None:
     """':high' / ':low' picks one expert of a two-expert (Wan2.2 A14B) checkpoint: on a one-DiT checkpoint it
-    names nothing, so it is refused (':high' would otherwise merge silently and ':low' fail by index)."""
-    if len(ckpt.experts) > 1:
+    names nothing, so it is refused (':high' would otherwise merge silently and ':low' fail by index).
+    ``experts``: the checkpoint's DiT count; ``model``: what the message calls the checkpoint."""
+    if experts > 1:
         return
     for text, (_, _, expert) in zip(lora_args, loras):
         if expert is not None:
             suffix = text.rpartition(":")[2]
             raise InvalidArgument(
                 f"--lora {text!r}: ':{suffix}' merges a LoRA into one expert of a Wan2.2 A14B checkpoint (high or "
-                f"low noise), but this checkpoint ({ckpt.variant}) has one DiT; drop ':{suffix}' to merge it into "
+                f"low noise), but this checkpoint ({model}) has one DiT; drop ':{suffix}' to merge it into "
                 "that DiT.")
 
 

@@ -103,3 +103,31 @@ def test_an_endless_stream_is_refused_as_too_large(monkeypatch, tmp_path, loads,
     assert run(tmp_path, "--model", "tiny-wan2.1-i2v", "--image", path) == 2
     assert_one_error_line(capsys.readouterr().err, [f"image={path!r}", "more than", "too large"], path)
     assert "lora" not in loads
+
+
+@pytest.fixture
+def hub_models(tmp_path, monkeypatch):
+    """Two tiny checkpoints (one DiT; two experts) in an offline Hub cache, by Hub id."""
+    import huggingface_hub.constants as constants
+
+    from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
+
+    cache = tmp_path / "hub"
+    for repo, variant in (("tiny-owner/one-dit", "wan2.1"), ("tiny-owner/two-experts", "wan2.2-a14b")):
+        write_hub_cache(write_tiny_checkpoint(tmp_path / variant, variant), cache, repo)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import time: set the constants too
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+def test_expert_suffix_on_a_one_dit_hub_model_is_refused(tmp_path, lora_file, loads, capsys, hub_models):
+    spec = f"{lora_file}:high"
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    assert run(tmp_path, "--model", "tiny-owner/one-dit", "--lora", spec) == 2
+    assert_one_error_line(capsys.readouterr().err, [repr(spec), "tiny-owner/one-dit", "one DiT", "drop ':high'"],
+                          spec)
+    assert "lora" not in loads
+    with pytest.raises(Loaded):  # the same spec on a two-expert Hub model reaches the generator
+        run(tmp_path, "--model", "tiny-owner/two-experts", "--lora", spec)
+    assert loads["lora"] == [(str(lora_file), 1.0, 0)]

@@ -315,6 +315,14 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
                          i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE))
 
 
+def pipeline_index(model: str, revision: str | None = None) -> PipelineIndex:
+    """The checked ``model_index.json`` of ``model`` (a folder, a tiny id, or a Hub id, of which only that file is
+    fetched): what a check needs before the components download, such as how many DiTs the pipeline has."""
+    root, _, hub = _locate(model, revision)
+    index_path = root / "model_index.json"
+    return read_pipeline_index(read_json(index_path, missing=_not_a_pipeline(root, model, hub)), index_path)
+
+
 def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
     """Rules for the DiT of an image-to-video pipeline: it reads the noise, a 4-channel frame mask and the
     condition latents (in = 2 x out + 4), and CLIP image tokens exactly when the pipeline has a CLIP encoder."""
