@@ -44,6 +44,10 @@ CONFIGS = [  # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); the first is FA
     (192, 96, False, True),
     (192, 128, False, False),
     (192, 128, True, True),
+    (64, 64, True, True),  # 64-row tiles: one MMA warpgroup per CTA, as 64-token sparse blocks (VSA's cubes) run
+    (64, 128, True, True),
+    (64, 64, False, True),
+    (64, 128, False, True),
 ]
 
 
