@@ -244,7 +244,7 @@ def _run_generate(args) -> int:
     loras = [_lora_arg(a) for a in args.lora]  # each --lora parsed once
     _check_request(args, loras)
     num_gpus = _num_gpus(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _dtype_name(args, device))
     gen = VideoGenerator.from_pretrained(
         args.model, device=device, dtype=dtype, attention_backend=args.attention_backend,

@@ -227,6 +227,7 @@ def render(info: dict[str, Any], console=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
+    parser.label = "fastwan"  # usage errors read 'fastwan: error: ...', as every fastwan command's do
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--device", default=None, help="device to check (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="bf16", help="dtype to check backends for (default bf16)")
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.head_dim < 1:
         parser.error(f"--head-dim {args.head_dim} must be a positive integer (Wan's is 128)")
-    device = parse_device(args.device) if args.device else None
+    device = parse_device(args.device) if args.device is not None else None  # '' is refused, not the default
     info = collect(device, dtype, args.head_dim)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -251,5 +252,5 @@ if __name__ == "__main__":
     try:
         raise SystemExit(main())
     except UserError as exc:
-        print(f"fastwan env: error: {one_line(exc)}", file=sys.stderr)
+        print(f"fastwan: error: {one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,80 @@
+"""The command line as users mistype it: every usage error of every subcommand is one line starting
+'fastwan: error:' with exit code 2; an empty --device is refused, not taken as the default; a step cache that does
+not fit the request, and an output name that names no file, fail before the model loads, leaving nothing behind."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastwan import VideoGenerator, cli
+from tests.test_cli import assert_one_error_line
+
+
+class Loaded(Exception):
+    pass
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """from_pretrained raises Loaded: a run that gets there passed every check made before the model loads."""
+    def fake(model, **kw):
+        raise Loaded
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+
+
+def exit_code(argv) -> int:
+    """cli.main's exit code, argparse's SystemExit included."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def generate(model, tmp_path, *extra, output=None):
+    return ["generate", "--prompt", "a kite", "--model", str(model), "--height", "32", "--width", "32",
+            "--num-frames", "5", "--steps", "2", "--device", "cpu",
+            "--output", str(tmp_path / "out") if output is None else output, *extra]
+
+
+# ---- fastwan env ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,words", [
+    (["--bogus"], ["unrecognized arguments: --bogus"]),
+    (["extra"], ["unrecognized arguments: extra"]),
+    (["--head-dim", "0"], ["--head-dim 0", "positive"]),
+    (["--head-dim", "abc"], ["'abc'"]),
+    (["--dtype", "xx"], ["'xx'", "bf16"]),
+    (["--json", "--dtype"], ["--dtype", "expected one argument"]),
+])
+def test_env_usage_errors_read_like_every_fastwan_error(capsys, argv, words):
+    capsys.readouterr()
+    assert exit_code(["env", *argv]) == 2
+    assert_one_error_line(capsys.readouterr().err, words, argv)
+
+
+@pytest.mark.parametrize("command", ["env", "generate"])
+def test_an_empty_device_is_refused_not_taken_as_the_default(tiny_ckpts, tmp_path, capsys, command):
+    argv = ["env", "--device", ""] if command == "env" else generate(tiny_ckpts["wan2.1"], tmp_path, "--device", "")
+    capsys.readouterr()
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert_one_error_line(err, ["''", "not a torch device", "'cpu'"], command)
+    assert not list(tmp_path.rglob("*.mp4"))
+
+
+def run_module(*args):
+    return subprocess.run([sys.executable, "-m", "fastwan", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ})
+
+
+def test_python_m_fastwan_help_and_usage_errors():
+    """As argparse users expect: --help prints usage and exits 0; no subcommand, an unknown one, or a bad option
+    of `fastwan env` is one error line and exit 2."""
+    for args in (["--help"], ["env", "--help"]):
+        r = run_module(*args)
+        assert r.returncode == 0 and r.stdout.startswith("usage: fastwan") and r.stderr == "", (args, r)
+    for args, words in (([], ["required: command"]), (["bogus"], ["'bogus'", "generate"]),
+                        (["env", "--bogus"], ["--bogus"])):
+        r = run_module(*args)
+        assert r.returncode == 2 and r.stdout == "", (args, r)
+        assert_one_error_line(r.stderr, words, args)
