@@ -204,8 +204,9 @@ def _check_output(args) -> None:
 def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
     """The video's arguments checked against the checkpoint's files before the model loads
     (:func:`fastwan.pipelines.request.check_request`; local folders and tiny models, as a Hub id would be
-    downloaded first): a size, step count, guidance or sampler mistake fails in seconds. generate_video checks
-    again, with the attention backend's rules."""
+    downloaded first): a size, step count, guidance, sampler or step-cache mistake fails in seconds. generate_video
+    checks again, with the attention backend's rules."""
+    from fastwan.cache import check_cache, resolve_coefficients
     from fastwan.lora.merge import parse_lora_spec
     from fastwan.pipelines.checkpoint import pipeline_index, resolve
     from fastwan.pipelines.request import check_request, checkpoint_vae_factors
@@ -219,12 +220,16 @@ def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
         return  # resolving a Hub id downloads the checkpoint; from_pretrained's own checks come first
     ckpt = resolve(args.model, revision=args.revision)
     _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
-    check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
-                  image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
-                  height=args.height, width=args.width, num_frames=args.num_frames,
-                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                  guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, sampler=args.sampler,
-                  timesteps=args.timesteps, flow_shift=args.flow_shift)
+    s, _, _ = check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
+                           image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
+                           height=args.height, width=args.width, num_frames=args.num_frames,
+                           num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                           guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, sampler=args.sampler,
+                           timesteps=args.timesteps, flow_shift=args.flow_shift)
+    # the step cache against the request's step count and size (steps it names, whether it can skip any, TeaCache's
+    # coefficients): checked here, as generate_video checks it, so the mistake fails before the model loads
+    resolve_coefficients(check_cache(args.cache), ckpt.variant, ckpt.transformer_config.inner_dim, s.height, s.width,
+                         s.num_inference_steps)
 
 
 def _run_generate(args) -> int:

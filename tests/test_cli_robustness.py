@@ -78,3 +78,24 @@ def test_python_m_fastwan_help_and_usage_errors():
         r = run_module(*args)
         assert r.returncode == 2 and r.stdout == "", (args, r)
         assert_one_error_line(r.stderr, words, args)
+
+
+# ---- the step cache against the request, before the model loads ---------------------------------------------
+@pytest.mark.parametrize("extra,words", [
+    (["--cache", "skip_steps:steps=5"], ["steps=[5]", "request of 2 step(s)"]),
+    (["--cache", "first_block", "--steps", "1"], ["cannot skip any step", "request of 1 step(s)"]),
+    (["--cache", "magcache:threshold=0.1,retention_ratio=0.9,mag_ratios=1/1/1"],
+     ["cannot skip any step", "retention_ratio"]),
+    (["--cache", "teacache:threshold=0.1", "--steps", "8"], ["no published coefficients", "coefficients="]),
+])
+def test_a_step_cache_that_does_not_fit_the_request_fails_before_loading(tiny_ckpts, tmp_path, capsys, no_loading,
+                                                                         extra, words):
+    capsys.readouterr()
+    assert cli.main(generate(tiny_ckpts["wan2.1"], tmp_path, *extra)) == 2
+    assert_one_error_line(capsys.readouterr().err, words, extra)
+
+
+@pytest.mark.parametrize("cache", ["skip_steps:steps=1", "first_block", "none"])
+def test_a_step_cache_that_fits_reaches_the_model(tiny_ckpts, tmp_path, no_loading, cache):
+    with pytest.raises(Loaded):
+        cli.main(generate(tiny_ckpts["wan2.1"], tmp_path, "--cache", cache))
