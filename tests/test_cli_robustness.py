@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fastwan import VideoGenerator, cli
+from fastwan.pipelines.output import check_output_path
 from tests.test_cli import assert_one_error_line
 
 
@@ -99,3 +100,36 @@ def test_a_step_cache_that_does_not_fit_the_request_fails_before_loading(tiny_ck
 def test_a_step_cache_that_fits_reaches_the_model(tiny_ckpts, tmp_path, no_loading, cache):
     with pytest.raises(Loaded):
         cli.main(generate(tiny_ckpts["wan2.1"], tmp_path, "--cache", cache))
+
+
+# ---- output names that name no file -------------------------------------------------------------------------
+@pytest.mark.parametrize("name,words", [
+    (".mp4", ["nothing before its suffix", "video.mp4"]),
+    (".MP4", ["nothing before its suffix"]),
+    (".mov", ["nothing before its suffix"]),
+    ("clip.mp4 ", ["blank space after '.mp4'", "clip.mp4'"]),
+    ("clip.MP4\t", ["blank space after '.MP4'"]),
+    ("clip.png ", ["blank space after '.png'"]),
+    (".mp4 ", ["blank space after '.mp4'"]),
+])
+def test_an_output_name_that_names_no_file_is_refused_before_loading(tiny_ckpts, tmp_path, capsys, no_loading, name,
+                                                                     words):
+    out = tmp_path / "videos" / name
+    capsys.readouterr()
+    assert cli.main(generate(tiny_ckpts["wan2.1"], tmp_path, output=str(out))) == 2
+    assert_one_error_line(capsys.readouterr().err, [repr(str(out)), *words], name)
+    assert list(tmp_path.iterdir()) == []  # no folder made for it
+    with pytest.raises(ValueError, match="output_path="):  # the Python API's rule too
+        check_output_path(out, False)
+
+
+@pytest.mark.parametrize("name,folder,file_name", [
+    ("clip.mp4/", "clip.mp4", None),  # a trailing separator names a folder
+    (".mp4/", ".mp4", None),
+    ("my clip.mp4", "", "my clip.mp4"),
+    (" clip.mp4", "", " clip.mp4"),
+])
+def test_names_that_stay_allowed(tmp_path, name, folder, file_name):
+    target = check_output_path(f"{tmp_path}/{name}", False)
+    assert target.folder == tmp_path / folder if folder else target.folder == tmp_path
+    assert target.file_name == file_name

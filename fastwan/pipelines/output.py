@@ -9,6 +9,8 @@ Rules (checked by :func:`check_output_path` and :func:`prepare_output` before an
 - The folder is created, and a probe file is created and removed in it, so an unwritable folder or a file in the
   way fails at once. A ``.mp4`` path that is an existing folder is an error, and so is a file name the file system
   refuses (e.g. too long) or a NUL character; an existing ``.mp4`` file is an error unless ``overwrite=True``.
+- A last part that is ``.mp4`` (or another format's suffix) alone, or such a suffix followed by blank space
+  (``clip.mp4 ``), is an error (not a folder) unless the path ends in a separator.
 - Automatic name: ``<ASCII slug of the prompt>_<seed>_<digest>.mp4``; the digest covers everything that determines
   the video (model, prompt, negative prompt, settings, seed), so different videos get different names. A taken
   name is never replaced unless ``overwrite=True``: the video gets the first free ``-2``, ``-3``, ... variant, claimed
@@ -83,6 +85,8 @@ def check_output_path(output_path, overwrite) -> OutputTarget:
                               "remove it.")
     path = _expand_home(text)
     names_folder = text.endswith(("/", os.sep)) or (os.altsep is not None and text.endswith(os.altsep))
+    if not names_folder:
+        _check_file_name(text, path)
     suffix = path.suffix.lower()
     if suffix == VIDEO_SUFFIX and not names_folder:
         return OutputTarget(path.parent, path.name, overwrite)
@@ -92,6 +96,25 @@ def check_output_path(output_path, overwrite) -> OutputTarget:
             f"use '{path.with_suffix(VIDEO_SUFFIX)}', or end the path with '/' to make it a folder."
         )
     return OutputTarget(path, None, overwrite)
+
+
+def _check_file_name(text: str, path: Path) -> None:
+    """A last part that is a video or image suffix alone (``.mp4``: a file name with nothing before it), or such a
+    suffix followed by blank space (``clip.mp4 ``), names no file the user can have meant: refused, not made a
+    folder."""
+    name = path.name
+    known = REFUSED_SUFFIXES | {VIDEO_SUFFIX}
+    if name.lower() in known:
+        raise InvalidArgument(
+            f"output_path={text!r} ends in {name!r}, a file name with nothing before its suffix; name the video, "
+            f"e.g. '{path.with_name('video' + VIDEO_SUFFIX)}', or end the path with '/' to make it a folder."
+        )
+    stripped = name.rstrip()
+    if stripped != name and (stripped.lower() in known or Path(stripped).suffix.lower() in known):
+        raise InvalidArgument(
+            f"output_path={text!r} ends in blank space after {Path(stripped).suffix or stripped!r}; remove it, "
+            f"e.g. '{path.with_name(stripped)}'."
+        )
 
 
 def _expand_home(text: str) -> Path:
