@@ -133,3 +133,27 @@ def test_names_that_stay_allowed(tmp_path, name, folder, file_name):
     target = check_output_path(f"{tmp_path}/{name}", False)
     assert target.folder == tmp_path / folder if folder else target.folder == tmp_path
     assert target.file_name == file_name
+
+
+# ---- --attention-config JSON ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", ['{"sparsity": 0.5, "sparsity": 0.6}', '{"tile": [4, 4, 4], "tile": [2, 8, 8]}'])
+def test_an_attention_config_key_given_twice_is_refused(tiny_ckpts, tmp_path, capsys, config):
+    """JSON keeps the last of two equal keys; which one the user meant is unknown, so it is an error (before the
+    model loads), as a setting given twice in --cache is."""
+    key = config.split('"')[1]
+    capsys.readouterr()
+    assert cli.main(generate(tiny_ckpts["wan2.1"], tmp_path, "--attention-backend", "VIDEO_SPARSE_ATTN",
+                             "--attention-config", config)) == 2
+    assert_one_error_line(capsys.readouterr().err, [f"gives {key!r} twice", "once", "--attention-config"], config)
+    assert not list(tmp_path.rglob("*.mp4"))
+
+
+def test_a_duplicate_key_in_a_config_file_or_a_nested_object_is_refused(tmp_path):
+    from fastwan.attention.sparse.config import load_attention_config
+
+    path = tmp_path / "sta.json"
+    path.write_text('{"strategy": {"0": [3, 3, 3], "0": [5, 3, 3]}}')
+    with pytest.raises(ValueError, match=r"sta\.json.*gives '0' twice \(\[3, 3, 3\] and \[5, 3, 3\]\)"):
+        load_attention_config(str(path))
+    assert load_attention_config('{"tile": [2, 8, 8], "window": [3, 3, 3]}') == {"tile": [2, 8, 8],
+                                                                                 "window": [3, 3, 3]}

@@ -57,7 +57,7 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
             text = f.read()
         origin = f"file {path!r}"
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, origin, given_by))
     except json.JSONDecodeError as exc:
         raise InvalidArgument(
             f"attention config {origin} (from {given_by}) is not valid JSON: {exc.msg} at line {exc.lineno}, "
@@ -69,6 +69,19 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
             f"got a JSON {json_type(data)}."
         )
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], origin: str, given_by: str) -> dict:
+    """A JSON object's (key, value) pairs as a dict; a key given twice raises (json keeps the last one silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidArgument(
+                f"attention config {origin} (from {given_by}) gives {key!r} twice ({out[key]!r} and {value!r}); "
+                "give each setting once."
+            )
+        out[key] = value
+    return out
 
 
 def _json_value(text: str) -> str | None:
