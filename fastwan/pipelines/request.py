@@ -7,7 +7,7 @@ from fastwan.models.loading import read_json
 from fastwan.pipelines.checkpoint import Checkpoint, with_overrides
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
-from fastwan.pipelines.sampling import check_sampling, fresh_scheduler, sampler_shift
+from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
 from fastwan.vae.decode import scale_factors
 
 
@@ -38,6 +38,7 @@ def check_request(ckpt: Checkpoint, preset, scheduler, vae_factors: tuple[int, i
     if s.sampler == "default":
         stepper = fresh_scheduler(scheduler, s.flow_shift)
     else:
+        check_training_grid(s, scheduler)
         sampler_shift(s, scheduler)
     grid = check_inputs(prompt, negative_prompt, s, seed, vae_factors=vae_factors, patch=cfg.patch_size,
                         scheduler=stepper, max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))

@@ -22,6 +22,7 @@
 ``timesteps`` (euler and dmd only) are strictly decreasing numbers in (0, 1000] (a list, tuple or 1-d numpy array /
 torch tensor; ints or floats) on the 1000-step training grid, not sigmas: a list within [0, 1], such as
 [1.0, 0.75, 0.5, 0.25, 0.0], is refused as sigmas, naming the timesteps to pass; given, they set the step count.
+euler and dmd run only where the checkpoint's scheduler has ``num_train_timesteps`` 1000 (every Wan release).
 A checkpoint's preset may carry a sampler, timesteps and flow shift (FastWan: dmd, (1000, 757, 522), 8); a call
 that asks for another step count without timesteps gets evenly spaced ones.
 """
@@ -96,7 +97,12 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
     if isinstance(timesteps, (str, bytes, Set, Mapping)) or not hasattr(timesteps, "__iter__"):
         raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers in order (from noise to "
                                   "clean), e.g. [1000, 757, 522].")
-    ts = tuple(python_number(t) for t in (timesteps.tolist() if isinstance(timesteps, torch.Tensor) else timesteps))
+    if isinstance(timesteps, torch.Tensor):
+        if timesteps.is_meta:
+            raise InvalidArgumentType(f"timesteps={timesteps!r} is a meta tensor, which holds no values; pass the "
+                                      "timesteps themselves, e.g. [1000, 757, 522].")
+        timesteps = timesteps.tolist()
+    ts = tuple(python_number(t) for t in timesteps)
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
         raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
     ts = tuple(as_float(t) for t in ts)
@@ -130,6 +136,19 @@ def grid_sigma(t: float, shift: float) -> float:
     """The sigma of the shifted 1000-step flow-matching grid (s = k / 1000, k = 1..1000) nearest t / 1000."""
     grid = shifted(torch.arange(1, TRAIN_TIMESTEPS + 1, dtype=torch.float64) / TRAIN_TIMESTEPS, shift)
     return float(grid[torch.argmin((grid * TRAIN_TIMESTEPS - t).abs())])
+
+
+def check_training_grid(s, scheduler) -> None:
+    """Rule: euler and dmd place their timesteps on the 1000-step training grid (sigma = t / 1000, the DiT sees
+    t or 1000 sigma), so they run only where the checkpoint's scheduler counts that many training timesteps
+    (diffusers' flow-matching schedulers take sigma = t / ``num_train_timesteps``); the default sampler runs on any."""
+    n = scheduler.config.get("num_train_timesteps")
+    if s.sampler == "default" or n is None or n == TRAIN_TIMESTEPS:
+        return
+    raise InvalidArgument(
+        f"sampler={s.sampler!r} samples on the {TRAIN_TIMESTEPS}-step training grid (timesteps in (0, "
+        f"{TRAIN_TIMESTEPS}]), but the checkpoint's {type(scheduler).__name__} has num_train_timesteps={n!r}, so its "
+        "DiT reads timesteps on another scale; use sampler='default' (the checkpoint's scheduler).")
 
 
 def sampler_shift(s, scheduler) -> float:
