@@ -113,6 +113,10 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
             f"{TRAIN_TIMESTEPS}-step training grid (sigma x {TRAIN_TIMESTEPS}; the final 0 is implied): pass "
             f"{grid!r}.")
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
+    head = ts[:-1]
+    if bad == [0.0] and ts[-1] == 0 and head and all(b < a for a, b in zip(head, head[1:])):  # the end point 0
+        raise InvalidArgument(f"timesteps={list(ts)!r}: 0.0 is outside (0, {TRAIN_TIMESTEPS}]; it is not a step, "
+                              f"every sampler ends at 0 by itself: drop the final 0 and pass {list(head)!r}.")
     if bad:
         raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
                               f"points of the {TRAIN_TIMESTEPS}-step training grid, e.g. [1000, 757, 522].")

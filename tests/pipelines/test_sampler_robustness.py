@@ -66,3 +66,31 @@ def test_cli_refuses_euler_on_a_scheduler_of_another_grid_before_loading(other_g
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ["sampler='euler'", "num_train_timesteps=500", "sampler='default'"],
                           "euler on a 500-step scheduler")
+
+
+@pytest.mark.parametrize("timesteps,want", [([1000, 750, 500, 250, 0], "[1000.0, 750.0, 500.0, 250.0]"),
+                                            ([999.5, 0.0], "[999.5]"),
+                                            (torch.tensor([1000, 500, 0]), "[1000.0, 500.0]")])
+def test_timesteps_written_with_their_end_point_0_name_the_timesteps_to_pass(no_compute, timesteps, want):
+    with pytest.raises(InvalidArgument) as e:
+        no_compute.generate_video(PROMPT, seed=0, save_video=False, sampler="euler", timesteps=timesteps)
+    msg = str(e.value)
+    assert "0.0 is outside (0, 1000]" in msg and f"drop the final 0 and pass {want}." in msg
+
+
+@pytest.mark.parametrize("timesteps", [[500, 1000, 0], [1000, 0, 0], [1000, -1, 0]])
+def test_other_bad_timesteps_ending_in_0_get_no_list_to_pass(no_compute, timesteps):
+    """The list to pass is named only when dropping the 0 leaves valid timesteps."""
+    with pytest.raises(InvalidArgument) as e:
+        no_compute.generate_video(PROMPT, seed=0, save_video=False, sampler="dmd", timesteps=timesteps)
+    assert "drop the final 0" not in str(e.value)
+
+
+@pytest.mark.parametrize("text,item", [("1000,757,522,", "item 4 of 4 is empty"), ("1000,,500", "item 2 of 3 is empty"),
+                                       ("1000 757 522", "item 1 of 1 '1000 757 522' is not a number"),
+                                       ("1000,abc", "item 2 of 2 'abc' is not a number"), ("", "item 1 of 1 is empty")])
+def test_cli_timesteps_errors_name_the_item(tmp_path, capsys, text, item):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", PROMPT, "--output", str(tmp_path / "v.mp4"), "--timesteps", text])
+    assert e.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, [repr(text), item, "separated by commas, e.g. 1000,757,522"], text)
