@@ -16,8 +16,17 @@ Key formats (the ones diffusers' Wan LoRA loader reads):
 A module's update is ``W += scale * (alpha / rank) * B @ A``, ``W += scale * diff``,
 ``b += scale * diff_b`` and ``b += scale * (alpha / rank) * lora_B.bias`` (PEFT scales its bias as its product),
 computed in fp32 and rounded once into the weight's dtype; an FP8 layer's weight is
-dequantized, updated in fp32 and quantized again (new per-channel scales). Merged weights cost nothing at run time;
-:class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it bit for bit.
+dequantized, updated in fp32 and quantized again (new per-channel scales). Any finite scale merges, as diffusers'
+adapter weights do: 0 changes no tensor, a negative one subtracts the update. The update is computed on the
+generator's device, wherever a memory plan keeps the weight, so a plan changes no merged bit. Merged weights cost
+nothing at run time; :class:`LoraState` keeps each changed tensor's original (on the CPU) so unloading restores it
+bit for bit.
+
+Refused before any weight changes (a user error naming the key, the rule and the fix): files that hold no tensors,
+LoRA tensors that are not floating point or hold NaN / inf, a rank of 0, an alpha that is not one finite number,
+shapes that do not fit, and a scale whose merged weight (or bias) would leave its dtype's range. Safetensors only;
+pickle files (by name) with ``allow_pickle=True``, read weights-only. One file given twice for one DiT in
+``from_pretrained(lora=...)`` (or ``--lora``) is refused (:func:`fastwan.lora.merge.check_repeats`).
 The layers are the linear ones and the convolutions (the patch embedding: there ``A`` holds the kernel,
 ``[rank, in, *kernel]``, and ``B`` is ``[out, rank, 1, ...]``, as PEFT trains one). Deltas of norms (zeros in the
 files that carry them; under diffusers' names or the original ones: ``self_attn.norm_q``, ``cross_attn.norm_k_img``,

@@ -27,8 +27,9 @@ def finite(x) -> bool:
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
 
-def check_lora_path(path) -> Path:
-    """``path`` (``~`` expanded) when it names an existing file that is not a pickle; else the user error."""
+def check_lora_path(path, allow_pickle: bool = False) -> Path:
+    """``path`` (``~`` expanded) when it names an existing file that is not a pickle (or, with ``allow_pickle``,
+    may be one); else the user error."""
     if not isinstance(path, (str, Path)):
         raise InvalidArgumentType(f"lora={path!r} must be a path to a .safetensors file.")
     if not str(path).strip():
@@ -40,17 +41,27 @@ def check_lora_path(path) -> Path:
                               f"the LoRA file itself{f', e.g. one of {inside}' if inside else ''}.")
     if not path.is_file():
         raise MissingFileError(f"LoRA file {str(path)!r} does not exist; check the path.")
-    if path.suffix.lower() in PICKLE_SUFFIXES:
+    if is_pickle(path) and not allow_pickle:
         raise InvalidArgument(f"LoRA file {str(path)!r} is a PyTorch pickle file ({path.suffix}); fastwan loads LoRAs "
-                              "from safetensors only (convert it with safetensors.torch.save_file).")
+                              "from safetensors only (convert it with safetensors.torch.save_file), unless pickles "
+                              "are allowed explicitly: allow_pickle=True, for a file you trust (unpickling can run "
+                              "code; fastwan reads tensors only).")
     return path
 
 
-def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a LoRA file (safetensors only; pickle files are refused, whatever their name)."""
+def is_pickle(path: Path) -> bool:
+    """Whether the file name ``path`` is a PyTorch pickle's (:data:`PICKLE_SUFFIXES`)."""
+    return path.suffix.lower() in PICKLE_SUFFIXES
+
+
+def read_lora(path: str | Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA file: safetensors; a pickle file (by its name) only with ``allow_pickle``, read as a
+    weights-only state dict of name -> tensor."""
     from safetensors import SafetensorError, safe_open
 
-    path = check_lora_path(path)
+    path = check_lora_path(path, allow_pickle)
+    if is_pickle(path):
+        return _read_pickle(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             header = f.metadata() or {}
@@ -60,6 +71,23 @@ def read_lora(path: str | Path) -> dict[str, torch.Tensor]:
                               "truncated or corrupt (download it again), or another format such as a pickle "
                               "under a .safetensors name (convert it with safetensors.torch.save_file).") from exc
     return {**tensors, **_metadata_alphas(tensors, _adapter_config(header, path), path)}
+
+
+def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A pickle LoRA file's state dict (``torch.load(weights_only=True)``: tensors and plain containers only)."""
+    import pickle
+
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r} cannot be read as a weights-only PyTorch state dict "
+                              f"({type(exc).__name__}: {str(exc)[:120]}); it is corrupt or not a LoRA: use another "
+                              "copy, or a .safetensors file.") from None
+    if not (isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                             for k, v in loaded.items())):
+        raise CheckpointError(f"LoRA file {str(path)!r} holds a {type(loaded).__name__}, not a state dict of key -> "
+                              "tensor; save the LoRA's state dict itself (or a .safetensors file).")
+    return dict(loaded)
 
 
 def _adapter_config(header: dict, path: Path) -> dict:

@@ -30,6 +30,10 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     unmatched: list[str] = []
     skipped: dict[str, list[str]] = {"norm": [], "modulation": []}  # deltas not merged (the non-zero ones)
     kinds = set()  # the kinds of deltas not merged the file has
+    if not tensors:
+        raise InvalidArgument(f"{source}: the file holds no tensors (an empty safetensors file: an export that saved "
+                              "nothing?); give the LoRA file itself, with its lora_A / lora_B (or lora_down / "
+                              "lora_up) tensors.")
     for key, value in tensors.items():
         kind = next((k for marker, k in OTHER_ADAPTERS if marker in key), None)
         if kind is not None:
@@ -49,7 +53,11 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
             if value.count_nonzero():
                 skipped[group].append(key)
             continue
-        if part != "alpha" and value.is_floating_point() and not torch.isfinite(value).all():  # black videos
+        if part != "alpha" and not value.is_floating_point():  # integer, bool or complex: no LoRA weight
+            raise InvalidArgument(f"{source}: {key} is a {str(value.dtype).replace('torch.', '')} tensor; LoRA weights "
+                                  "are floating point (float32, bfloat16, float16 or FP8): the file is corrupt or not "
+                                  "a LoRA (e.g. quantized by another tool): re-export it in floating point.")
+        if part != "alpha" and not torch.isfinite(value).all():  # black videos
             bad = int((~torch.isfinite(value)).sum())
             raise InvalidArgument(f"{source}: {key} holds {bad} NaN or infinite values of {value.numel()}; the LoRA "
                                   "file is corrupt (or was trained to divergence): use another copy or checkpoint.")
@@ -94,6 +102,10 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                 raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} do not fit {name} "
                                       f"(weight {tuple(weight.shape)}: A must be [{want_a}], B [{want_b}]); the "
                                       "LoRA is for another model.")
+            if a.shape[0] == 0:  # nothing to merge, and alpha / rank divides by zero
+                raise InvalidArgument(f"{source}: {ka} {tuple(a.shape)} and {kb} {tuple(b.shape)} have rank 0 (no "
+                                      "update); a LoRA module's rank is at least 1: the file is corrupt: re-export "
+                                      "it.")
         if "M" in parts:  # a DoRA magnitude: one per output feature, shaped as PEFT's layer holds it
             km, mag = parts["M"]
             want = (weight.shape[0],) if weight.dim() == 2 else (1, weight.shape[0], *ones)
@@ -112,7 +124,8 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                                   f"(weight {tuple(weight.shape)}).")
         if "alpha" in parts:  # one finite number: the update's scale is alpha / rank
             ka, alpha = parts["alpha"]
-            if alpha.numel() != 1 or not torch.isfinite(alpha.float()).all():
+            if alpha.numel() != 1 or alpha.dtype == torch.bool or alpha.is_complex() \
+                    or not torch.isfinite(alpha.float()).all():
                 shown = alpha.tolist() if alpha.numel() <= 4 else f"{alpha.numel()} elements"
                 raise InvalidArgument(f"{source}: {ka} is {shown} (shape {tuple(alpha.shape)}); a LoRA alpha must "
                                       "be one finite number (the file is corrupt or not a LoRA: fix or re-export "
@@ -126,6 +139,70 @@ def lora_updates(tensors: dict[str, torch.Tensor], model: torch.nn.Module, sourc
                 raise InvalidArgument(f"{source}: {key} {tuple(value.shape)} does not fit the bias of {name} "
                                       f"({None if bias is None else tuple(bias.shape)}).")
     return {name: {p: t for p, (_, t) in parts.items()} for name, parts in updates.items()}
+
+
+def _factor(parts: dict) -> float:
+    """A module's alpha / rank (1 without lora_A / lora_B: a lora_B.bias alone, diff, diff_b are added as written)."""
+    if "A" not in parts:
+        return 1.0
+    rank = parts["A"].shape[0]
+    return (float(parts["alpha"]) if "alpha" in parts else float(rank)) / rank
+
+
+def _weight_delta(parts: dict, shape, device) -> torch.Tensor | None:
+    """A module's weight update before the scale, fp32: ``(alpha / rank) B @ A`` (a convolution's too) plus its
+    ``diff``; None when the module's weight does not change."""
+    if "A" not in parts and "diff" not in parts:
+        return None
+    delta = torch.zeros(shape, dtype=torch.float32, device=device)
+    if "A" in parts:
+        a = parts["A"].to(device, torch.float32)
+        b = parts["B"].to(device, torch.float32)
+        delta += _factor(parts) * (b.flatten(1) @ a.flatten(1)).view(shape)
+    if "diff" in parts:
+        delta += parts["diff"].to(device, torch.float32)
+    return delta
+
+
+def _merged_weight(current: torch.Tensor, w0: torch.Tensor | None, parts: dict, scale: float,
+                   delta: torch.Tensor) -> torch.Tensor:
+    """``current + scale * delta`` (fp32); a DoRA's (``M`` in ``parts``) rescaled per output feature to its magnitude
+    over the norm of ``w0 + scale * delta`` (``w0``: the weight before any LoRA, fp32; only a DoRA reads it)."""
+    new = current + scale * delta
+    if "M" in parts:  # DoRA: each output feature rescaled to its magnitude (PEFT's merge)
+        norm = (w0 + scale * delta).flatten(1).norm(dim=1)
+        dora = parts["M"].to(current.device, torch.float32).flatten() / norm
+        new = dora.view(-1, *[1] * (current.dim() - 1)) * new
+    return new
+
+
+def _bias_delta(parts: dict, device) -> torch.Tensor | None:
+    """A module's bias update before the scale, fp32 (PEFT scales its lora_B.bias as its B @ A), or None."""
+    if "diff_b" in parts:
+        return parts["diff_b"].to(device, torch.float32)
+    if "B_bias" in parts:
+        return _factor(parts) * parts["B_bias"].to(device, torch.float32)
+    return None
+
+
+def _changes_weight(parts: dict, scale: float) -> bool:
+    """Whether merging ``parts`` at ``scale`` changes the weight: a scale of 0 adds nothing (diffusers' adapter
+    weight 0 leaves the output as it is), except a DoRA's magnitude, which rescales the weight anyway."""
+    return ("A" in parts or "diff" in parts) and (scale != 0 or "M" in parts)
+
+
+def _overflow(source: str, name: str, what: str, scale: float, dtype: torch.dtype, parts: dict) -> InvalidArgument:
+    keys = sorted(PART_NAMES[p] for p in parts if p in ("A", "B", "diff", "diff_b", "B_bias", "M"))
+    return InvalidArgument(
+        f"{source}: with scale={scale:g} the merged {what} of {name} leaves the range of "
+        f"{str(dtype).replace('torch.', '')} (|values| up to {torch.finfo(dtype).max:.3g}): the weights would hold "
+        f"inf / NaN and the video would be black. The update ({', '.join(keys)}) is too large for that scale: use a "
+        "smaller scale (1.0 as trained), or check the file.")
+
+
+def _finite_in(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the fp32 ``x`` rounded to ``dtype`` is finite everywhere."""
+    return bool(torch.isfinite(x if dtype == torch.float32 else x.to(dtype)).all())
 
 
 class LoraState:
@@ -145,29 +222,73 @@ class LoraState:
             self.originals[(id(module), name)] = (module, name, getattr(module, name).detach().to("cpu", copy=True))
 
     @torch.no_grad()
-    def merge(self, model: torch.nn.Module, updates: dict, scale: float) -> int:
-        """Add ``scale`` x each update into ``model``'s weights in place; returns the number of modules changed."""
+    def check(self, model: torch.nn.Module, updates: dict, scale: float, source: str = "the LoRA file",
+              device: torch.device | str | None = None) -> None:
+        """Raises (naming the module, the scale and the fix) when merging ``updates`` at ``scale`` would leave a
+        weight or bias outside its dtype's range (inf, then NaN frames), before anything changes. A bound from the
+        weight's largest value and the update's factors decides cheaply; only where it cannot, the merged weight
+        is computed (on ``device``, as :meth:`merge` computes it)."""
+        modules = dict(model.named_modules())
+        for name, parts in updates.items():
+            lin = modules[name]
+            dev = torch.device(device) if device is not None else lin.weight.device
+            fp8 = isinstance(lin, Fp8Linear)
+            dtype = torch.float32 if fp8 else lin.weight.dtype  # an FP8 weight is requantized from fp32
+            if _changes_weight(parts, scale) and not self._fits(lin, parts, scale, dtype):
+                current = self._current(lin, dev)
+                delta = _weight_delta(parts, current.shape, dev)
+                new = _merged_weight(current, self._unmerged(lin, current) if "M" in parts else None, parts, scale,
+                                     delta)
+                if not _finite_in(new, dtype):
+                    raise _overflow(source, name, "weight", scale, dtype, parts)
+            bias = _bias_delta(parts, dev)
+            if bias is not None and scale != 0:
+                if not _finite_in(lin.bias.to(dev).float() + scale * bias, lin.bias.dtype):
+                    raise _overflow(source, name, "bias", scale, lin.bias.dtype, parts)
+
+    @staticmethod
+    def _current(lin: torch.nn.Module, device: torch.device) -> torch.Tensor:
+        """``lin``'s weight as it computes (an FP8 one dequantized), fp32, on ``device``."""
+        if isinstance(lin, Fp8Linear):
+            return dequantize_weight(lin.weight.to(device), lin.weight_scale.to(device))
+        return lin.weight.to(device).float()
+
+    @staticmethod
+    def _fits(lin: torch.nn.Module, parts: dict, scale: float, dtype: torch.dtype) -> bool:
+        """A sufficient condition for the merged weight to stay within ``dtype``: |W| + |scale| x the largest
+        possible |update| below half its largest value (a DoRA's rescaling is not bounded here: False)."""
+        if "M" in parts:
+            return False
+        w = lin.weight
+        top = float(lin.weight_scale.max()) * 448.0 if isinstance(lin, Fp8Linear) else float(w.abs().max())
+        bound = 0.0
+        if "A" in parts:  # |(B @ A)_ij| <= sum_r |B_ir| |A_rj|
+            a, b = parts["A"].float().flatten(1), parts["B"].float().flatten(1)
+            bound += abs(_factor(parts)) * float(b.abs().sum(dim=1).max()) * float(a.abs().max())
+        if "diff" in parts:
+            bound += float(parts["diff"].float().abs().max())
+        return top + abs(scale) * bound < torch.finfo(dtype).max / 2
+
+    @torch.no_grad()
+    def merge(self, model: torch.nn.Module, updates: dict, scale: float,
+              device: torch.device | str | None = None) -> int:
+        """Add ``scale`` x each update into ``model``'s weights in place; returns the number of modules changed.
+        A scale of 0 changes no tensor (but a DoRA's magnitude, which rescales the weight whatever the scale).
+        ``device``: where the update is computed (default: where each weight is), e.g. the GPU a generator runs
+        on while a memory plan keeps the weights in host memory: the merged weights are then the bits a
+        generator without the plan gets (a CPU matmul sums in another order, and an FP8 row's new scale follows
+        its largest value)."""
         modules = dict(model.named_modules())
         for name, parts in updates.items():
             lin = modules[name]
             w = lin.weight
+            dev = torch.device(device) if device is not None else w.device
             fp8 = isinstance(lin, Fp8Linear)
-            delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            factor = 1.0  # alpha / rank; a lora_B.bias without lora_A / lora_B (no rank) is added as it is
-            if "A" in parts:
-                a = parts["A"].to(w.device, torch.float32)
-                b = parts["B"].to(w.device, torch.float32)
-                factor = (float(parts["alpha"]) if "alpha" in parts else float(a.shape[0])) / a.shape[0]
-                delta += factor * (b.flatten(1) @ a.flatten(1)).view(w.shape)  # a convolution's too
-            if "diff" in parts:
-                delta += parts["diff"].to(w.device, torch.float32)
-            if "A" in parts or "diff" in parts:
-                current = dequantize_weight(w, lin.weight_scale) if fp8 else w.float()
-                new = current + scale * delta
-                if "M" in parts:  # DoRA: each output feature rescaled to its magnitude (PEFT's merge)
-                    norm = (self._unmerged(lin, current) + scale * delta).flatten(1).norm(dim=1)
-                    dora = parts["M"].to(w.device, torch.float32).flatten() / norm
-                    new = dora.view(-1, *[1] * (w.dim() - 1)) * new
+            if _changes_weight(parts, scale):
+                current = self._current(lin, dev)
+                delta = _weight_delta(parts, current.shape, dev)
+                new = _merged_weight(current, self._unmerged(lin, current) if "M" in parts else None, parts, scale,
+                                     delta)
                 self._keep(lin, "weight")
                 if fp8:  # requantized, new scales
                     self._keep(lin, "weight_scale")
@@ -176,10 +297,10 @@ class LoraState:
                     lin.weight_scale.copy_(w_scale)
                 else:
                     w.copy_(new.to(w.dtype))
-            if "diff_b" in parts or "B_bias" in parts:  # PEFT scales its lora_B.bias as its B @ A
+            bias = _bias_delta(parts, dev)
+            if bias is not None and scale != 0:
                 self._keep(lin, "bias")
-                bias = parts["diff_b"] if "diff_b" in parts else factor * parts["B_bias"].float()
-                lin.bias.copy_((lin.bias.float() + scale * bias.to(w.device, torch.float32)).to(lin.bias.dtype))
+                lin.bias.copy_((lin.bias.to(dev).float() + scale * bias).to(lin.bias.dtype))
         return len(updates)
 
     def _unmerged(self, lin: torch.nn.Module, current: torch.Tensor) -> torch.Tensor:
@@ -202,10 +323,11 @@ class LoraState:
         self.loaded.clear()
 
 
-def parse_lora_spec(spec) -> list[tuple[str, float, int | None]]:
+def parse_lora_spec(spec, allow_pickle: bool = False) -> list[tuple[str, float, int | None]]:
     """``PATH``, ``(PATH, SCALE)``, ``(PATH, SCALE, EXPERT)`` or a list of them -> [(path, scale, expert)].
     EXPERT: 0 (a Wan2.2 A14B checkpoint's high-noise expert), 1 (its low-noise one) or None (every expert, the
-    default); its range is checked against the checkpoint by :func:`check_loras`."""
+    default); its range is checked against the checkpoint by :func:`check_loras`. ``allow_pickle``: pickle files
+    (by name) may be given."""
     if spec is None:
         return []
     items: Iterable = [spec] if isinstance(spec, (str, Path, tuple)) else spec
@@ -229,17 +351,40 @@ def parse_lora_spec(spec) -> list[tuple[str, float, int | None]]:
         if not finite(item[1]):
             raise InvalidArgument(f"lora={spec!r}: the scale of {str(item[0])!r} is {item[1]!r}; a LoRA scale must "
                                   "be a finite number (1.0 as trained, 0.5 for half strength).")
-        check_lora_path(item[0])  # a missing file fails before the checkpoint is fetched or built
+        check_lora_path(item[0], allow_pickle)  # a missing file fails before the checkpoint is fetched or built
         out.append((str(item[0]), float(item[1]), None if item[2] is None else int(item[2])))
     return out
 
 
+def check_repeats(loras: list[tuple[str, float, int | None]]) -> None:
+    """Rule: a file merges into a DiT once. The same file (by its resolved path) twice for one DiT (the same expert,
+    or either for every expert) is refused: its update would be added twice, at the sum of the scales -- a
+    repeated ``--lora`` or list entry is a slip. (``load_lora`` on a generator that holds the file already adds it
+    again on purpose.)"""
+    seen: dict[Path, tuple[str, float, int | None]] = {}
+    for path, scale, expert in loras:
+        key = Path(path).expanduser().resolve()
+        first = seen.get(key)
+        if first is not None and (first[2] is None or expert is None or first[2] == expert):
+            where = "" if first[2] is None and expert is None else \
+                f" (experts {'all' if first[2] is None else first[2]} and {'all' if expert is None else expert})"
+            same = "" if first[0] == path else f" ({first[0]!r} is the same file)"
+            raise InvalidArgument(
+                f"LoRA file {path!r} is given twice{where}, at scales {first[1]:g} and {scale:g}{same}; a file merges "
+                "into a DiT once: give it once, at the scale you want (e.g. "
+                f"{first[1] + scale:g} for both together), or once per expert (0: high noise, 1: low noise).")
+        seen.setdefault(key, (path, scale, expert))
+
+
 def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, expert: int | None = None,
-               tensors: dict[str, torch.Tensor] | None = None) -> int:
+               tensors: dict[str, torch.Tensor] | None = None, allow_pickle: bool = False,
+               device: torch.device | str | None = None) -> int:
     """Merge the LoRA file at ``path`` into ``models`` (the experts; ``expert``: only that index, None: all), each
-    with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`). Every
-    check (file, keys, shapes, alphas, arguments) runs before any weight changes. Returns the number of modules
-    changed. NumPy / torch scalars count as the Python numbers they hold."""
+    with its :class:`LoraState`; ``tensors``: the file's contents when already read (:func:`check_loras`).
+    ``allow_pickle``: a pickle file (by name) may be read; ``device``: where the updates are computed (the
+    generator's compute device; default: where each weight is, see :meth:`LoraState.merge`). Every check (file,
+    keys, shapes, alphas, arguments, the merged weights' range) runs before any weight changes. Returns the number
+    of modules changed. NumPy / torch scalars count as the Python numbers they hold."""
     from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
 
     scale, expert = python_number(scale), python_number(expert)
@@ -253,18 +398,25 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     if expert is not None and expert not in range(len(models)):
         raise InvalidArgument(f"expert={expert!r}: this checkpoint has {len(models)} expert(s); use {experts}, "
                               "or None for all.")
+    if not isinstance(allow_pickle, bool):
+        raise InvalidArgumentType(f"allow_pickle={allow_pickle!r} must be True or False.")
     expert = None if expert is None else int(expert)
-    tensors = read_lora(path) if tensors is None else tensors
+    scale = float(scale)
+    tensors = read_lora(path, allow_pickle) if tensors is None else tensors
     chosen = range(len(models)) if expert is None else [expert]
-    updates = {i: lora_updates(tensors, models[i], f"LoRA {str(path)!r}") for i in chosen}
+    source = f"LoRA {str(path)!r}"
+    updates = {i: lora_updates(tensors, models[i], source) for i in chosen}
+    for i, upd in updates.items():  # every expert checked before any changes
+        states[i].check(models[i], upd, scale, source, device)
     changed = 0
     for i, upd in updates.items():
-        changed += states[i].merge(models[i], upd, float(scale))
-        states[i].loaded.append((str(path), float(scale)))
+        changed += states[i].merge(models[i], upd, scale, device)
+        states[i].loaded.append((str(path), scale))
     return changed
 
 
-def check_loras(loras: list[tuple[str, float, int | None]], config, experts: int = 1) -> list[dict[str, torch.Tensor]]:
+def check_loras(loras: list[tuple[str, float, int | None]], config, experts: int = 1,
+                allow_pickle: bool = False) -> list[dict[str, torch.Tensor]]:
     """Every entry of ``loras`` (:func:`parse_lora_spec`) checked for a checkpoint of ``experts`` DiTs of
     ``config``: its expert in range, its file read and matched against a DiT built on the meta device (no
     weights), so a bad entry raises before anything is loaded -> the files' tensors, in order (each file is read
@@ -280,7 +432,7 @@ def check_loras(loras: list[tuple[str, float, int | None]], config, experts: int
 
     with torch.device("meta"):
         model = WanTransformer(config)
-    files = [read_lora(path) for path, _, _ in loras]
+    files = [read_lora(path, allow_pickle) for path, _, _ in loras]
     for (path, _, _), tensors in zip(loras, files):
         lora_updates(tensors, model, f"LoRA {path!r}")
     return files

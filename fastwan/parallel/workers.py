@@ -209,8 +209,8 @@ class ParallelGenerator:
         every rank; rank 0's result (its frames and file)."""
         return self._call("generate_video", (prompt,), kwargs)
 
-    def load_lora(self, path, scale: float = 1.0, expert: int | None = None) -> None:
-        self._call("load_lora", (path, scale, expert), {})
+    def load_lora(self, path, scale: float = 1.0, expert: int | None = None, *, allow_pickle: bool = False) -> None:
+        self._call("load_lora", (path, scale, expert), {"allow_pickle": allow_pickle})
 
     def unload_lora(self) -> None:
         self._call("unload_lora", (), {})

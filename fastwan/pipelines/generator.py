@@ -29,6 +29,7 @@ from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficien
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear
 from fastwan.lora import LoraState, apply_lora, check_loras, parse_lora_spec
+from fastwan.lora.merge import check_repeats
 from fastwan.models import load_transformer
 from fastwan.models.wan.quantize import check_quantization
 from fastwan.offload import parse_memory, plan_offload
@@ -153,14 +154,17 @@ class VideoGenerator:
         or a threshold of 0: none). Under a cache each CFG pass decides with its own state, one pass after the other.
 
         ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), (path, scale, expert), or a
-        list of them (see :meth:`load_lora`; expert 0 / 1: one Wan2.2 A14B expert, as paired LoRAs need).
+        list of them (see :meth:`load_lora`; expert 0 / 1: one Wan2.2 A14B expert, as paired LoRAs need); one file
+        given twice for one DiT raises. ``allow_pickle`` also lets pickle LoRA files (.pt, .bin, ...) load.
 
         ``quantization``: None (the DiT in ``dtype``) or "fp8": every linear layer of the DiT's blocks holds an e4m3
         weight with per-output-channel scales, quantized while loading (:mod:`fastwan.models.wan.quantize`): half
         the DiT's weight memory; on sm89+ GPUs the GEMMs run in FP8 with per-token activation scales (a speed lever
         with ``enable_torch_compile``, which fuses the activation quantization), elsewhere each weight is
-        dequantized for its matmul. LoRAs merge into the FP8 weights (requantized). A folder written by ``fastwan
-        quantize`` loads in FP8 without this argument.
+        dequantized for its matmul. LoRAs (``lora=`` or :meth:`load_lora`) merge into the FP8 weights: the
+        dequantized weight plus the update, quantized again with new scales (as PEFT merges into quantized layers),
+        the same whether given here or loaded later. A folder written by ``fastwan quantize`` loads in FP8 without
+        this argument.
 
         ``max_gpu_memory``: a CUDA memory budget (bytes, or a string such as "24GiB"): the planner
         (:mod:`fastwan.offload.plan`) picks the fewest levers that fit the preset's video in it -- the text encoder
@@ -192,12 +196,13 @@ class VideoGenerator:
         cache = check_cache(cache)
         vae_chunk_frames = python_number(vae_chunk_frames)
         check_chunk(vae_chunk_frames)
-        loras = parse_lora_spec(lora)
+        loras = parse_lora_spec(lora, allow_pickle)
+        check_repeats(loras)  # one file twice for one DiT: a slip (load_lora adds a file again on purpose)
         ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
-        lora_files = check_loras(loras, ckpt.transformer_config, len(ckpt.experts))
+        lora_files = check_loras(loras, ckpt.transformer_config, len(ckpt.experts), allow_pickle)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
@@ -257,7 +262,7 @@ class VideoGenerator:
                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
                   cache=cache)
         for (path, scale, expert), tensors in zip(loras, lora_files):
-            apply_lora(gen.transformers, gen._loras, path, scale, expert, tensors=tensors)
+            apply_lora(gen.transformers, gen._loras, path, scale, expert, tensors=tensors, device=device)
         if plan is not None:
             gen.memory_plan, gen.max_gpu_memory, gen._weight_bytes = plan, budget, weights
             gen.placement = Placement(plan, device, transformers=transformers_, text_encoder=text_encoder,
@@ -268,11 +273,17 @@ class VideoGenerator:
                 t.enable_sequence_parallel(mesh.sp)
         return gen
 
-    def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None) -> None:
+    def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None, *,
+                  allow_pickle: bool = False) -> None:
         """Merge a LoRA file into the DiT weights (:mod:`fastwan.lora`: diffusers/PEFT or original-Wan keys);
-        ``expert``: 0 (high noise) or 1 for one Wan2.2 A14B expert, None for all. Checked before any change."""
+        ``expert``: 0 (high noise) or 1 for one Wan2.2 A14B expert, None for all; ``scale``: any finite number (0
+        changes nothing, a negative one subtracts the update, as diffusers' adapter weights do). Safetensors only
+        unless ``allow_pickle=True`` (a .pt / .bin / .ckpt file you trust, read weights-only). Checked before any
+        change, a merged weight that would overflow its dtype (inf) included. On FP8 weights the update merges into
+        the dequantized weight, which is quantized again."""
         with self._lock:
-            apply_lora(self.transformers, self._loras, path, scale, expert)
+            apply_lora(self.transformers, self._loras, path, scale, expert, allow_pickle=allow_pickle,
+                       device=self.device)
 
     def unload_lora(self) -> None:
         """Restore every weight the loaded LoRAs changed, bit for bit."""
