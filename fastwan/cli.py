@@ -37,6 +37,9 @@ def _generate_parser(sub) -> None:
                         "/ tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b / tiny-fastwan2.1 (default: "
                         "tiny)")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model (Hub ids only)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="also read PyTorch pickle weights (.bin, .pt, ...) of the checkpoint and --lora files, "
+                        "for sources you trust (unpickling can run code); default: safetensors only")
     p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
     p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
     p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints): an image file")
@@ -219,12 +222,12 @@ def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
     from fastwan.pipelines.setup import load_scheduler
     from fastwan.tiny import TINY_IDS
 
-    parse_lora_spec(loras)  # a missing LoRA file before anything is fetched
+    parse_lora_spec(loras, args.allow_pickle)  # a missing LoRA file before anything is fetched
     if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
         if any(expert is not None for _, _, expert in loras):  # a Hub id: its model_index.json alone is fetched
             _check_lora_experts(args.lora, loras, len(pipeline_index(args.model, args.revision).experts), args.model)
         return  # resolving a Hub id downloads the checkpoint; from_pretrained's own checks come first
-    ckpt = resolve(args.model, revision=args.revision)
+    ckpt = resolve(args.model, allow_pickle=args.allow_pickle, revision=args.revision)
     _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
     s, _, _ = check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
                            image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
@@ -263,7 +266,7 @@ def _run_generate(args) -> int:
         cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
         vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
         lora=loras, quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
-        num_gpus=num_gpus, cfg_parallel=args.cfg_parallel, revision=args.revision,
+        num_gpus=num_gpus, cfg_parallel=args.cfg_parallel, revision=args.revision, allow_pickle=args.allow_pickle,
     )
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:

@@ -131,3 +131,25 @@ def test_expert_suffix_on_a_one_dit_hub_model_is_refused(tmp_path, lora_file, lo
     with pytest.raises(Loaded):  # the same spec on a two-expert Hub model reaches the generator
         run(tmp_path, "--model", "tiny-owner/two-experts", "--lora", spec)
     assert loads["lora"] == [(str(lora_file), 1.0, 0)]
+
+
+def test_pickle_lora_needs_allow_pickle(tmp_path, monkeypatch, capsys):
+    """A pickle LoRA file is refused (one line naming --allow-pickle) unless --allow-pickle is given, which also
+    reaches from_pretrained."""
+    import torch
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise Loaded
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+    path = tmp_path / "style.pt"
+    torch.save({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(1, 1)}, path)
+    assert run(tmp_path, "--lora", str(path)) == 2
+    assert_one_error_line(capsys.readouterr().err, [repr(str(path)), "pickle", "--allow-pickle"], path)
+    assert not seen
+    with pytest.raises(Loaded):
+        run(tmp_path, "--lora", str(path), "--allow-pickle")
+    assert seen["allow_pickle"] is True and seen["lora"] == [(str(path), 1.0, None)]

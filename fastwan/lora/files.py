@@ -44,8 +44,8 @@ def check_lora_path(path, allow_pickle: bool = False) -> Path:
     if is_pickle(path) and not allow_pickle:
         raise InvalidArgument(f"LoRA file {str(path)!r} is a PyTorch pickle file ({path.suffix}); fastwan loads LoRAs "
                               "from safetensors only (convert it with safetensors.torch.save_file), unless pickles "
-                              "are allowed explicitly: allow_pickle=True, for a file you trust (unpickling can run "
-                              "code; fastwan reads tensors only).")
+                              "are allowed explicitly: allow_pickle=True (CLI --allow-pickle), for a file you trust "
+                              "(unpickling can run code; fastwan reads tensors only).")
     return path
 
 

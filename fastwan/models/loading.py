@@ -206,7 +206,7 @@ def _pickle_names(folder: Path, names: list[str], *, allow_pickle: bool) -> list
         raise CheckpointError(
             f"{folder} holds only pickle weights ({', '.join(pickles)}); fastwan loads safetensors only, "
             "because unpickling can run arbitrary code. Convert them to safetensors, or pass "
-            "allow_pickle=True if you trust the source."
+            "allow_pickle=True (CLI --allow-pickle) if you trust the source."
         )
     raise MissingFileError(
         f"{folder} has no *.safetensors weights (nor a *.safetensors.index.json); download the checkpoint again."
