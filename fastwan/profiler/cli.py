@@ -60,7 +60,7 @@ def _given(value, default):
 
 
 def problem_from_args(args: argparse.Namespace) -> Problem:
-    device = parse_device(args.device) if args.device else default_device()
+    device = parse_device(args.device) if args.device is not None else default_device()  # "" is refused
     dtype = parse_dtype(args.dtype)
     given = {"-b/--batch": args.batch, "-n/--heads": args.heads, "-d/--head-dim": args.head_dim}
     for flag, value in given.items():

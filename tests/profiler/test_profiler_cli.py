@@ -34,6 +34,7 @@ def user_error(argv, capsys) -> str:
     (["-i", "2", "4", "4", "--json", ""], "--json ''"),
     (["-i", "2", "4", "4", "--device", "meta"], "--device meta cannot be timed"),
     (["-i", "2", "4", "4", "--device", "mps"], "--device mps cannot be timed"),
+    (["-i", "2", "4", "4", "--device", ""], "not a torch device"),  # '' is a value, not the default device
 ])
 def test_bad_values_are_refused_before_work(argv, needle, capsys, no_profiling):
     # a 0 is a value the user typed, never "use the default"; every refusal comes before planning or timing
