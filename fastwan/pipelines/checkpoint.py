@@ -319,8 +319,15 @@ def pipeline_index(model: str, revision: str | None = None) -> PipelineIndex:
     """The checked ``model_index.json`` of ``model`` (a folder, a tiny id, or a Hub id, of which only that file is
     fetched): what a check needs before the components download, such as how many DiTs the pipeline has."""
     root, _, hub = _locate(model, revision)
-    index_path = root / "model_index.json"
-    return read_pipeline_index(read_json(index_path, missing=_not_a_pipeline(root, model, hub)), index_path)
+    return _read_index(root, model, hub)[1]
+
+
+def _read_index(root: Path, name: str, hub: bool) -> tuple[dict, PipelineIndex]:
+    """``root``'s ``model_index.json`` and its checked meaning; a folder without one is explained
+    (:func:`_not_a_pipeline`)."""
+    path = root / "model_index.json"
+    index = read_json(path, missing="" if path.is_file() else _not_a_pipeline(root, name, hub))
+    return index, read_pipeline_index(index, path)
 
 
 def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
@@ -391,9 +398,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         raise InvalidArgument(f"revision={revision!r} selects a version of a Hub repository, but model={name!r} is "
                               f"{'a tiny checkpoint' if tiny_variant else 'a local folder'}; drop revision, or "
                               "pass a Hub id.")
+    index, meta = _read_index(root, name, hub)
     index_path = root / "model_index.json"
-    index = read_json(index_path, missing="" if index_path.is_file() else _not_a_pipeline(root, name, hub))
-    meta = read_pipeline_index(index, index_path)
     loaded = ("text_encoder", "vae") + (("image_encoder",) if meta.image_encoder else ())  # besides the DiT
     components = REQUIRED + meta.experts[1:] + (IMAGE_COMPONENTS if meta.image_encoder else ())
     if hub:  # only the files fastwan reads (hub.py)
