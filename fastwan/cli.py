@@ -150,16 +150,16 @@ def _seed_arg(text: str) -> int:
 def _timesteps_arg(text: str) -> list[float]:
     """'1000,757,522' -> [1000.0, 757.0, 522.0] (the generator checks the values). Rule: numbers separated by
     commas, each item one number (spaces around it allowed); an error names the first item that is not."""
-    items = text.split(",")
+    items, values = text.split(","), []
     for i, item in enumerate(items, 1):
         try:
-            float(item)
+            values.append(float(item))
         except ValueError:
             what = "is empty" if not item.strip() else f"{item.strip()!r} is not a number"
             raise argparse.ArgumentTypeError(
                 f"{text!r}: item {i} of {len(items)} {what}; pass numbers separated by commas, e.g. 1000,757,522"
             ) from None
-    return [float(t) for t in items]
+    return values
 
 
 def _chunk_arg(text: str):
