@@ -168,10 +168,15 @@ CacheConfig = FirstBlockCache | TeaCache | MagCache | SkipSteps
 MAX_RANGE = 100_000  # the most steps one 'a-b' range of the CLI form may name
 # the form of each setting in the CLI form, for its error messages
 FORMS = {"threshold": "a number >= 0", "max_skip_steps": "an int >= 1", "retention_ratio": "a number in [0, 1]",
-         "coefficients": "numbers separated by '/' (highest power first), or @file.json",
-         "mag_ratios": "positive numbers separated by '/', or @file.json",
-         "steps": "step indices >= 1 separated by '/', ranges a-b (a <= b), or @file.json",
+         "coefficients": "numbers separated by ',' or '/' (highest power first), or @file.json",
+         "mag_ratios": "positive numbers separated by ',' or '/', or @file.json",
+         "steps": "step indices >= 1 separated by ',' or '/', ranges a-b (a <= b), or @file.json",
          "use_ret_steps": "true or false", "calibrate": "true or false", "first_block": "true or false"}
+LISTS = ("coefficients", "mag_ratios", "steps")  # the settings whose value is a list
+# one valid CLI form of each type, shown when a setting cannot be read
+EXAMPLES = {"first_block": "first_block:threshold=0.05", "teacache": "teacache:threshold=0.1,use_ret_steps=true",
+            "magcache": "magcache:threshold=0.1,mag_ratios=@ratios.json",
+            "skip_steps": "skip_steps:steps=2,4,10-12,first_block=true"}
 
 
 def check_cache(cache) -> CacheConfig | None:
@@ -219,7 +224,7 @@ def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
 
 
 def _parse_value(name: str, field: str, text: str):
-    if field in ("coefficients", "mag_ratios", "steps"):
+    if field in LISTS:
         if text.startswith("@"):
             path = Path(text[1:])
             try:
@@ -227,8 +232,10 @@ def _parse_value(name: str, field: str, text: str):
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"cache {name!r} (CLI --cache): {field}={text!r}: cannot read a JSON list "
                                       f"from {path} ({exc}).") from None
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
         out = []
-        for part in text.split("/"):
+        for part in text.replace(",", "/").split("/"):
             if field == "steps" and "-" in part:
                 lo, _, hi = part.partition("-")
                 lo, hi = int(lo), int(hi)
@@ -246,10 +253,27 @@ def _parse_value(name: str, field: str, text: str):
     return int(text) if field == "max_skip_steps" else float(text)
 
 
+def _settings(text: str, rest: str, example: str) -> list[tuple[str, str]]:
+    """'key=value,...' -> [(key, value), ...]. A list's items are separated by ',' or '/' (optionally in
+    brackets): a part without '=' after a list setting is its next item ('steps=2,4' is steps 2 and 4)."""
+    out: list[tuple[str, str]] = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq and out and out[-1][0] in LISTS:
+            out[-1] = (out[-1][0], f"{out[-1][1]},{item}")
+            continue
+        if not eq:
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): {item!r} is not KEY=VALUE; the form is "
+                                  f"TYPE:KEY=VALUE,KEY=VALUE,... with list items separated by ',' or '/', "
+                                  f"e.g. {example!r}.")
+        out.append((key, value))
+    return out
+
+
 def parse_cache(text: str) -> CacheConfig | None:
-    """'none' | 'TYPE[:key=value,...]' -> config. Lists (coefficients, mag_ratios, steps) are '/'-separated
-    (steps also 'a-b' ranges) or '@file.json'. E.g. 'magcache:threshold=0.1,mag_ratios=@wan13b.json',
-    'skip_steps:steps=10-20/30'."""
+    """'none' | 'TYPE[:key=value,...]' -> config. Lists (coefficients, mag_ratios, steps) are ',' or
+    '/'-separated, optionally in brackets (steps also 'a-b' ranges), or '@file.json'. E.g.
+    'magcache:threshold=0.1,mag_ratios=@wan13b.json', 'skip_steps:steps=2,4,10-20'."""
     name, _, rest = text.strip().partition(":")
     if name.lower() == "none":
         if rest:
@@ -260,12 +284,12 @@ def parse_cache(text: str) -> CacheConfig | None:
     if cls is None:
         raise InvalidArgument(f"cache={text!r} (CLI --cache): unknown type {name!r}; use none, {', '.join(CACHES)}.")
     fields = {f.name for f in dataclasses.fields(cls)}
+    example = EXAMPLES[cls.name]
     kwargs = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in fields:
-            raise InvalidArgument(f"cache={text!r} (CLI --cache): {item!r} is not KEY=VALUE with KEY one of "
-                                  f"{sorted(fields)}.")
+    for key, value in _settings(text, rest, example):
+        if key not in fields:
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): unknown setting {key!r} of {cls.name}; its "
+                                  f"settings are {', '.join(sorted(fields))}, e.g. {example!r}.")
         if key in kwargs:
             raise InvalidArgument(f"cache={text!r} (CLI --cache): {key} is given twice; give each setting once.")
         try:
@@ -273,7 +297,8 @@ def parse_cache(text: str) -> CacheConfig | None:
         except InvalidArgument:
             raise
         except ValueError:
-            raise InvalidArgument(f"cache={text!r} (CLI --cache): {key}={value!r}: must be {FORMS[key]}.") from None
+            raise InvalidArgument(f"cache={text!r} (CLI --cache): {key}={value!r}: must be {FORMS[key]}, e.g. "
+                                  f"{example!r}.") from None
     return cls(**kwargs)
 
 
