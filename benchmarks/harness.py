@@ -190,7 +190,7 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from fastwan.tiny import _tokenizer
+    from fastwan.checkpoint.tiny import _tokenizer
 
     root = Path(root)
     if (root / "model_index.json").exists():

@@ -217,10 +217,10 @@ def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
     checks again, with the attention backend's rules."""
     from fastwan.cache import check_cache, resolve_coefficients
     from fastwan.lora.merge import parse_lora_spec
-    from fastwan.pipelines.checkpoint import pipeline_index, resolve
+    from fastwan.checkpoint.resolver import pipeline_index, resolve
     from fastwan.pipelines.request import check_request, checkpoint_vae_factors
     from fastwan.pipelines.setup import load_scheduler
-    from fastwan.tiny import TINY_IDS
+    from fastwan.checkpoint.tiny import TINY_IDS
 
     parse_lora_spec(loras, args.allow_pickle)  # a missing LoRA file before anything is fetched
     if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
@@ -304,7 +304,7 @@ def _run_generate(args) -> int:
 
 
 def _run_quantize(args) -> int:
-    from fastwan.pipelines.export import export_fp8
+    from fastwan.models.wan.export import export_fp8
 
     print(f"wrote {export_fp8(args.model, args.output, overwrite=args.overwrite, device=args.device)}")
     return 0

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

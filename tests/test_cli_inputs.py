@@ -110,7 +110,7 @@ def hub_models(tmp_path, monkeypatch):
     """Two tiny checkpoints (one DiT; two experts) in an offline Hub cache, by Hub id."""
     import huggingface_hub.constants as constants
 
-    from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
+    from fastwan.checkpoint.tiny import write_hub_cache, write_tiny_checkpoint
 
     cache = tmp_path / "hub"
     for repo, variant in (("tiny-owner/one-dit", "wan2.1"), ("tiny-owner/two-experts", "wan2.2-a14b")):

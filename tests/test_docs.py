@@ -15,7 +15,7 @@ import pytest
 from fastwan import cli, envs
 from fastwan.errors import InvalidArgument
 from fastwan.profiler import cli as profiler_cli
-from fastwan.tiny import TINY_IDS, tiny_checkpoint
+from fastwan.checkpoint.tiny import TINY_IDS, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -152,7 +152,8 @@ def actual(preset) -> tuple:
 
 
 def test_readme_preset_table_is_what_checkpoints_resolve_to(tmp_path):
-    from fastwan.pipelines.checkpoint import PRESETS, resolve
+    from fastwan.checkpoint.presets import PRESETS
+    from fastwan.checkpoint.resolver import resolve
 
     rows = table_rows(README.split("Presets (used for every argument left at `None`", 1)[1])
     real = {r[0]: r for r in rows if not r[0].startswith("`")}

@@ -66,7 +66,7 @@ def test_problems_lists_every_variable_that_does_not_parse():
 
 def test_env_backend_that_cannot_run_here_raises_before_weights_load(tmp_path, monkeypatch):
     import fastwan.pipelines.generator as generator
-    from fastwan.tiny import write_tiny_checkpoint
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "wan2.1", "wan2.1", seed=0)
 

@@ -1,6 +1,6 @@
-"""Rules of the source tree: no import cycles inside fastwan, environment variables read only in fastwan/envs.py,
-no ``global`` statements, no source file over 500 lines, no ``sys.path`` edits, and the library never imports
-the test suite."""
+"""Rules of the source tree: imports run down the declared layers (:data:`LAYERS`) and form no cycle inside
+fastwan, environment variables read only in fastwan/envs.py, no ``global`` statements, no source file over 500
+lines, no ``sys.path`` edits, and the library never imports the test suite."""
 from __future__ import annotations
 
 import ast
@@ -22,25 +22,39 @@ def module_names() -> dict[str, Path]:
     return out
 
 
-def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the fastwan modules it imports anywhere in its body (function-level imports too)."""
+def _lazy_export_nodes(tree: ast.Module) -> set[int]:
+    """The nodes inside a module-level ``__getattr__`` (PEP 562 lazy re-exports: the names a package hands on when
+    first asked for, which its own code does not use)."""
+    return {id(n) for top in tree.body if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
+            for n in ast.walk(top)}
+
+
+def _imported(nodes, mods: dict[str, Path], mod: str) -> set[str]:
+    """The fastwan modules (keys of ``mods``) other than ``mod`` that the import statements among ``nodes`` name."""
     def owner(name: str) -> str | None:
         while name and name not in mods:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: set() for m in mods}
+    out = set()
+    for node in nodes:
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastwan"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("fastwan")]
+        out |= {target for target in map(owner, names) if target and target != mod}
+    return out
+
+
+def import_graph(mods: dict[str, Path], *, lazy_exports: bool = True) -> dict[str, set[str]]:
+    """module -> the fastwan modules it imports anywhere in its body (function-level imports too; those of a
+    module-level ``__getattr__`` only with ``lazy_exports``)."""
+    graph = {}
     for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastwan"):
-                names = [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names if a.name.startswith("fastwan")]
-            for name in names:
-                target = owner(name)
-                if target and target != mod:
-                    graph[mod].add(target)
+        tree = ast.parse(path.read_text())
+        skip = set() if lazy_exports else _lazy_export_nodes(tree)
+        graph[mod] = _imported((n for n in ast.walk(tree) if id(n) not in skip), mods, mod)
     return graph
 
 
@@ -81,6 +95,83 @@ def test_no_import_cycles():
 
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The layers of fastwan, lowest first: a module may import from its own layer and the ones below, never from one
+# above. A module belongs to the entry naming it or its closest package ("fastwan" alone: the package's own
+# __init__). Checkpoint I/O spans two layers: its file and safetensors readers sit below the models, which load
+# through them; resolving a checkpoint reads the models' configs, so it sits above them.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("fastwan", "fastwan.errors", "fastwan.values", "fastwan.fields"),
+    ("fastwan.envs",),
+    ("fastwan.checkpoint.files", "fastwan.checkpoint.safetensors"),
+    ("fastwan.kernels",),
+    ("fastwan.options", "fastwan.cache", "fastwan.offload"),
+    ("fastwan.attention",),
+    ("fastwan.parallel",),
+    ("fastwan.models",),
+    ("fastwan.vae",),
+    ("fastwan.lora",),
+    ("fastwan.checkpoint",),
+    ("fastwan.models.wan.export", "fastwan.offload.placement"),
+    ("fastwan.pipelines",),
+    ("fastwan.envinfo", "fastwan.profiler"),
+    ("fastwan.cli", "fastwan.__main__"),
+)
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """The index in ``layers`` of the entry that names ``module`` or its closest package; None: undeclared."""
+    best = None
+    for i, entries in enumerate(layers):
+        for entry in entries:
+            if module == entry or (entry != "fastwan" and module.startswith(entry + ".")):
+                if best is None or len(entry) > best[1]:
+                    best = (i, len(entry))
+    return None if best is None else best[0]
+
+
+def layer_problems(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every module no layer declares, and every import from a higher layer than the importer's."""
+    problems = [f"{m}: in no layer; add it to LAYERS" for m in sorted(graph) if layer_of(m, layers) is None]
+    for mod in sorted(graph):
+        low = layer_of(mod, layers)
+        problems += [f"{mod} (layer {low}) imports {t} (layer {layer_of(t, layers)}), a higher layer"
+                     for t in sorted(graph[mod]) if low is not None and (layer_of(t, layers) or 0) > low]
+    return problems
+
+
+def test_imports_run_down_the_layers():
+    assert layer_problems(import_graph(module_names(), lazy_exports=False)) == []
+
+
+def test_layer_check_finds_upward_imports_and_undeclared_modules():
+    layers = (("fastwan", "fastwan.errors"), ("fastwan.models", "fastwan.models.io"), ("fastwan.models.wan.export",),
+              ("fastwan.pipelines",))
+    graph = {"fastwan.errors": set(), "fastwan.models.io": {"fastwan.errors"},
+             "fastwan.models.wan.export": {"fastwan.models.io", "fastwan.pipelines.checkpoint"},
+             "fastwan.models.wan.config": {"fastwan.models.wan.export"}, "fastwan.pipelines.checkpoint": set(),
+             "fastwan.extra": set()}
+    assert layer_problems(graph, layers) == [
+        "fastwan.extra: in no layer; add it to LAYERS",
+        "fastwan.models.wan.config (layer 1) imports fastwan.models.wan.export (layer 2), a higher layer",
+        "fastwan.models.wan.export (layer 2) imports fastwan.pipelines.checkpoint (layer 3), a higher layer",
+    ]
+
+
+def test_package_inits_import_lazily_across_their_layers():
+    """Importing a module runs its packages' ``__init__`` first, so a package whose modules lie in several layers
+    imports (at module level) nothing above its lowest module's layer."""
+    mods = module_names()
+    problems = []
+    for pkg, path in mods.items():
+        if path.name != "__init__.py":
+            continue
+        lowest = min(layer_of(m) or 0 for m in mods if m == pkg or m.startswith(pkg + "."))
+        eager = _imported(ast.parse(path.read_text()).body, mods, pkg)  # module-level statements only
+        problems += [f"{pkg}/__init__ imports {t} (layer {layer_of(t)}) at import time; its modules start at "
+                     f"layer {lowest}" for t in sorted(eager) if (layer_of(t) or 0) > lowest]
+    assert problems == []
 
 
 def sources(*folders: str):

@@ -2,7 +2,7 @@
 
 :class:`~fastwan.attention.sparse.vsa.VideoSparseBackend` picks, per call, the key tiles every query tile
 attends to. In PyTorch that is about a dozen small kernels (a pooling sum and a division for q and for k,
-transposes, the tile scores, a scale, ``torch.topk``, then :func:`~fastwan.attention.sparse.plan.split_selected`
+transposes, the tile scores, a scale, ``torch.topk``, then :func:`~fastwan.kernels.tables.split_selected`
 for the FA4 block tables); on CUDA it becomes three launches:
 
 1. ``fastwan::vsa_pool``: one kernel mean-pools q, k (and v when the coarse output is needed) over each tile's
@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from fastwan.attention.sparse.plan import split_selected
+from fastwan.kernels.tables import split_selected
 from fastwan.kernels import triton_runs
 
 # Longest row (key tiles) the top-k kernel takes; longer rows use torch.topk + split_selected. The kernel is
@@ -87,7 +87,7 @@ def pool_reference(x: torch.Tensor, key_valid: torch.Tensor, counts: torch.Tenso
 
 def topk_tables_reference(scores: torch.Tensor, tile_full: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """The kernel's contract in PyTorch: a stable descending sort (ties to the lower index), the first ``k``,
-    then :func:`~fastwan.attention.sparse.plan.split_selected`."""
+    then :func:`~fastwan.kernels.tables.split_selected`."""
     selected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return split_selected(selected, tile_full)
 

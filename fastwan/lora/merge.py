@@ -14,6 +14,7 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear, dequantize_weight, quantize_weight
 from fastwan.lora.files import check_lora_path, finite, read_lora
 from fastwan.lora.keys import LAYERS, OTHER_ADAPTERS, PART_NAMES, TABLES, module_name
+from fastwan.values import python_number
 
 logger = logging.getLogger("fastwan")
 
@@ -334,8 +335,6 @@ def parse_lora_spec(spec, allow_pickle: bool = False) -> list[tuple[str, float, 
     if not isinstance(items, (list, tuple)):
         raise InvalidArgumentType(f"lora={spec!r}: give a path, (path, scale), (path, scale, expert), or a list of "
                                   "them.")
-    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
-
     out = []
     for item in items:
         if isinstance(item, (str, Path)):
@@ -385,8 +384,6 @@ def apply_lora(models: list, states: list[LoraState], path, scale: float = 1.0, 
     generator's compute device; default: where each weight is, see :meth:`LoraState.merge`). Every check (file,
     keys, shapes, alphas, arguments, the merged weights' range) runs before any weight changes. Returns the number
     of modules changed. NumPy / torch scalars count as the Python numbers they hold."""
-    from fastwan.pipelines.inputs import python_number  # imported here: fastwan.pipelines imports this module
-
     scale, expert = python_number(scale), python_number(expert)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InvalidArgumentType(f"scale={scale!r} must be a number (the LoRA's strength, 1.0 as trained).")

@@ -194,7 +194,7 @@ def _check_budget(budget) -> int:
 
 def reserve(total: int) -> int:
     """Bytes of a budget ``total`` a plan leaves free for the CUDA caching allocator: max(1 GiB, 1/16 of it)
-    (:func:`fastwan.pipelines.memory.usable` says why)."""
+    (:func:`fastwan.offload.placement.usable` says why)."""
     return max(GiB, total // 16)
 
 

@@ -39,17 +39,16 @@ from fastwan.parallel.launch import mode as parallel_mode
 from fastwan.vae.decode import check_chunk, decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
-from fastwan.pipelines.checkpoint import (
-    WAN_NEGATIVE_PROMPT,
-    Checkpoint,
-    resolve,
-)
-from fastwan.pipelines.components import tokenizer_class
+from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT
+from fastwan.checkpoint.resolver import Checkpoint, resolve
+from fastwan.checkpoint.components import tokenizer_class
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.request import check_request
-from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
+from fastwan.offload.placement import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, encode_request
-from fastwan.pipelines.inputs import python_number, random_seed, runs_cfg
+from fastwan.checkpoint.presets import runs_cfg
+from fastwan.pipelines.inputs import random_seed
+from fastwan.values import python_number
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention

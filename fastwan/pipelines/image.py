@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.inputs import python_number
+from fastwan.values import python_number
 from fastwan.vae.decode import vae_scale_factors
 
 
@@ -203,7 +203,7 @@ def default_size(image, area: int, multiple: int, height=None, width=None, max_s
     """(height, width) with the image's aspect ratio, each rounded down to ``multiple`` (at least one multiple):
     neither given -> about ``area`` pixels; one given (a positive int) -> the other from it; both given -> as given.
     A given side that is not a positive int is returned as is, for the size checks to name; NumPy / torch scalars
-    count as the Python numbers they hold (:func:`~fastwan.pipelines.inputs.python_number`). A side it derives
+    count as the Python numbers they hold (:func:`~fastwan.values.python_number`). A side it derives
     longer than ``max_side`` pixels (the DiT's RoPE range) raises, naming the image's aspect ratio."""
     height, width = python_number(height), python_number(width)
     aspect = image.height / image.width

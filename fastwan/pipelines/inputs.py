@@ -1,9 +1,9 @@
 """Checks of ``generate_video``'s arguments, all made before any compute: prompts, sizes, step count (against
 the scheduler's own limit), guidance scales, fps and the seed. Each failure names the value, the rule and the fix.
 
-Rule for numbers (:func:`python_number`): a NumPy scalar, or a 0-d NumPy array / torch tensor, stands for the Python
-number it holds (int for integer dtypes, float for floating ones); a bool of any library is never a number, and
-nothing else is converted (``480.0`` is not a size, ``"5"`` not a scale).
+Rule for numbers (:func:`fastwan.values.python_number`): a NumPy scalar, or a 0-d NumPy array / torch tensor,
+stands for the Python number it holds (int for integer dtypes, float for floating ones); a bool of any library is
+never a number, and nothing else is converted (``480.0`` is not a size, ``"5"`` not a scale).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import secrets
 import numpy as np
 import torch
 
+from fastwan.checkpoint.components import SHIFT_KEYS
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.pipelines.text import clean_prompt
-
-SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
+from fastwan.values import python_number
 
 SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
 RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
@@ -68,13 +68,6 @@ def expert_guidance(preset, guidance_scale, guidance_scale_2) -> tuple:
     return guidance_scale, guidance_scale_2
 
 
-def runs_cfg(s) -> bool:
-    """Rule: a video runs CFG (and encodes the negative prompt) when some expert's guidance scale is above 1; a
-    step then runs the unconditional pass unless its expert's scale is exactly 1 (its prediction is the
-    conditional one). diffusers looks at ``guidance_scale`` alone, ignoring ``guidance_scale_2`` when it is 1."""
-    return s.guidance_scale > 1.0 or (s.guidance_scale_2 is not None and s.guidance_scale_2 > 1.0)
-
-
 def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
                      max_grid: int | None = None) -> tuple[int, int, int]:
     """The size rules of a video for a VAE of (temporal, spatial) ``vae_factors`` and a DiT of ``patch`` (time,
@@ -110,19 +103,6 @@ def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int],
                 f"{name}={v} gives {n} DiT tokens along that axis, more than this checkpoint's "
                 f"rope_max_seq_len={max_grid}; make the video smaller along it.")
     return grid
-
-
-def python_number(value):
-    """``value`` as the Python scalar it holds when it is a NumPy scalar or a 0-d NumPy array / torch tensor
-    (``.item()``: int, float or bool by its dtype); anything else as it is, for the checks to name."""
-    if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim != 0:
-        return value
-    if isinstance(value, (np.generic, np.ndarray, torch.Tensor)):
-        try:
-            return value.item()
-        except (RuntimeError, ValueError):  # a tensor without data (meta device): left for the checks to name
-            return value
-    return value
 
 
 def as_float(value) -> float:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType, OutputExistsError, OutputPathError, VideoWriteError
-from fastwan.files import FILE_MODE, new_temp_file
+from fastwan.checkpoint.files import FILE_MODE, new_temp_file
 
 VIDEO_SUFFIX = ".mp4"
 # Suffixes that name a video or image file of a format fastwan does not write (refused rather than made a folder).
@@ -302,8 +302,8 @@ def _claim(tmp: Path, candidate: Path) -> bool:
 
 
 def _new_temp(folder: Path) -> Path:
-    """Create a new empty hidden file in ``folder`` (:func:`fastwan.files.new_temp_file`: exclusive create, mode
-    0o666 less the umask, like any file)."""
+    """Create a new empty hidden file in ``folder`` (:func:`fastwan.checkpoint.files.new_temp_file`: exclusive create,
+    mode 0o666 less the umask, like any file)."""
     return new_temp_file(folder, TEMP_PREFIX, TEMP_SUFFIX)
 
 

@@ -3,8 +3,9 @@ the scheduler), with no weight loaded: ``generate_video`` runs it before any com
 the model, so a mistyped argument fails in seconds rather than after minutes of loading."""
 from __future__ import annotations
 
-from fastwan.models.loading import read_json
-from fastwan.pipelines.checkpoint import Checkpoint, with_overrides
+from fastwan.checkpoint.safetensors import read_json
+from fastwan.checkpoint.presets import with_overrides
+from fastwan.checkpoint.resolver import Checkpoint
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift

@@ -35,22 +35,24 @@ from dataclasses import replace
 
 import torch
 
+from fastwan.checkpoint.components import SHIFT_KEYS
+from fastwan.checkpoint.presets import DMD_SHIFT
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.inputs import SHIFT_KEYS, as_float, finite_float, python_number
+from fastwan.pipelines.inputs import as_float, finite_float
+from fastwan.values import python_number
 
 SAMPLERS = ("default", "euler", "dmd")
 TRAIN_TIMESTEPS = 1000  # the Wan models' flow-matching training grid
-DMD_SHIFT = 8.0  # FastVideo's DmdDenoisingStage: FlowMatchEulerDiscreteScheduler(shift=8.0), for every checkpoint
 NUMBER_FIELDS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2", "fps")
 
 
 def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_inference_steps=None):
-    """``preset`` (a :class:`~fastwan.pipelines.checkpoint.Preset`) with the call's sampling settled from its
+    """``preset`` (a :class:`~fastwan.checkpoint.presets.Preset`) with the call's sampling settled from its
     arguments (``None``: the preset's value): ``sampler``, ``num_inference_steps``, ``timesteps`` (None: the
     sampler's own) and ``flow_shift`` (None: the checkpoint scheduler's). Raises before any compute on an unknown
     sampler, timesteps that are not strictly decreasing in (0, 1000], timesteps with the default sampler, a step
     count that disagrees with the timesteps, or a flow shift that is not positive. Every number of the result is
-    the Python number the call gave (:func:`~fastwan.pipelines.inputs.python_number`: NumPy / torch scalars
+    the Python number the call gave (:func:`~fastwan.values.python_number`: NumPy / torch scalars
     converted), so the settings, their digest and every size computed from them are plain ints and floats."""
     preset = replace(preset, **{k: python_number(getattr(preset, k)) for k in NUMBER_FIELDS})
     num_inference_steps, flow_shift = python_number(num_inference_steps), python_number(flow_shift)
@@ -157,8 +159,8 @@ def check_training_grid(s, scheduler) -> None:
 
 def sampler_shift(s, scheduler) -> float:
     """The flow shift an euler / dmd request ``s`` samples with: its own (the call's or the preset's), else for
-    dmd FastVideo's DMD stage's (:data:`DMD_SHIFT`) and for euler the checkpoint scheduler's; raises when an euler
-    request has none."""
+    dmd FastVideo's DMD stage's (:data:`~fastwan.checkpoint.presets.DMD_SHIFT`) and for euler the checkpoint
+    scheduler's; raises when an euler request has none."""
     if s.flow_shift is not None:
         return s.flow_shift
     if s.sampler == "dmd":

@@ -16,9 +16,10 @@ from fastwan.attention import AttentionDispatch
 from fastwan.attention.registry import backend_keys, requested_backend
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.options import DiTOptions
-from fastwan.pipelines.inputs import python_number
-from fastwan.pipelines.checkpoint import VSA_TILE, Checkpoint, trained_vsa_sparsity
-from fastwan.pipelines.components import scheduler_class
+from fastwan.values import python_number
+from fastwan.checkpoint.presets import VSA_TILE, trained_vsa_sparsity
+from fastwan.checkpoint.resolver import Checkpoint
+from fastwan.checkpoint.components import scheduler_class
 
 logger = logging.getLogger("fastwan")
 
@@ -66,7 +67,7 @@ def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compi
 
 def load_scheduler(ckpt: Checkpoint):
     """The checkpoint's diffusers scheduler: the class diffusers' pipeline loading builds
-    (:func:`fastwan.pipelines.components.scheduler_class`) from ``scheduler/scheduler_config.json``."""
+    (:func:`fastwan.checkpoint.components.scheduler_class`) from ``scheduler/scheduler_config.json``."""
     cls, cfg = scheduler_class(ckpt.index, ckpt.root)
     return cls.from_config(cfg)
 

@@ -13,7 +13,7 @@ import torch
 from fastwan.attention.variants import BackendSpec, backend_specs
 from fastwan.envinfo import default_device, parse_device, parse_dtype
 from fastwan.errors import InvalidArgument, OneLineParser, OutputPathError, UserError, one_line
-from fastwan.models.loading import write_atomically
+from fastwan.checkpoint.safetensors import write_atomically
 from fastwan.profiler.problem import MODELS, Problem, model_grid, model_preset
 from fastwan.profiler.output import render, report
 from fastwan.profiler.runner import plan, run

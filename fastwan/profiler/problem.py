@@ -44,11 +44,11 @@ def model_preset(model: str) -> ModelPreset:
         raise InvalidArgumentType(f"model={model!r} must be a string (a preset, tiny model name or folder).")
     if model in MODELS:
         return MODELS[model]
-    from fastwan.tiny import TINY_IDS
+    from fastwan.checkpoint.tiny import TINY_IDS
 
     if model in TINY_IDS or (model.strip() and Path(model).expanduser().exists()):
         return _checkpoint_preset(model)
-    from fastwan.models.loading import HUB_MODEL_ID
+    from fastwan.checkpoint.safetensors import HUB_MODEL_ID
 
     hub = " Hub ids are not downloaded here: download the checkpoint and pass its folder." if HUB_MODEL_ID.match(
         model) else ""
@@ -59,9 +59,9 @@ def model_preset(model: str) -> ModelPreset:
 
 
 def _checkpoint_preset(model: str) -> ModelPreset:
-    """The attention problem of a checkpoint ``fastwan.pipelines.checkpoint.resolve`` accepts, at its preset size."""
-    from fastwan.models.loading import read_json
-    from fastwan.pipelines.checkpoint import resolve
+    """The attention problem of a checkpoint ``fastwan.checkpoint.resolver.resolve`` accepts, at its preset size."""
+    from fastwan.checkpoint.safetensors import read_json
+    from fastwan.checkpoint.resolver import resolve
     from fastwan.vae.decode import scale_factors
 
     ckpt = resolve(model)

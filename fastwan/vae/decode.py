@@ -152,7 +152,7 @@ def vae_tiling_kwargs(value, vae_folder: Path) -> dict | None:
     unknown = sorted(set(value) - set(VAE_TILING_KEYS), key=repr)  # keys of any type
     if unknown:
         raise InvalidArgument(f"vae_tiling has unknown keys {unknown}; allowed: {list(VAE_TILING_KEYS)} (pixels).")
-    from fastwan.models.loading import read_json
+    from fastwan.checkpoint.safetensors import read_json
 
     factor = scale_factors(read_json(vae_folder / "config.json", missing="the VAE component needs it."))[1]
     out = {}

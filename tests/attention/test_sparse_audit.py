@@ -110,7 +110,7 @@ def test_sta_strategy_keys_naming_one_entry_twice_raise(strategy, msg):
 def test_from_pretrained_checks_the_strategy_against_the_dit_before_weights_load(tmp_path, monkeypatch):
     """Five per-head windows for a DiT with fewer heads: refused by from_pretrained, before any weight loads."""
     import fastwan.pipelines.generator as generator
-    from fastwan.tiny import write_tiny_checkpoint
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "wan2.1", "wan2.1", seed=0)
 

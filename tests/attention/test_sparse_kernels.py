@@ -11,7 +11,8 @@ from fastwan.attention import base
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse import fa4, flex
-from fastwan.attention.sparse.plan import BlockPlan, compact, split_selected
+from fastwan.attention.sparse.plan import BlockPlan
+from fastwan.kernels.tables import compact, split_selected
 
 
 def blocks_from_lists(num, idx, n):

@@ -110,7 +110,7 @@ def test_derived_fastwan_checkpoint_loads_its_gates(tmp_path):
 
     from benchmarks.harness import derive_fastwan
     from fastwan import VideoGenerator
-    from fastwan.tiny import write_tiny_checkpoint
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
     plain = write_tiny_checkpoint(tmp_path / "plain", "wan2.1")
     derive_fastwan(plain, tmp_path / "fw")

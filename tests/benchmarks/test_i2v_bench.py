@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks import i2v
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 
 def test_bench_image_is_deterministic_rgb():

@@ -18,7 +18,7 @@ from fastwan.attention.backends import packages as kernels
 from fastwan.attention.backends.flash import FlashAttnBackend
 from fastwan.attention.backends.sage import SageAttnBackend
 from fastwan.attention.synthetic import reference_attention
-from fastwan.kernels import attention as _ops
+from fastwan.attention.backends import ops as _ops
 
 CALLS: list[dict] = []
 
@@ -219,7 +219,7 @@ def test_importing_fastwan_imports_no_external_kernel_package():
         "        return None\n"
         "sys.meta_path.insert(0, Spy())\n"
         "import fastwan, fastwan.attention, fastwan.attention.backends.flash, fastwan.attention.backends.sage\n"
-        "import fastwan.kernels.attention, fastwan.envinfo, fastwan.profiler\n"
+        "import fastwan.attention.backends.ops, fastwan.envinfo, fastwan.profiler\n"
         "from fastwan.attention import create_backend\n"
         "create_backend('FLASH_ATTN'); create_backend('SAGE_ATTN')\n"
         "print(seen)\n"

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from fastwan.attention.base import AttentionMetadata
-from fastwan.attention.sparse.plan import BlockPlan, split_selected
+from fastwan.attention.sparse.plan import BlockPlan
+from fastwan.kernels.tables import split_selected
 from fastwan.attention.sparse.vsa import VideoSparseBackend, tile_pool, topk_count
 from fastwan.kernels import vsa as vk
 

@@ -19,10 +19,10 @@ from fastwan.errors import InvalidArgument, OutputPathError
 from fastwan.models import load_transformer
 from fastwan.offload import Footprint, parse_memory, plan_offload
 from fastwan.offload.plan import GiB
-from fastwan.pipelines import export
-from fastwan.pipelines.checkpoint import resolve
-from fastwan.pipelines.export import export_fp8
-from fastwan.pipelines.memory import job_footprint, usable, weight_bytes
+from fastwan.models.wan import export
+from fastwan.checkpoint.resolver import resolve
+from fastwan.models.wan.export import export_fp8
+from fastwan.offload.placement import job_footprint, usable, weight_bytes
 
 MiB = 2**20
 FP = Footprint(text_encoder=11000 * MiB, text_encoder_layer=420 * MiB, text_encoder_layers=24,
@@ -129,7 +129,7 @@ def test_export_overwrites_only_a_former_export(tiny_ckpts, tmp_path, no_loading
 
 
 def test_export_checks_device_and_destination_first(tiny_ckpts, tmp_path, monkeypatch, no_loading, capsys):
-    monkeypatch.setattr("fastwan.pipelines.checkpoint.resolve",
+    monkeypatch.setattr("fastwan.checkpoint.resolver.resolve",
                         lambda *a, **k: pytest.fail("the checkpoint was read first"))
     for device in ("gpu", "meta", 3):
         with pytest.raises(InvalidArgument, match=re.escape(f"device={device!r}")):

@@ -26,7 +26,7 @@ from fastwan.envs import NO_MULTICAST
 from fastwan.errors import InvalidArgument, VideoWriteError
 from fastwan.parallel import launch
 from fastwan.parallel.workers import ParallelError, ParallelGenerator
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 READY = ("ok", {"checkpoint": None, "preset": None, "memory_plan": None})
 

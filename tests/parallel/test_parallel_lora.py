@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 from tests.parallel.test_parallel_pipeline import image
 from tests.pipelines.test_lora import random_lora
 

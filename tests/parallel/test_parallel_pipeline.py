@@ -19,7 +19,7 @@ from fastwan import VideoGenerator
 from fastwan.attention.registry import attention_backend
 from fastwan.errors import InvalidArgument, OutputExistsError
 from fastwan.parallel.workers import ParallelError, ParallelGenerator
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 SIZES = {"wan2.2-ti2v": dict(height=96, width=160)}  # token grid 3 x 3 x 5 = 45 for every variant
 RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)

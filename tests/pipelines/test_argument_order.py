@@ -6,9 +6,9 @@ import pytest
 from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError, UserError
 from fastwan.pipelines import generator
-from fastwan.pipelines.checkpoint import PRESETS
+from fastwan.checkpoint.presets import PRESETS
 from fastwan.pipelines.sampling import check_sampling
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 
 @pytest.mark.parametrize("kw, error", [

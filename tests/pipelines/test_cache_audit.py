@@ -19,7 +19,7 @@ from fastwan.cache import (
     resolve_coefficients,
 )
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 STEPS, SIZE = 6, dict(height=64, width=64, num_frames=9)
 PROMPT, NEG = "a fox in the snow", "blurry"

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError, InvalidArgument, MissingFileError
-from fastwan.pipelines.checkpoint import resolve
-from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
+from fastwan.checkpoint.resolver import resolve
+from fastwan.checkpoint.tiny import write_hub_cache, write_tiny_checkpoint
 
 GEN = dict(prompt="a kite", seed=3, height=32, width=32, num_frames=5, num_inference_steps=2, save_video=False)
 WEIGHTS = {"transformer": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model"}

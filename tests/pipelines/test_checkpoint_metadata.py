@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 DELETE = object()  # a mutation that removes the key
 

@@ -1,4 +1,4 @@
-"""Checks across a checkpoint's components (``fastwan.pipelines.components``) and the layouts they let load:
+"""Checks across a checkpoint's components (``fastwan.checkpoint.components``) and the layouts they let load:
 a DiT stored in FP8 without scales, the scheduler and tokenizer classes ``model_index.json`` names, pickle weight
 variants; and the mismatches refused before any weight loads (VAE channels, text width, weight file names,
 scheduler shifts). Where a layout loads, its frames are diffusers' on the same folder (fp32, within 1)."""
@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError
-from fastwan.pipelines.checkpoint import resolve
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.resolver import resolve
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 from tests.pipelines.test_pipeline_parity import reference_frames
 
 GEN = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=5.0)

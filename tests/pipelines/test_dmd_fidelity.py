@@ -25,9 +25,10 @@ from PIL import Image
 
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError, InvalidArgument
-from fastwan.pipelines.checkpoint import Preset, resolve
+from fastwan.checkpoint.presets import Preset
+from fastwan.checkpoint.resolver import resolve
 from fastwan.pipelines.sampling import Schedule, check_sampling
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 from tests.pipelines.latents import generate_with_latents
 
 PRESET = Preset(64, 64, 9, 8, 1.0, None, 8)

@@ -19,8 +19,8 @@ import torch
 
 from fastwan.cli import main
 from fastwan.errors import InvalidArgument, InvalidArgumentType, OutputPathError
-from fastwan.pipelines import export
-from fastwan.pipelines.export import export_fp8
+from fastwan.models.wan import export
+from fastwan.models.wan.export import export_fp8
 
 REFUSED = "replaces only a former FP8 export"
 FIX = "choose another output folder, or remove this one yourself"
@@ -265,7 +265,7 @@ def test_files_written_atomically_have_the_modes_of_the_umask(tmp_path, umask):
     """Also when the writer makes its file owner-only (safetensors writes a private file and renames it)."""
     from safetensors.torch import save_file
 
-    from fastwan.models.loading import write_atomically
+    from fastwan.checkpoint.safetensors import write_atomically
     from fastwan.pipelines.output import _new_temp
 
     write_atomically(tmp_path / "a.json", lambda tmp: Path(tmp).write_text("{}"))
@@ -282,7 +282,7 @@ def test_files_written_atomically_have_the_modes_of_the_umask(tmp_path, umask):
 
 
 def test_the_tiny_checkpoint_cache_has_the_modes_of_the_umask(tmp_path, monkeypatch, umask):
-    from fastwan.tiny import tiny_checkpoint
+    from fastwan.checkpoint.tiny import tiny_checkpoint
 
     monkeypatch.setenv("FASTWAN_CACHE", str(tmp_path / "cache"))
     root = tiny_checkpoint("wan2.1")

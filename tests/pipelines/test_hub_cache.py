@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_hub_cache, write_tiny_checkpoint
 
 REPO = "tiny-owner/tiny-wan-sharded"
 GEN = dict(seed=5, height=64, width=64, num_frames=5, num_inference_steps=2, save_video=False)
@@ -173,7 +173,7 @@ def test_broken_link_is_named(plain, tmp_path, layout):
 def test_lone_file_and_index_follow_one_rule(tmp_path):
     """One rule for a lone .safetensors and for an index's shard: the file is addressed by its name in the
     folder, and a link there is followed to wherever it points (here a suffix-less file in another folder)."""
-    from fastwan.models.loading import weight_files
+    from fastwan.checkpoint.safetensors import weight_files
 
     src = write_tiny_checkpoint(tmp_path / "src", "wan2.1")
     linked = tmp_path / "linked"

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError
-from fastwan.tiny import write_hub_cache, write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_hub_cache, write_tiny_checkpoint
 
 REPO = "tiny-owner/tiny-wan-extra"
 GEN = dict(seed=3, height=64, width=64, num_frames=5, num_inference_steps=2, save_video=False)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from fastwan import VideoGenerator
 from fastwan.cache import FirstBlockCache, MagCache, TeaCache
 from fastwan.options import DiTOptions
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 from tests.pipelines.test_image_shapes_parity import picture
 
 pytest.importorskip("peft")

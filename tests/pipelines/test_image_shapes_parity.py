@@ -21,7 +21,7 @@ from PIL import Image
 
 from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 from tests.pipelines.latents import generate_with_latents
 from tests.pipelines.test_cfg import record_batches
 
@@ -91,7 +91,7 @@ def compare(models, name, image, reference=None, *, last=None, negative=None, **
     (Wan's own), given to diffusers explicitly."""
     from diffusers.utils import load_image
 
-    from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT
+    from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT
 
     gen, pipe = models(name)
     extra = {} if last is None else {"last_image": last}

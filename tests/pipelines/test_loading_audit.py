@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from fastwan.errors import CheckpointError, InvalidArgument
 from fastwan.lora import LoraState, apply_lora
 from fastwan.models.wan.loading import load_transformer
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 pytest.importorskip("peft")
 MODULES = ("blocks.0.attn1.to_q", "blocks.0.attn2.to_out.0", "blocks.1.ffn.net.0.proj")
@@ -212,7 +212,7 @@ def test_index_naming_only_some_shards_of_its_set_is_named(tmp_path):
 
     from safetensors.torch import load_file
 
-    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.checkpoint.resolver import resolve
 
     root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
     folder = root / "transformer"
@@ -236,7 +236,7 @@ def test_a_stray_safetensors_file_beside_the_weights_is_not_read(tmp_path, stray
     beside the weights is not read: the checkpoint resolves and the DiT loads the same tensors."""
     import shutil
 
-    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.checkpoint.resolver import resolve
 
     root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
     save_file({"blocks.0.lora_A.weight": torch.ones(2, 3)}, str(root / "transformer" / stray))

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument, InvalidArgumentType, MissingFileError
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 pytest.importorskip("peft")
 SIZE = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 from tests.pipelines.test_lora_formats import SCALE, Lora, assert_same_merge
 
 

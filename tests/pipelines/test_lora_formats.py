@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
 from fastwan.kernels.fp8 import Fp8Linear
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 pytest.importorskip("peft")
 SCALE = 0.7

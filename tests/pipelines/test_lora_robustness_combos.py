@@ -171,7 +171,7 @@ def test_host_memory_weights_merge_to_the_bits_of_gpu_weights(q):
 @pytest.mark.parametrize("q", [None, "fp8"])
 def test_cuda_plan_lora_video_equals_the_video_without_the_plan(files, q):
     from fastwan.offload import OffloadPlan
-    from fastwan.pipelines.memory import Placement
+    from fastwan.offload.placement import Placement
 
     def gen(**kw):
         return VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cuda", dtype=torch.bfloat16,

@@ -1,4 +1,4 @@
-"""Memory budgets (fastwan.pipelines.memory) on the CPU: every offload plan carried out on a tiny generator gives the
+"""Memory budgets (fastwan.offload.placement) on the CPU: every offload plan carried out on a tiny generator gives the
 frames of the generator without one, bit for bit in fp32 (text encoder offloaded or streamed layer by layer, A14B
 experts swapped at the boundary, the DiT offloaded outside denoising, DiT blocks streamed); the planner's choices
 at the real Wan2.1-14B / A14B shapes for given budgets (bf16 and FP8); budgets that cannot fit raise before any
@@ -15,7 +15,7 @@ from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument
 from fastwan.offload import OffloadPlan, plan_offload
 from fastwan.offload.plan import GiB
-from fastwan.pipelines.memory import Placement, estimate_footprint, weight_bytes
+from fastwan.offload.placement import Placement, estimate_footprint, weight_bytes
 
 RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)
 
@@ -70,7 +70,8 @@ def write_configs(root, experts=1):
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config
 
-    from fastwan.pipelines.checkpoint import Checkpoint, Preset
+    from fastwan.checkpoint.presets import Preset
+    from fastwan.checkpoint.resolver import Checkpoint
 
     dit = dict(_class_name="WanTransformer3DModel", patch_size=[1, 2, 2], num_attention_heads=40,
                attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,

@@ -5,7 +5,7 @@ import torch
 from diffusers import WanPipeline
 
 from fastwan import VideoGenerator
-from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT
+from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT
 from tests.pipelines.latents import generate_with_latents
 
 SIZE = dict(height=64, width=64, num_frames=9)

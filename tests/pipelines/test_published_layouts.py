@@ -1,6 +1,6 @@
 """The published Hub checkpoints' layouts in miniature: a tiny checkpoint rewritten where the published repos differ
-from what ``fastwan.tiny`` writes. Each loads and gives the frames of the plain tiny checkpoint (the differences
-change no number).
+from what ``fastwan.checkpoint.tiny`` writes. Each loads and gives the frames of the plain tiny checkpoint (the
+differences change no number).
 
 - FastVideo/FastWan2.1-T2V-*-Diffusers (``WanDMDPipeline``) carry VSA's gate projection under FastVideo's module
   path, ``blocks.N.to_gate_compress.{weight,bias}``: FastVideo's DiT defines it there (models/dits/wanvideo.py),
@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError
-from fastwan.pipelines.checkpoint import resolve
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.resolver import resolve
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 FASTWAN_SIZE = dict(height=64, width=64, num_frames=9)  # VSA's 4 x 4 x 4-token tiles fit it
 GEN = dict(height=32, width=32, num_frames=5, num_inference_steps=2, save_video=False)

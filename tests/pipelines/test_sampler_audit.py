@@ -11,7 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from fastwan.errors import InvalidArgumentType
-from fastwan.pipelines.checkpoint import Preset
+from fastwan.checkpoint.presets import Preset
 from fastwan.pipelines.sampling import Schedule, check_sampling
 
 PRESET = Preset(64, 64, 9, 8, 5.0, None, 8)

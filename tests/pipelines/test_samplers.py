@@ -19,7 +19,7 @@ from diffusers import WanPipeline
 
 from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.tiny import write_tiny_checkpoint
+from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
 SIZE = dict(height=64, width=64, num_frames=9)
 PROMPT = "a red fox runs through snow"
@@ -226,7 +226,7 @@ def test_bad_sampling_raises_before_compute(no_compute, kw, exc, msg):
 def test_schedule_sigmas_match_the_rule(rule, shift):
     """The sigmas themselves (the DMD grid snap is below a uint8 step on the frames): near 0 the shift-8 grid is
     coarse, so t = 13 maps to the grid's 0.0158, not 0.013."""
-    from fastwan.pipelines.checkpoint import Preset
+    from fastwan.checkpoint.presets import Preset
     from fastwan.pipelines.sampling import Schedule
 
     ts = [1000, 757, 522, 13]
@@ -248,7 +248,7 @@ def test_dmd_pipeline_of_another_wan_kind_gets_dmd_defaults(tiny_ckpts, tmp_path
     (shift=8.0) itself, so FastWan2_2_TI2V_5B_Config's flow_shift 5.0 never reaches the DMD steps."""
     import json
 
-    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.checkpoint.resolver import resolve
 
     src = tiny_ckpts[variant]
     dst = tmp_path / "dmd"

@@ -20,7 +20,7 @@ from fastwan.cache import FirstBlockCache, MagCache
 from fastwan.errors import CheckpointError, InvalidArgument
 from fastwan.offload.plan import GiB, plan_offload
 from fastwan.options import DiTOptions
-from fastwan.pipelines.memory import Placement, job_footprint, usable, weight_bytes
+from fastwan.offload.placement import Placement, job_footprint, usable, weight_bytes
 from fastwan.vae.decode import tiling_state
 
 RUN = dict(height=64, width=64, num_frames=5, num_inference_steps=3, guidance_scale=5.0, seed=3, save_video=False)

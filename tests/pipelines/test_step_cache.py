@@ -13,7 +13,7 @@ import torch
 from fastwan import VideoGenerator
 from fastwan.cache import FirstBlockCache, MagCache, SkipSteps, TeaCache, parse_cache, teacache_model
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.tiny import tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint
 
 STEPS, SIZE = 10, dict(height=64, width=64, num_frames=9)
 PROMPT, NEG = "a fox in the snow", "blurry"

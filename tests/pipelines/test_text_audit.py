@@ -58,7 +58,7 @@ def test_embeddings_match_diffusers(text_parts, prompt):
 
 def test_empty_negative_prompt_is_diffusers_none_and_empty(text_parts):
     """diffusers encodes negative_prompt None and "" alike (as ""); fastwan's encoding of "" is that embedding
-    (generate_video's None is Wan's own negative prompt instead, by design: fastwan.pipelines.checkpoint)."""
+    (generate_video's None is Wan's own negative prompt instead, by design: fastwan.checkpoint.presets)."""
     tok, te, pipe = text_parts
     _, none_neg = diffusers_embeds(pipe, "a fox", None)
     _, empty_neg = diffusers_embeds(pipe, "a fox", "")

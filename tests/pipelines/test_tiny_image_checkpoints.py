@@ -14,7 +14,7 @@ from fastwan.errors import InvalidArgument
 from fastwan.models import load_transformer
 from fastwan.options import DiTOptions
 from fastwan.pipelines.image import clip_tokens, condition_latents, pixels
-from fastwan.tiny import IMAGE_VARIANTS, write_tiny_checkpoint
+from fastwan.checkpoint.tiny import IMAGE_VARIANTS, write_tiny_checkpoint
 from tests.pipelines.latents import generate_with_latents
 
 
@@ -74,7 +74,7 @@ def test_pipeline_matches_diffusers(image_ckpt, guidance, negative):
     its expert switch (6 steps)."""
     from diffusers import WanImageToVideoPipeline
 
-    from fastwan.pipelines.checkpoint import WAN_NEGATIVE_PROMPT
+    from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT
 
     variant, path = image_ckpt
     extra = {"last_image": frames(1)} if variant in ("wan2.1-flf2v", "wan2.2-i2v-a14b") else {}
@@ -161,8 +161,8 @@ def test_wan21_i2v_area_follows_the_checkpoint_name(tmp_path, monkeypatch):
     the default size follows it with the image's aspect ratio."""
     from huggingface_hub import constants
 
-    from fastwan.pipelines.checkpoint import resolve
-    from fastwan.tiny import write_hub_cache
+    from fastwan.checkpoint.resolver import resolve
+    from fastwan.checkpoint.tiny import write_hub_cache
 
     src = write_tiny_checkpoint(tmp_path / "src", "wan2.1-i2v")
     (tmp_path / "exports_720p").mkdir()

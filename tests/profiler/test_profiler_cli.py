@@ -50,7 +50,7 @@ def test_model_takes_tiny_names_and_folders_like_generate(tmp_path, tiny_ckpts, 
     # a tiny model name: the DiT's heads and head dim, the grid from Wan2.1's VAE (4x time, 8x space) and patch
     assert cli.main(["--model", "tiny", "--height", "64", "--width", "96", "--num-frames", "9", "--dry-run",
                      "--device", "cpu", "--backend", "TORCH_SDPA", "--json", str(out)]) == 0
-    from fastwan.tiny import tiny_checkpoint
+    from fastwan.checkpoint.tiny import tiny_checkpoint
 
     dit = json.loads((tiny_checkpoint("wan2.1") / "transformer" / "config.json").read_text())
     pt, ph, pw = dit["patch_size"]

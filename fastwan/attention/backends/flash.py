@@ -19,7 +19,7 @@ import torch
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan import envs
 from fastwan.attention.backends import fa4_plan, packages
-from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.backends import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import (
     AttentionBackend, AttentionMetadata, Capabilities, cuda_capability, reasons_cannot_run,
 )
@@ -253,7 +253,7 @@ class FlashAttnBackend(AttentionBackend):
 
     def plan_for(self, q: torch.Tensor, k: torch.Tensor, version: int) -> tuple[int, int, int]:
         """How FA4's sm90 forward covers q [B, Sq, H, D]: ``(tile_m, split, tail_tile_m)`` for
-        :func:`fastwan.kernels.attention.flash_attn`. ``tile_m`` 0 is the kernel's default tile; ``split`` 0 is one
+        :func:`fastwan.attention.backends.ops.flash_attn`. ``tile_m`` 0 is the kernel's default tile; ``split`` 0 is one
         launch and -1 lets the op plan at run time with :func:`~fastwan.attention.backends.fa4_plan.fa4_sm90_plan`
         (possibly two launches; ``tile_m`` is then the one-launch tile). An explicit ``fa4_tile_m`` runs in one
         launch; 'auto' uses :func:`~fastwan.attention.backends.fa4_plan.fa4_sm90_tile_m` for head dim 128 on a

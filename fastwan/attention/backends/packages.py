@@ -3,7 +3,7 @@
 Nothing here imports an external package at ``import fastwan`` time: presence is checked with
 ``importlib`` specs / distribution metadata, and the packages are imported on the first kernel call.
 Every loader returns ``fn(q, k, v, scale) -> out or (out, ...)`` on ``[B, S, H, D]`` tensors.
-The custom ops in :mod:`fastwan.kernels.attention` call these loaders; tests may monkeypatch them.
+The custom ops in :mod:`fastwan.attention.backends.ops` call these loaders; tests may monkeypatch them.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fastwan.attention.backends import packages
-from fastwan.kernels import attention as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
+from fastwan.attention.backends import ops as _ops  # noqa: F401  (registers torch.ops.fastwan.*)
 from fastwan.attention.base import (
     AttentionBackend, AttentionMetadata, Capabilities, cuda_capability, reasons_cannot_run,
 )

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastwan.errors import InvalidArgument
-from fastwan.models.loading import json_type
+from fastwan.values import json_type
 
 Triple = tuple[int, int, int]
 

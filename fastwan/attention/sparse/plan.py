@@ -3,7 +3,7 @@
 A *block table* is a bool tensor ``[Bm, Hm, nQ, nK]`` over the tiles of a
 :class:`~fastwan.attention.sparse.layout.TokenLayout` (one tile = one kernel block of ``block_size`` slots).
 Kernels take them compacted: per query tile a count and the indices of its key tiles, full blocks (no token
-mask needed) and partial blocks (masked inside) listed separately (:func:`compact`, :func:`split_selected`).
+mask needed) and partial blocks (masked inside) listed separately (:mod:`fastwan.kernels.tables`).
 A :class:`BlockPlan` builds, lazily and once each, the ``BlockMask`` of :mod:`~fastwan.attention.sparse.flex`,
 the tables and partial-block rule of :mod:`~fastwan.attention.sparse.fa4` and the dense token mask of the sdpa
 reference; :class:`PlanCache` keeps the plans a backend reuses.
@@ -16,39 +16,7 @@ from collections.abc import Callable
 import torch
 
 from fastwan.attention.sparse import fa4, flex, masks
-
-
-def compact(table: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [..., nK] -> (count int32 [...], indices int32 [..., width]) with the True columns first."""
-    num = table.sum(-1, dtype=torch.int32)
-    order = torch.sort((~table).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
-    return num.contiguous(), order.to(torch.int32).contiguous()
-
-
-def split_selected(selected: torch.Tensor, tile_full: torch.Tensor, uniform: bool | None = None
-                   ) -> tuple[torch.Tensor, ...]:
-    """Top-k key tiles [..., k] (long) -> (full_num, full_idx, partial_num, partial_idx), all int32, [.., k].
-
-    Full (no dummy slot) tiles come first in ``full_idx``, partial ones first in ``partial_idx`` (each kind in
-    the order of ``selected``).
-    """
-    k = selected.shape[-1]
-    if uniform is not None:  # all tiles partial (True) or all full (False): nothing to partition
-        idx = selected.to(torch.int32)
-        zeros = torch.zeros(selected.shape[:-1], dtype=torch.int32, device=selected.device)
-        counts = torch.full_like(zeros, k)
-        return (zeros, idx, counts, idx) if uniform else (counts, idx, zeros, idx)
-    # stable partition by scatter (no sort): a full tile goes to its rank among the full ones, a partial tile
-    # to its rank among the partial ones, each list continuing with the other kind
-    is_partial = ~tile_full[selected]
-    rank_p = torch.cumsum(is_partial, dim=-1) - 1
-    rank_f = torch.cumsum(~is_partial, dim=-1) - 1
-    p = rank_p[..., -1:] + 1
-    f = k - p
-    sel32 = selected.to(torch.int32)
-    full_first = torch.empty_like(sel32).scatter_(-1, torch.where(is_partial, f + rank_p, rank_f), sel32)
-    partial_first = torch.empty_like(sel32).scatter_(-1, torch.where(is_partial, rank_p, p + rank_f), sel32)
-    return f[..., 0].to(torch.int32), full_first, p[..., 0].to(torch.int32), partial_first
+from fastwan.kernels.tables import compact, split_selected
 
 
 class BlockPlan:
@@ -64,7 +32,8 @@ class BlockPlan:
             int32 is accepted too (converted where an index must be long).
         tables: with ``selected`` (or alone: ``selected`` is then ``full_idx``): the compact tables of that
             selection already built, ``(full_num, full_idx, partial_num, partial_idx)`` as
-            :func:`split_selected` returns them (int32 [Bm, Hm, nQ] and [Bm, Hm, nQ, k]); they become the
+            :func:`~fastwan.kernels.tables.split_selected` returns them (int32 [Bm, Hm, nQ] and [Bm, Hm, nQ, k]); they
+            become the
             plan's compact tables (VSA's top-k kernel writes them directly).
         token_pred: ``pred(q_idx, kv_idx) -> bool`` exact token rule inside partial blocks (None: the block
             pattern restricted to real keys is exact).

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from fastwan.errors import CheckpointError
-from fastwan.models.loading import json_text, read_json
+from fastwan.checkpoint.safetensors import read_json
+from fastwan.values import json_text
 
 WAN_CLASS_NAMES = ("WanTransformer3DModel",)
 QK_NORMS = ("rms_norm_across_heads",)

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import CheckpointError
-from fastwan.models.loading import (
-    FLOAT_TAGS,
+from fastwan.checkpoint.safetensors import (
     CheckpointTensors,
+    FLOAT_TAGS,
     check_names,
     header_tensors,
     load_into,
@@ -72,7 +72,7 @@ def dit_names(keys, source: str) -> dict[str, str]:
 
 
 class UsedTensors:
-    """A checkpoint's tensors (a :class:`fastwan.models.loading.CheckpointTensors`) the DiT reads, by the DiT's
+    """A checkpoint's tensors (a :class:`fastwan.checkpoint.safetensors.CheckpointTensors`) the DiT reads, by the DiT's
     names (:func:`dit_names`)."""
 
     def __init__(self, state, source: str = "checkpoint"):

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fastwan.errors import CheckpointError, InvalidArgument
 from fastwan.kernels.fp8 import E4M3, Fp8Linear, choose_route, fp8_state, quantize_weight
-from fastwan.models.loading import FP8, write_atomically
+from fastwan.checkpoint.safetensors import FP8, write_atomically
 
 logger = logging.getLogger("fastwan")
 
@@ -78,8 +78,8 @@ def use_fp8(model: nn.Module, names: list[str], *, device: torch.device | str, d
 
 
 class QuantizingTensors:
-    """A checkpoint's tensors (a :class:`fastwan.models.loading.CheckpointTensors`) with each named layer's weight
-    quantized as it is read: ``<layer>.weight`` becomes float8_e4m3fn and ``<layer>.weight_scale`` (fp32) is
+    """A checkpoint's tensors (a :class:`fastwan.checkpoint.safetensors.CheckpointTensors`) with each named layer's
+    weight quantized as it is read: ``<layer>.weight`` becomes float8_e4m3fn and ``<layer>.weight_scale`` (fp32) is
     added. Quantization runs on ``device`` from the file's precision (fp32 files are not rounded to bf16 first)."""
 
     def __init__(self, state, layers: list[str], device: torch.device | str):

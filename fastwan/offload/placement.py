@@ -36,7 +36,7 @@ from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
 from fastwan.offload.stream import held_tensors
 from fastwan.offload.plan import Usable
-from fastwan.pipelines.inputs import runs_cfg
+from fastwan.checkpoint.presets import runs_cfg
 from fastwan.vae.decode import tiling_state
 
 logger = logging.getLogger("fastwan")
@@ -78,7 +78,7 @@ def dit_quantization(ckpt, quantization: str | None) -> str | None:
     """The DiT weights' format as they will load: ``quantization``, or "fp8" when ``ckpt``'s DiT files already
     hold FP8 weights (a folder ``fastwan quantize`` wrote loads in FP8 whatever the argument); read from the
     safetensors headers."""
-    from fastwan.models.loading import header_tensors, weight_files
+    from fastwan.checkpoint.safetensors import header_tensors, weight_files
     from fastwan.models.wan.quantize import prequantized_layers
 
     if quantization is not None:

@@ -6,7 +6,7 @@ Rules:
   (the kernel applies it), never the owner-only 0o600 / 0o700 of :mod:`tempfile`'s ``mkstemp`` / ``mkdtemp``.
 - Each is written under a new hidden temporary name beside its destination (created exclusively, so no other
   file is ever reused) and moved into place only when complete
-  (:func:`fastwan.models.loading.write_atomically` for a file).
+  (:func:`fastwan.checkpoint.safetensors.write_atomically` for a file).
 - A writer that makes its file owner-only itself (safetensors writes a private temporary file and renames it) has
   the file's mode set back to a new file's (:func:`new_file_mode`) before the file is moved into place.
 """

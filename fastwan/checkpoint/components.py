@@ -9,12 +9,14 @@ import logging
 import math
 from pathlib import Path
 
+from fastwan.checkpoint.safetensors import PICKLE_SUFFIXES, file_variant, read_json
 from fastwan.errors import CheckpointError, MissingFileError
-from fastwan.models.loading import PICKLE_SUFFIXES, file_variant, json_text, read_json
 from fastwan.models.wan.config import WanConfig
-from fastwan.pipelines.inputs import SHIFT_KEYS
+from fastwan.values import json_text
 
 logger = logging.getLogger("fastwan")
+
+SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
 
 # the configuration file (a JSON object) of each component loaded by diffusers / transformers; the DiTs' configs
 # and the scheduler's are read by their own checks

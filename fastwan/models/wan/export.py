@@ -3,8 +3,8 @@
 The new folder has the source's ``model_index.json``, each DiT expert written in FP8
 (:func:`fastwan.models.wan.quantize.save_fp8_transformer`) and every other component (text encoder, VAE, ...) as
 a symbolic link to the source's folder (absolute), so only the DiT's bytes are written. The folder is built beside
-the destination under a temporary name (with the umask's modes, :mod:`fastwan.files`) and moved into place when
-complete: a failure leaves no partial folder.
+the destination under a temporary name (with the umask's modes, :mod:`fastwan.checkpoint.files`) and moved into place
+when complete: a failure leaves no partial folder.
 
 Destination rules, checked before any weight is read (the existing folder again just before it is replaced):
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType, OutputExistsError, OutputPathError
-from fastwan.files import new_temp_folder
+from fastwan.checkpoint.files import new_temp_folder
 
 logger = logging.getLogger("fastwan")
 
@@ -225,7 +225,7 @@ def export_fp8(model: str | Path, output: str | Path, *, overwrite: bool = False
     (the destination, the device, the checkpoint) runs before any weight is read."""
     from fastwan.models import load_transformer
     from fastwan.models.wan.quantize import save_fp8_transformer
-    from fastwan.pipelines.checkpoint import resolve
+    from fastwan.checkpoint.resolver import resolve
 
     output = _output_path(output)
     if not isinstance(overwrite, bool):

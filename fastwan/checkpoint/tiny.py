@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from fastwan.errors import InvalidArgument, MissingFileError
-from fastwan.files import new_file_mode, new_temp_folder, set_file_modes
-from fastwan.models.loading import HUB_COMMIT, HUB_MODEL_ID
+from fastwan.checkpoint.files import new_file_mode, new_temp_folder, set_file_modes
+from fastwan.checkpoint.safetensors import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts

@@ -4,7 +4,7 @@ Rules:
 
 - A Hub id's ``model_index.json`` is fetched alone first (the caller checks it before anything else is fetched).
 - Then each component's small files (configs, shard indexes, tokenizer files); then, online, only the weight files
-  :func:`fastwan.models.loading.weight_names` picks from the repository's listing (the plain files, or the one
+  :func:`fastwan.checkpoint.safetensors.weight_names` picks from the repository's listing (the plain files, or the one
   variant; safetensors before pickle; an index's own shards), as diffusers fetches one variant and no pickle
   beside safetensors. Offline, the cache holds what it holds: the same patterns as the small files' cover
   every weight file there.
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastwan.errors import MissingFileError
-from fastwan.models.loading import PICKLE_SUFFIXES, weight_names
+from fastwan.checkpoint.safetensors import PICKLE_SUFFIXES, weight_names
 
 SMALL_FILES = ("*.json", "*.model", "*.txt")  # configs, shard indexes, tokenizer files
 WEIGHT_FILES = ("*.safetensors",)

@@ -13,8 +13,9 @@ from pathlib import Path, PureWindowsPath
 import torch
 from safetensors import safe_open
 
+from fastwan.checkpoint.files import new_temp_file
 from fastwan.errors import CheckpointError, MissingFileError
-from fastwan.files import new_temp_file
+from fastwan.values import json_text, json_type
 
 logger = logging.getLogger("fastwan")
 
@@ -38,24 +39,6 @@ def read_json(path: str | Path, *, missing: str) -> dict:
             f"{path} must hold a JSON object, got a JSON {json_type(raw)}; re-download the checkpoint."
         )
     return raw
-
-
-def json_text(value: object) -> str:
-    """``value`` as it is written in a JSON file (its repr when it is not JSON data)."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def json_type(value: object) -> str:
-    """The JSON type name of a value read from a JSON file ('number', 'string', 'array', 'null', ...)."""
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    names = {str: "string", list: "array", dict: "object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
 
 
 # the file names diffusers and transformers save weights under; a ".VARIANT" after one of them names a variant
@@ -426,7 +409,7 @@ def load_into(
 def write_atomically(path: Path, write) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then move it onto ``path``: the file is replaced whole
     or not at all (the temporary file is removed when writing fails), with a new file's mode (0o666 less the
-    umask, :mod:`fastwan.files`)."""
+    umask, :mod:`fastwan.checkpoint.files`)."""
     tmp = str(new_temp_file(path.parent, f".{path.name}.", ".tmp"))
     mode = os.stat(tmp).st_mode & 0o7777  # a new file's: 0o666 less the umask
     try:
