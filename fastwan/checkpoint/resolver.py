@@ -72,11 +72,13 @@ class Checkpoint:
     # the diffusers ``variant`` of each component's weight files (None: the plain files); from_pretrained passes
     # it to diffusers / transformers
     variants: dict = dataclasses.field(default_factory=dict)
+    image_to_video: bool = False  # an image-to-video pipeline class (model_index.json), whatever the DiT's kind
 
     @property
     def needs_image(self) -> bool:
-        """Image-to-video checkpoints generate from an image only."""
-        return self.variant in IMAGE_VARIANTS
+        """Image-to-video checkpoints generate from an image only: the image-to-video kinds of DiT, and any DiT
+        of an image-to-video pipeline class (a TI2V-5B saved by WanImageToVideoPipeline)."""
+        return self.variant in IMAGE_VARIANTS or self.image_to_video
 
     def folder(self, component: str) -> Path:
         return self.root / component
@@ -270,10 +272,18 @@ def _read_index(root: Path, name: str, hub: bool) -> tuple[dict, PipelineIndex]:
     return index, read_pipeline_index(index, path)
 
 
-def _check_image_to_video(cfg: WanConfig, source: str, clip: bool) -> None:
+def _check_image_to_video(cfg: WanConfig, source: str, clip: bool, expand: bool) -> None:
     """Rules for the DiT of an image-to-video pipeline: it reads the noise, a 4-channel frame mask and the
-    condition latents (in = 2 x out + 4), and CLIP image tokens exactly when the pipeline has a CLIP encoder."""
-    if cfg.in_channels != 2 * cfg.out_channels + 4:
+    condition latents (in = 2 x out + 4), and CLIP image tokens exactly when the pipeline has a CLIP encoder.
+    With ``expand_timesteps`` (Wan2.2-TI2V-5B saved by diffusers' WanImageToVideoPipeline) the image's latents
+    replace the first latent frame instead: the DiT reads the latents alone (in = out), as a text-to-video one."""
+    if expand and cfg.in_channels != cfg.out_channels:
+        raise CheckpointError(
+            f"{source}: \"in_channels\": {cfg.in_channels} with \"out_channels\": {cfg.out_channels}; with "
+            "\"expand_timesteps\": true (model_index.json) the image's latents become the first latent frame, so the "
+            "DiT reads the latents alone (in_channels = out_channels, Wan2.2-TI2V-5B: 48). Fix the config or "
+            "model_index.json, or download the checkpoint again.")
+    if not expand and cfg.in_channels != 2 * cfg.out_channels + 4:
         raise CheckpointError(
             f"{source}: \"in_channels\": {cfg.in_channels} with \"out_channels\": {cfg.out_channels}; an "
             "image-to-video Wan DiT reads the noise, the 4-channel frame mask and the condition latents "
@@ -291,7 +301,7 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
     for e, cfg in zip(experts, configs):
         if meta.image_to_video:
-            _check_image_to_video(cfg, str(root / e / "config.json"), meta.image_encoder)
+            _check_image_to_video(cfg, str(root / e / "config.json"), meta.image_encoder, meta.expand_timesteps)
         else:
             check_text_to_video(cfg, str(root / e / "config.json"))
     if len(configs) == 2 and configs[0] != configs[1]:
@@ -362,7 +372,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2
-    if meta.image_to_video:
+    if meta.image_to_video and not expand:
         variant = "wan2.2-i2v-a14b" if two else ("wan2.1-flf2v" if configs[0].pos_embed_seq_len else "wan2.1-i2v")
     else:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
@@ -376,4 +386,4 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, gates[0],
-                      {comp: weight_variant(fs) for comp, fs in files.items()})
+                      {comp: weight_variant(fs) for comp, fs in files.items()}, meta.image_to_video)
