@@ -65,6 +65,7 @@ TINY_PRESETS = {
     "wan2.2-i2v-a14b": Preset(64, 64, 9, 6, 3.5, 3.5, 8),
 }
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # they need an image
+PUBLISHED_MIN_WIDTH = 1536  # the narrowest published Wan DiT (Wan2.1-T2V-1.3B: 12 heads x 128)
 
 # Wan's own default negative prompt (the one FastVideo's presets and the Wan repo use).
 WAN_NEGATIVE_PROMPT = (
@@ -72,6 +73,24 @@ WAN_NEGATIVE_PROMPT = (
     "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"
     "静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走"
 )
+
+
+def checkpoint_preset(variant: str, inner_dim: int, label: str, distilled: bool) -> Preset:
+    """The preset of a checkpoint, from what it is, not what it is called. Rule: a DiT narrower than every
+    published Wan DiT (``inner_dim`` below :data:`PUBLISHED_MIN_WIDTH`: the tiny models, wherever they are copied,
+    quantized or renamed) gets its kind's :data:`TINY_PRESETS` entry, any other its kind's :data:`PRESETS` entry.
+    The one place a name decides: Wan2.1-I2V-14B-480P and -720P share one config, so a checkpoint whose ``label``
+    (its Hub id or folder name, lower case) says 720P (and not 480P) gets the 720P area. A DMD-distilled
+    checkpoint samples with :data:`DMD_SETTINGS` (published widths: at :data:`DISTILLED_SIZES` where given)."""
+    tiny = inner_dim < PUBLISHED_MIN_WIDTH
+    if tiny:
+        preset = TINY_PRESETS[variant]
+    else:
+        named_720p = variant == "wan2.1-i2v" and "720p" in label and "480p" not in label
+        preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
+    if distilled:
+        preset = replace(preset, **({} if tiny else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
+    return preset
 
 
 def with_overrides(preset: Preset, **kw) -> Preset:

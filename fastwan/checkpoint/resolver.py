@@ -5,7 +5,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastwan.checkpoint.components import (
@@ -17,14 +17,7 @@ from fastwan.checkpoint.components import (
     scheduler_class,
 )
 from fastwan.checkpoint.hub import download, fetch_components
-from fastwan.checkpoint.presets import (
-    DISTILLED_SIZES,
-    DMD_SETTINGS,
-    IMAGE_VARIANTS,
-    PRESETS,
-    TINY_PRESETS,
-    Preset,
-)
+from fastwan.checkpoint.presets import IMAGE_VARIANTS, Preset, checkpoint_preset
 from fastwan.checkpoint.safetensors import (
     HUB_COMMIT,
     HUB_MODEL_ID,
@@ -376,14 +369,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
         variant = "wan2.2-i2v-a14b" if two else ("wan2.1-flf2v" if configs[0].pos_embed_seq_len else "wan2.1-i2v")
     else:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
-    if tiny_variant:
-        preset = TINY_PRESETS[variant]
-    else:
-        label = checkpoint_label(name, root, hub)
-        named_720p = variant == "wan2.1-i2v" and "720p" in label and "480p" not in label
-        preset = PRESETS["wan2.1-i2v-720p" if named_720p else variant]
-    if meta.distilled:
-        preset = replace(preset, **({} if tiny_variant else DISTILLED_SIZES.get(variant, {})), **DMD_SETTINGS)
+    preset = checkpoint_preset(variant, configs[0].inner_dim, checkpoint_label(name, root, hub), meta.distilled)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, gates[0],
                       {comp: weight_variant(fs) for comp, fs in files.items()}, meta.image_to_video)
