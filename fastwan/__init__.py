@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["VideoGenerator", "GenerationResult", "__version__"]
+__all__ = ["VideoGenerator", "GenerationResult", "GenerationRequest", "LoadOptions", "__version__"]
 
 
 def __getattr__(name):  # lazy: `import fastwan` stays cheap (the CLI and `fastwan env` import it)
@@ -11,4 +11,12 @@ def __getattr__(name):  # lazy: `import fastwan` stays cheap (the CLI and `fastw
         from fastwan.pipelines import generator
 
         return getattr(generator, name)
+    if name == "GenerationRequest":
+        from fastwan.pipelines.params import GenerationRequest
+
+        return GenerationRequest
+    if name == "LoadOptions":
+        from fastwan.pipelines.load_options import LoadOptions
+
+        return LoadOptions
     raise AttributeError(f"module 'fastwan' has no attribute {name!r}")

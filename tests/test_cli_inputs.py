@@ -26,7 +26,7 @@ def loads(monkeypatch):
         seen["lora"] = kw["lora"]
         raise Loaded
 
-    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+    monkeypatch.setattr(VideoGenerator, "load", lambda o: fake(o.model, **o.kwargs()))
     return seen
 
 
@@ -60,10 +60,12 @@ def test_expert_suffix_on_a_one_dit_checkpoint_is_refused(tmp_path, lora_file, l
 
 
 def test_expert_suffix_on_an_a14b_checkpoint_reaches_the_generator(tmp_path, lora_file, loads):
+    other = tmp_path / "other.safetensors"  # a file merges into a DiT once: a second file for every-expert
+    other.write_bytes(b"")
     with pytest.raises(Loaded):
         run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", f"{lora_file}:high", "--lora", f"{lora_file}:0.5:low",
-            "--lora", str(lora_file))
-    assert loads["lora"] == [(str(lora_file), 1.0, 0), (str(lora_file), 0.5, 1), (str(lora_file), 1.0, None)]
+            "--lora", str(other))
+    assert loads["lora"] == [(str(lora_file), 1.0, 0), (str(lora_file), 0.5, 1), (str(other), 1.0, None)]
 
 
 @pytest.mark.parametrize("name", ["style:high", "style:0.5:LOW"])
@@ -71,9 +73,10 @@ def test_an_existing_file_named_like_an_expert_suffix_is_the_path(tmp_path, load
     """A file whose name ends in ':high' / ':low' is itself the LoRA, as a name ending in ':SCALE' is."""
     path = tmp_path / name
     path.write_bytes(b"")
-    with pytest.raises(Loaded):
-        run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", str(path), "--lora", f"{path}:0.25")
-    assert loads["lora"] == [(str(path), 1.0, None), (str(path), 0.25, None)]
+    for spec, scale in ((str(path), 1.0), (f"{path}:0.25", 0.25)):
+        with pytest.raises(Loaded):
+            run(tmp_path, "--model", "tiny-wan2.2-a14b", "--lora", spec)
+        assert loads["lora"] == [(str(path), scale, None)]
 
 
 def piped(data: bytes) -> str:
@@ -101,7 +104,7 @@ def test_an_endless_stream_is_refused_as_too_large(monkeypatch, tmp_path, loads,
     monkeypatch.setattr("fastwan.pipelines.image.MAX_STREAM_BYTES", 1000)
     path = piped(b"\0" * 2000)
     assert run(tmp_path, "--model", "tiny-wan2.1-i2v", "--image", path) == 2
-    assert_one_error_line(capsys.readouterr().err, [f"image={path!r}", "more than", "too large"], path)
+    assert_one_error_line(capsys.readouterr().err, [f"--image {path!r}", "more than", "too large"], path)
     assert "lora" not in loads
 
 
@@ -144,7 +147,7 @@ def test_pickle_lora_needs_allow_pickle(tmp_path, monkeypatch, capsys):
         seen.update(kw)
         raise Loaded
 
-    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+    monkeypatch.setattr(VideoGenerator, "load", lambda o: fake(o.model, **o.kwargs()))
     path = tmp_path / "style.pt"
     torch.save({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(1, 1)}, path)
     assert run(tmp_path, "--lora", str(path)) == 2

@@ -21,7 +21,7 @@ def no_loading(monkeypatch):
     """from_pretrained raises Loaded: a run that gets there passed every check made before the model loads."""
     def fake(model, **kw):
         raise Loaded
-    monkeypatch.setattr(VideoGenerator, "from_pretrained", fake)
+    monkeypatch.setattr(VideoGenerator, "load", lambda o: fake(o.model, **o.kwargs()))
 
 
 def exit_code(argv) -> int:

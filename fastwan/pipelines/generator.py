@@ -25,30 +25,29 @@ import torch
 
 from fastwan.attention import AttentionBackend, AttentionDispatch
 from fastwan.attention.registry import context_backend
-from fastwan.cache import CacheConfig, CacheRun, check_cache, resolve_coefficients
+from fastwan.cache import CacheConfig, CacheRun, resolve_coefficients
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear
-from fastwan.lora import LoraState, apply_lora, check_loras, parse_lora_spec
-from fastwan.lora.merge import check_repeats
+from fastwan.lora import LoraState, apply_lora, check_loras
 from fastwan.models import load_transformer
-from fastwan.models.wan.quantize import check_quantization
-from fastwan.offload import parse_memory, plan_offload
+from fastwan.offload import plan_offload
 from fastwan.options import DiTOptions
 from fastwan.parallel.launch import join, spawn
 from fastwan.parallel.launch import mode as parallel_mode
-from fastwan.vae.decode import check_chunk, decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
+from fastwan.parallel.plan import apply_sequence_parallel
+from fastwan.vae.decode import decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
-from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT
 from fastwan.checkpoint.resolver import Checkpoint, resolve
 from fastwan.checkpoint.components import tokenizer_class
 from fastwan.pipelines.denoise import cache_report, denoise
-from fastwan.pipelines.request import check_request
+from fastwan.pipelines.load_options import LoadOptions
+from fastwan.pipelines.params import GenerationRequest
+from fastwan.pipelines.request import ResolvedRequest, check_resolved_for, resolve_request
 from fastwan.offload.placement import Placement, job_footprint, usable, weight_bytes
 from fastwan.pipelines.image import ImageRequest, encode_request
 from fastwan.checkpoint.presets import runs_cfg
 from fastwan.pipelines.inputs import random_seed
-from fastwan.values import python_number
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
@@ -103,7 +102,7 @@ class VideoGenerator:
         model: str | Path,
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         attention_backend: str | AttentionBackend | None = None,
         attention_config: Mapping[str, Any] | str | None = None,
         enable_torch_compile: bool = False,
@@ -125,92 +124,44 @@ class VideoGenerator:
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, at ``revision`` if given; Diffusers-format folder; or ``"tiny"``) onto ``device``.
 
-        Every argument is checked before anything is loaded. ``attention_backend`` beats
-        ``FASTVIDEO_ATTENTION_BACKEND``; unset means automatic (fastest lossless kernel for the device).
-
-        ``enable_torch_compile`` compiles each DiT block (``fullgraph=True`` by default; with a sparse backend
-        the attention call is a graph break, so the default becomes ``fullgraph=False``).
-
-        ``dit_options`` (:class:`fastwan.options.DiTOptions`, default ``DiTOptions()``): how the DiT is built,
-        resolved once here for the device and dtype. Its default block is the fast one where fastwan's kernels
-        run (CUDA, fp16/bf16, Triton) and the reference one (diffusers' rounding points) elsewhere; the fast build
-        also fuses the VAE decoder's RMSNorm + SiLU pairs.
-
-        ``cfg_mode``: "batched" runs the conditional and unconditional passes as one batch of 2, "sequential"
-        one after the other (less memory), "auto" (default) sequential on CUDA for videos of at least
-        ``AUTO_SEQUENTIAL_TOKENS`` DiT tokens per sample, batched otherwise. Either way the part the two passes
-        share (everything before the first block's cross-attention) runs once.
-
-        ``vae_tiling`` decodes in overlapping spatial tiles (diffusers' ``AutoencoderKLWan.enable_tiling``): about
-        5x less decode memory at 720p for about 2x the decode time; True uses diffusers' tile sizes, a dict sets
-        ``tile_sample_min_height/_width`` and ``tile_sample_stride_height/_width`` (pixels, multiples of the
-        VAE's spatial factor, stride <= tile). On CUDA the VAE's 3-D conv weights are stored channels-last
-        (measured: decode -9%, decode memory -10%), and the VAE's causal convolutions, bias adds and upsampling
-        run with fewer full-tensor copies, the same math (:mod:`fastwan.vae.convs`; 480p decode -27%).
-
-        ``cache``: the default step cache of :meth:`generate_video` (:mod:`fastwan.cache`: ``FirstBlockCache``,
-        ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
-        or a threshold of 0: none). Under a cache each CFG pass decides with its own state, one pass after the other.
-
-        ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), (path, scale, expert), or a
-        list of them (see :meth:`load_lora`; expert 0 / 1: one Wan2.2 A14B expert, as paired LoRAs need); one file
-        given twice for one DiT raises. ``allow_pickle`` also lets pickle LoRA files (.pt, .bin, ...) load.
-
-        ``quantization``: None (the DiT in ``dtype``) or "fp8": every linear layer of the DiT's blocks holds an e4m3
-        weight with per-output-channel scales, quantized while loading (:mod:`fastwan.models.wan.quantize`): half
-        the DiT's weight memory; on sm89+ GPUs the GEMMs run in FP8 with per-token activation scales (a speed lever
-        with ``enable_torch_compile``, which fuses the activation quantization), elsewhere each weight is
-        dequantized for its matmul. LoRAs (``lora=`` or :meth:`load_lora`) merge into the FP8 weights: the
-        dequantized weight plus the update, quantized again with new scales (as PEFT merges into quantized layers),
-        the same whether given here or loaded later. A folder written by ``fastwan quantize`` loads in FP8 without
-        this argument.
-
-        ``max_gpu_memory``: a CUDA memory budget (bytes, or a string such as "24GiB"): the planner
-        (:mod:`fastwan.offload.plan`) picks the fewest levers that fit the preset's video in it -- the text encoder
-        on the GPU only while encoding (or streamed layer by layer), the A14B expert not in use in host memory, the
-        DiT in host memory while encoding and decoding, tiled VAE decoding, the DiT's last blocks streamed from
-        pinned host memory with the next block's copy overlapping the current block's compute
-        (:mod:`fastwan.pipelines.memory`). ``self.memory_plan`` describes the plan and its expected peak per phase; a
-        budget nothing fits raises before loading; each video gets its own plan before compute (the same video
-        the same plan, whatever came before), or the planner's error.
-
-        ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
-        the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
-        output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
+        Each argument is a field of :class:`~fastwan.pipelines.load_options.LoadOptions`, where each is documented;
+        they are checked when that object is built, and the rules of this machine and the checkpoint before any
+        weight loads. :meth:`load` takes a ``LoadOptions`` itself (e.g. one read from JSON).
         """
-        # the call's arguments, taken before any other local exists: what num_gpus's worker processes load with
-        call = {k: v for k, v in locals().items() if k not in ("cls", "model")}
-        # ---- argument checks (before any work) ----
+        return cls.load(LoadOptions(model=model, **{k: v for k, v in locals().items() if k not in ("cls", "model")}))
+
+    @classmethod
+    def load(cls, options: LoadOptions) -> VideoGenerator:
+        """A generator loaded as ``options`` say (:meth:`from_pretrained`'s arguments as one checked object)."""
+        if not isinstance(options, LoadOptions):
+            raise InvalidArgumentType(f"options={options!r} must be a fastwan.LoadOptions.")
+        o = options
+        model, num_gpus, cfg_parallel, cache, vae_chunk_frames = (o.model, o.num_gpus, o.cfg_parallel, o.cache,
+                                                                  o.vae_chunk_frames)
+        allow_pickle, quantization, cfg_mode, loras = o.allow_pickle, o.quantization, o.cfg_mode, o.lora
+        enable_torch_compile, attention_backend = o.enable_torch_compile, o.attention_backend
+        # ---- the rules of this machine and the checkpoint (before any weight loads) ----
         launch = parallel_mode(num_gpus, cfg_parallel)
-        vae_dtype, cfg_gate_step, dit_options, device = check_load_options(
-            dtype=dtype, vae_dtype=vae_dtype, cfg_mode=cfg_mode, cfg_gate_step=cfg_gate_step,
-            torch_compile_kwargs=torch_compile_kwargs, enable_torch_compile=enable_torch_compile,
-            allow_pickle=allow_pickle, dit_options=dit_options, device=device)
-        config = attention_config_arg(attention_config)
-        quantization = check_quantization(quantization)
-        budget = parse_memory(python_number(max_gpu_memory))
+        device, dtype, vae_dtype, cfg_gate_step, dit_options = check_load_options(o)
+        config = attention_config_arg(o.attention_config)
+        budget = o.max_gpu_memory
         if budget is not None and device.type != "cuda":
-            raise InvalidArgument(f"max_gpu_memory={max_gpu_memory!r} budgets CUDA memory, but device={device}; "
+            raise InvalidArgument(f"max_gpu_memory={budget!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
-        cache = check_cache(cache)
-        vae_chunk_frames = python_number(vae_chunk_frames)
-        check_chunk(vae_chunk_frames)
-        loras = parse_lora_spec(lora, allow_pickle)
-        check_repeats(loras)  # one file twice for one DiT: a slip (load_lora adds a file again on purpose)
-        ckpt = resolve(model, allow_pickle=allow_pickle, revision=revision)
+        ckpt = resolve(model, allow_pickle=allow_pickle, revision=o.revision)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
         lora_files = check_loras(loras, ckpt.transformer_config, len(ckpt.experts), allow_pickle)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
-        tiling = vae_tiling_kwargs(vae_tiling, ckpt.folder("vae"))
+        tiling = vae_tiling_kwargs(o.vae_tiling, ckpt.folder("vae"))
         attention_backend, config, source = trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config, model=ckpt.transformer_config, source=source)
-        compile_kwargs = compile_kwargs_for(torch_compile_kwargs, attention) if enable_torch_compile else None
+        compile_kwargs = compile_kwargs_for(o.torch_compile_kwargs, attention) if enable_torch_compile else None
 
         plan = None
         if budget is not None:
@@ -218,8 +169,9 @@ class VideoGenerator:
             fp = job_footprint(ckpt, weights, ckpt.preset, dtype, quantization,
                                lambda tokens: cfg_batched(cfg_mode, device, tokens), vae_chunk_frames)
             plan = plan_offload(fp, usable(budget))
-            logger.info("max_gpu_memory %s: %s", max_gpu_memory, plan.describe())
+            logger.info("max_gpu_memory %s: %s", budget, plan.describe())
         if launch == "spawn":  # every check passed (a budget too small too); the workers, "join" ranks, load
+            call = o.kwargs()
             if call["attention_backend"] is None and context_backend() is not None:  # contexts stay in this process
                 call = {**call, "attention_backend": context_backend()}
             return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device)
@@ -269,7 +221,7 @@ class VideoGenerator:
         if mesh is not None:
             gen.parallel = mesh
             for t in transformers_ if mesh.sp is not None else ():
-                t.enable_sequence_parallel(mesh.sp)
+                apply_sequence_parallel(t, mesh.sp)
         return gen
 
     def load_lora(self, path: str | Path, scale: float = 1.0, expert: int | None = None, *,
@@ -363,67 +315,64 @@ class VideoGenerator:
         timesteps=None,
         flow_shift: float | None = None,
     ) -> GenerationResult:
-        """Make one video. ``None`` arguments take the model's preset (see ``self.preset``).
-
-        ``seed``: an int in [0, 2**64), or None (default) for a new random one; the seed used is ``result.seed``
-        and part of the automatic file name, so passing it back makes the same video.
-        ``output_path``: a ``.mp4`` path (any case) is the file, anything else a folder where the file gets the
-        automatic name ``<prompt slug>_<seed>_<digest>.mp4``; no file is replaced unless ``overwrite=True`` (a
-        taken automatic name gets ``-2``, ``-3``, ...). The file appears only when complete. All rules:
-        :mod:`fastwan.pipelines.output`. Every check runs before any compute.
-        ``image`` (and ``last_image``): for image-to-video checkpoints, the first (and last) frame: a PIL image, an
-        np.uint8 H x W x 3 array or a file path (:mod:`fastwan.pipelines.image`); without height and width the
-        video takes the image's aspect ratio at the preset's pixel area (one given: the other follows the image's
-        aspect ratio), and the images are resized to the size.
-        ``cache``: this call's step cache (as in :meth:`from_pretrained`; None: the generator's, "none": off); the
-        steps each pass computed are in ``result.cache``.
-        ``guidance_scale_2``: the low-noise expert's scale (two-expert checkpoints only; unset, it follows a given
-        ``guidance_scale``); CFG runs when a scale is above 1, then on every step whose scale is not 1 (``runs_cfg``).
-        ``sampler`` ("default": the checkpoint's scheduler, "euler", "dmd"), ``timesteps`` (euler / dmd: strictly
-        decreasing, in (0, 1000]) and ``flow_shift``: :mod:`fastwan.pipelines.sampling`; a distilled checkpoint
-        (FastWan) presets its own.
-        Thread safety: calls on one generator from several threads run one at a time (a per-instance lock).
+        """Make one video. Each argument is a field of :class:`~fastwan.pipelines.params.GenerationRequest`
+        (documented there); ``None`` fields take the checkpoint's preset (``self.preset``). The same as
+        ``self.generate(GenerationRequest(prompt, ...))``.
         """
+        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+
+    @torch.no_grad()
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        """``request`` resolved for this generator's checkpoint (the preset filling unset fields, every rule of the
+        checkpoint checked), with no compute; :meth:`generate` takes the result."""
+        return resolve_request(self.checkpoint, self.scheduler, self.vae_scale_factors, request, self.cache)
+
+    @torch.no_grad()
+    def generate(self, request: GenerationRequest | ResolvedRequest) -> GenerationResult:
+        """Make the video ``request`` describes (a :class:`~fastwan.pipelines.params.GenerationRequest`, or one
+        resolved for this checkpoint by :meth:`resolve` or :func:`~fastwan.pipelines.request.resolve_request`).
+
+        ``seed`` None draws a new random one; the seed used is ``result.seed`` and part of the automatic file name,
+        so passing it back makes the same video. ``output_path``: a ``.mp4`` path (any case) is the file, anything
+        else a folder where the file gets the automatic name ``<prompt slug>_<seed>_<digest>.mp4``; no file is
+        replaced unless ``overwrite``; the file appears only when complete (:mod:`fastwan.pipelines.output`). Every
+        check runs before any compute. Calls on one generator from several threads run one at a time (a
+        per-instance lock)."""
         self._check_backend_context()
-        s, req, grid = check_request(
-            self.checkpoint, self.preset, self.scheduler, self.vae_scale_factors, prompt, image=image,
-            last_image=last_image, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
-            seed=seed, fps=fps, sampler=sampler, timesteps=timesteps, flow_shift=flow_shift)
-        self.attention.layout_for(grid, self.device)  # the attention backend's grid rules
+        if isinstance(request, ResolvedRequest):
+            check_resolved_for(request, self.checkpoint)
+            plan = request
+        else:
+            plan = self.resolve(request)
+        r, s, req, cache = plan.request, plan.settings, plan.image, plan.cache
+        self.attention.layout_for(plan.grid, self.device)  # the attention backend's grid rules
         self._check_budget(s)
-        cache = self.cache if cache is None else check_cache(cache)
         if self.parallel is not None:
             self.parallel.check_cache(cache)
-        ck = self.checkpoint  # TeaCache's coefficients, and whether the cache can skip any of the request's steps
-        coefficients = resolve_coefficients(cache, ck.variant, ck.transformer_config.inner_dim, s.height, s.width,
-                                            s.num_inference_steps)
-        if not isinstance(save_video, bool) or not isinstance(return_frames, bool):
-            raise InvalidArgumentType(
-                f"save_video={save_video!r} and return_frames={return_frames!r} must be True or False.")
-        target = output.check_output_path(output_path, overwrite)
-        seed = random_seed() if seed is None else int(seed)
-        if negative_prompt is None:
-            negative_prompt = WAN_NEGATIVE_PROMPT
+        target = output.check_output_path(r.output_path, r.overwrite)
+        seed = random_seed() if r.seed is None else r.seed
+        negative_prompt = plan.negative_prompt
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
+        save_video = r.save_video
         if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
         save_video = save_video and (self.parallel is None or self.parallel.writes)
+        logger.info("video: %s, seed %d", plan.describe(), seed)
 
         with self._lock:
-            frames, forwards, timings, peak, report = self._generate(prompt, negative_prompt, s, seed, req,
-                                                                     (cache, coefficients))
+            frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
+                                                                     (cache, plan.coefficients))
         t0 = time.perf_counter()
         video_file = None
         if save_video:
-            name = output.automatic_name(prompt, seed,
+            name = output.automatic_name(r.prompt, seed,
                                          self._identity(negative_prompt, settings, req and req.digest))
             video_file = output.save_video(target, name, frames, s.fps)
         timings["saving"] = time.perf_counter() - t0
         timings["total"] = timings.pop("total") + timings["saving"]  # total last
         return GenerationResult(
-            frames=frames if return_frames else None, video_path=str(video_file) if video_file else None,
+            frames=frames if r.return_frames else None, video_path=str(video_file) if video_file else None,
             seed=seed, timings=timings, attention_backend=self.attention.describe(self.device), peak_memory=peak,
             num_transformer_forwards=forwards, settings=settings, cache=report,
         )

@@ -1,9 +1,7 @@
-"""Checks of ``generate_video``'s arguments, all made before any compute: prompts, sizes, step count (against
-the scheduler's own limit), guidance scales, fps and the seed. Each failure names the value, the rule and the fix.
-
-Rule for numbers (:func:`fastwan.values.python_number`): a NumPy scalar, or a 0-d NumPy array / torch tensor,
-stands for the Python number it holds (int for integer dtypes, float for floating ones); a bool of any library is
-never a number, and nothing else is converted (``480.0`` is not a size, ``"5"`` not a scale).
+"""The rules a checkpoint sets for a video, checked before any compute: sizes against the VAE factors, patch and
+RoPE range, the step count against the scheduler's own limit, a second guidance scale against the expert count. Each
+failure names the value, the rule and the fix. (The rules that need no checkpoint are the request's:
+:mod:`fastwan.pipelines.params`.)
 """
 from __future__ import annotations
 
@@ -15,45 +13,25 @@ import torch
 
 from fastwan.checkpoint.components import SHIFT_KEYS
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.text import clean_prompt
-from fastwan.values import python_number
 
 SEED_LIMIT = 2**64  # seeds are ints in [0, SEED_LIMIT): torch.Generator.manual_seed's range, without wrap-around
 RANDOM_SEED_BITS = 32  # seed=None draws a seed in [0, 2**RANDOM_SEED_BITS) from the OS's entropy
 MAX_FPS = 1000  # the mp4 writer (ffmpeg) clamps or refuses far larger frame rates, and only after the compute
 
 
-def check_inputs(prompt, negative_prompt, s, seed, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
-                 scheduler, max_grid: int | None = None, experts: int = 1) -> tuple[int, int, int]:
-    """``prompt``/``negative_prompt`` and the resolved settings ``s`` (a Preset) for a VAE of (temporal, spatial)
-    ``vae_factors``, ``experts`` DiTs of ``patch`` size whose RoPE covers ``max_grid`` tokens per axis, and
-    ``scheduler`` (the diffusers scheduler that will run the steps; None for fastwan's own samplers, whose
-    timesteps were checked); raises InvalidArgument/InvalidArgumentType. Returns the DiT's token grid (frames,
-    height, width)."""
-    if not isinstance(prompt, str):
-        raise InvalidArgumentType(f"prompt={prompt!r} must be a string.")
-    if not clean_prompt(prompt):  # what the text encoder reads: HTML entities decoded, whitespace dropped
-        raise InvalidArgument(f"prompt={prompt!r} is empty once cleaned as the text encoder reads it (HTML entities "
-                              "decoded, whitespace dropped); describe the video to generate, e.g. 'a cat surfing a "
-                              "wave'.")
-    if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise InvalidArgumentType(f"negative_prompt={negative_prompt!r} must be a string or None (Wan's default).")
+def check_inputs(s, *, vae_factors: tuple[int, int], patch: tuple[int, int, int], scheduler,
+                 max_grid: int | None = None, experts: int = 1) -> tuple[int, int, int]:
+    """The rules of a checkpoint for the settings ``s`` (a Preset: the request's fields, each already checked by
+    :class:`~fastwan.pipelines.params.GenerationRequest`, with the preset's filling the unset ones): a VAE of
+    (temporal, spatial) ``vae_factors``, ``experts`` DiTs of ``patch`` size whose RoPE covers ``max_grid`` tokens
+    per axis, and ``scheduler`` (the diffusers scheduler that will run the steps; None for fastwan's own samplers,
+    whose timesteps were checked); raises InvalidArgument. Returns the DiT's token grid (frames, height, width)."""
     grid = check_video_size(s.height, s.width, s.num_frames, vae_factors=vae_factors, patch=patch,
                             max_grid=max_grid)
-    if not is_int(s.num_inference_steps) or s.num_inference_steps < 1:
-        raise (InvalidArgument if is_int(s.num_inference_steps) else InvalidArgumentType)(
-            f"num_inference_steps={s.num_inference_steps!r} must be an int >= 1 (e.g. 50).")
-    _check_number("guidance_scale", s.guidance_scale)
-    if s.guidance_scale_2 is not None:
-        _check_number("guidance_scale_2", s.guidance_scale_2)
-        if experts == 1:
-            raise InvalidArgument(
-                f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
-                "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
-    if not is_int(s.fps) or not 1 <= s.fps <= MAX_FPS:
-        raise (InvalidArgument if is_int(s.fps) else InvalidArgumentType)(
-            f"fps={s.fps!r} must be an int in [1, {MAX_FPS}] (e.g. 16).")
-    _check_seed(seed)
+    if s.guidance_scale_2 is not None and experts == 1:
+        raise InvalidArgument(
+            f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
+            "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))
     return grid
@@ -122,28 +100,6 @@ def finite_float(value) -> float | None:
 def is_int(x) -> bool:
     """An int (Python or NumPy), not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_number(name: str, value, *, minimum: float = 0.0) -> float:
-    """A guidance scale: a finite real number >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise InvalidArgumentType(f"{name}={value!r} must be a number (a float >= {minimum}).")
-    number = finite_float(value)
-    if number is None or number < minimum:
-        raise InvalidArgument(f"{name}={value!r} must be finite and >= {minimum}; e.g. 5.0 (1.0 or less disables CFG).")
-    return number
-
-
-def _check_seed(seed) -> None:
-    """A seed is None (draw one) or an int in [0, SEED_LIMIT); bool is not a seed."""
-    if seed is None:
-        return
-    seed = python_number(seed)
-    if not is_int(seed):
-        raise InvalidArgumentType(f"seed={seed!r} must be an int in [0, 2**64) (e.g. 0), or None for a random seed.")
-    if not 0 <= int(seed) < SEED_LIMIT:
-        raise InvalidArgument(f"seed={seed} is outside [0, 2**64); pass an int in that range (e.g. 0), "
-                              "or None for a random seed.")
 
 
 def random_seed() -> int:

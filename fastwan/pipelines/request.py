@@ -1,13 +1,20 @@
-"""A video request checked against what a checkpoint's files say (its preset, the DiT's config, the VAE's factors,
-the scheduler), with no weight loaded: ``generate_video`` runs it before any compute, and the CLI before it loads
-the model, so a mistyped argument fails in seconds rather than after minutes of loading."""
+"""A :class:`~fastwan.pipelines.params.GenerationRequest` resolved for a checkpoint: the preset fills each unset
+field, and the checkpoint's rules are checked (its DiT's config, the VAE's factors, the scheduler, the image it
+needs, the step cache against the steps), with no weight loaded. A generator resolves each request before any
+compute; the CLI resolves it from the checkpoint's files before the model loads and hands the result to the
+generator, so a mistyped argument fails in seconds and no rule is checked twice."""
 from __future__ import annotations
 
-from fastwan.checkpoint.safetensors import read_json
-from fastwan.checkpoint.presets import with_overrides
+from dataclasses import dataclass
+
+from fastwan.cache import CacheConfig, resolve_coefficients
+from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT, with_overrides
 from fastwan.checkpoint.resolver import Checkpoint
+from fastwan.checkpoint.safetensors import read_json
+from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
+from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
 from fastwan.vae.decode import scale_factors
 
@@ -17,31 +24,69 @@ def checkpoint_vae_factors(ckpt: Checkpoint) -> tuple[int, int]:
     return scale_factors(read_json(ckpt.folder("vae") / "config.json", missing="the vae component needs it."))
 
 
-def check_request(ckpt: Checkpoint, preset, scheduler, vae_factors: tuple[int, int], prompt, *, image=None,
-                  last_image=None, negative_prompt=None, height=None, width=None, num_frames=None,
-                  num_inference_steps=None, guidance_scale=None, guidance_scale_2=None, seed=None, fps=None,
-                  sampler=None, timesteps=None, flow_shift=None) -> tuple[object, ImageRequest | None, tuple]:
-    """``generate_video``'s arguments checked for ``ckpt`` (``preset`` filling each None; ``scheduler``: the
-    checkpoint's diffusers scheduler, not stepped) -> (the resolved settings, the image request or None, the DiT's
-    token grid). Raises the user errors of :mod:`fastwan.pipelines.inputs`, ``image`` and ``sampling``."""
-    req = check_image_request(ckpt, image, last_image)
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """``request`` as ``checkpoint`` (its root) runs it: ``settings`` (a Preset: every size, step and sampling
+    setting filled), ``image`` (the image request or None), ``grid`` (the DiT's token grid), ``cache`` (the step
+    cache in force: the request's, else the generator's default) and TeaCache's ``coefficients``."""
+
+    request: GenerationRequest
+    checkpoint: str
+    settings: object
+    image: ImageRequest | None
+    grid: tuple[int, int, int]
+    cache: CacheConfig | None
+    coefficients: tuple | None
+
+    @property
+    def negative_prompt(self) -> str:
+        return WAN_NEGATIVE_PROMPT if self.request.negative_prompt is None else self.request.negative_prompt
+
+    def describe(self) -> str:
+        """One line: the size, frames, steps, guidance and sampler the video will be made with."""
+        s = self.settings
+        guidance = f"{s.guidance_scale:g}" + ("" if s.guidance_scale_2 is None else f" / {s.guidance_scale_2:g}")
+        sampler = "" if s.sampler == "default" else f", sampler {s.sampler}"
+        cache = "" if self.cache is None else f", step cache {self.cache.name}"
+        return (f"{s.width}x{s.height}, {s.num_frames} frames at {s.fps} fps, {s.num_inference_steps} steps, "
+                f"guidance {guidance}{sampler}{cache}")
+
+
+def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], request: GenerationRequest,
+                    default_cache: CacheConfig | None = None) -> ResolvedRequest:
+    """``request`` for ``ckpt`` (``scheduler``: the checkpoint's diffusers scheduler, not stepped; ``vae_factors``:
+    its VAE's (temporal, spatial) factors; ``default_cache``: the generator's step cache, used when the request names
+    none). Raises the user errors of :mod:`fastwan.pipelines.inputs`, ``image``, ``sampling`` and ``cache``."""
+    if not isinstance(request, GenerationRequest):
+        raise InvalidArgumentType(f"request={request!r} must be a fastwan.GenerationRequest.")
+    r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
+    height, width = r.height, r.width
+    req = check_image_request(ckpt, r.image, r.last_image)
     if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
-        cfg = ckpt.transformer_config
         multiple = vae_factors[1] * cfg.patch_size[1]
         height, width = default_size(req.first, preset.height * preset.width, multiple, height, width,
                                      max_side=cfg.rope_max_seq_len * multiple)
-    guidance_scale, guidance_scale_2 = expert_guidance(preset, guidance_scale, guidance_scale_2)
-    s = check_sampling(with_overrides(preset, height=height, width=width, num_frames=num_frames,
-                                      guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=fps),
-                       sampler, timesteps, flow_shift, num_inference_steps)
-    cfg = ckpt.transformer_config
+    guidance_scale, guidance_scale_2 = expert_guidance(preset, r.guidance_scale, r.guidance_scale_2)
+    s = check_sampling(with_overrides(preset, height=height, width=width, num_frames=r.num_frames,
+                                      guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=r.fps),
+                       r.sampler, r.timesteps, r.flow_shift, r.num_inference_steps)
     stepper = None  # fastwan's own samplers checked their timesteps already
     if s.sampler == "default":
         stepper = fresh_scheduler(scheduler, s.flow_shift)
     else:
         check_training_grid(s, scheduler)
         sampler_shift(s, scheduler)
-    grid = check_inputs(prompt, negative_prompt, s, seed, vae_factors=vae_factors, patch=cfg.patch_size,
-                        scheduler=stepper, max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))
+    grid = check_inputs(s, vae_factors=vae_factors, patch=cfg.patch_size, scheduler=stepper,
+                        max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))
     check_frames(req, s.num_frames)
-    return s, req, grid
+    cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
+    # TeaCache's coefficients, and whether the cache can skip any of the request's steps
+    coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients)
+
+
+def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:
+    """Rule: a resolved request runs on the checkpoint it was resolved for."""
+    if resolved.checkpoint != str(ckpt.root):
+        raise InvalidArgument(f"this request was resolved for {resolved.checkpoint}, not {ckpt.root}; pass the "
+                              "GenerationRequest itself (resolved_request.request) to this generator.")

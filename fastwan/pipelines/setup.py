@@ -16,53 +16,33 @@ from fastwan.attention import AttentionDispatch
 from fastwan.attention.registry import backend_keys, requested_backend
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.options import DiTOptions
-from fastwan.values import python_number
 from fastwan.checkpoint.presets import VSA_TILE, trained_vsa_sparsity
 from fastwan.checkpoint.resolver import Checkpoint
 from fastwan.checkpoint.components import scheduler_class
 
 logger = logging.getLogger("fastwan")
 
-CFG_MODES = ("auto", "batched", "sequential")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_load_options(*, dtype, vae_dtype, cfg_mode, cfg_gate_step, torch_compile_kwargs, enable_torch_compile,
-                       allow_pickle, dit_options, device) -> tuple:
-    """``from_pretrained``'s plain options checked (user errors naming the value) and filled in -> (vae_dtype:
-    ``dtype`` when None; cfg_gate_step: the environment's (``FASTVIDEO_CFG_GATE_STEP``) when None; dit_options:
-    ``DiTOptions()`` when None; device: a torch.device, CUDA when None and available)."""
-    vae_dtype = dtype if vae_dtype is None else vae_dtype  # bf16 halves the VAE's time; fp32 on request
-    for name, dt in (("dtype", dtype), ("vae_dtype", vae_dtype)):
-        if dt not in DTYPES:
-            raise (InvalidArgument if isinstance(dt, torch.dtype) else InvalidArgumentType)(
-                f"{name}={dt!r} must be torch.float32, torch.bfloat16 or torch.float16.")
-    if cfg_mode not in CFG_MODES:
-        raise (InvalidArgument if isinstance(cfg_mode, str) else InvalidArgumentType)(
-            f"cfg_mode={cfg_mode!r} must be one of {CFG_MODES} ('auto' picks per video size; "
-            "'sequential' saves memory).")
-    cfg_gate_step = envs.cfg_gate_step() if cfg_gate_step is None else envs.validate_cfg_gate_step(
-        python_number(cfg_gate_step))
-    if torch_compile_kwargs is not None and not isinstance(torch_compile_kwargs, Mapping):
-        raise InvalidArgumentType(f"torch_compile_kwargs={torch_compile_kwargs!r} must be a dict of torch.compile "
-                                  "kwargs.")
-    check_flags(enable_torch_compile=enable_torch_compile, allow_pickle=allow_pickle)
-    if torch_compile_kwargs and not enable_torch_compile:
-        raise InvalidArgument(f"torch_compile_kwargs={dict(torch_compile_kwargs)!r} apply only when the DiT is "
-                              "compiled; pass enable_torch_compile=True with them, or drop them.")
-    if dit_options is None:
-        dit_options = DiTOptions()
-    elif not isinstance(dit_options, DiTOptions):
-        raise InvalidArgumentType(f"dit_options={dit_options!r} must be a fastwan.options.DiTOptions.")
+def check_load_options(options) -> tuple:
+    """What ``from_pretrained``'s options (a checked :class:`~fastwan.pipelines.load_options.LoadOptions`) leave to
+    this machine, filled in -> (device: a torch.device, CUDA when None and available; dtype: the device's default
+    (:func:`~fastwan.pipelines.load_options.default_dtype`) when None; vae_dtype: ``dtype`` when None;
+    cfg_gate_step: the environment's (``FASTVIDEO_CFG_GATE_STEP``) when None; dit_options: ``DiTOptions()`` when
+    None)."""
+    from fastwan.pipelines.load_options import default_dtype
+
+    device = options.device
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgument(f"device={device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu').") from None
+    device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument(f"device={device} was requested but CUDA is not available; use device='cpu'.")
-    return vae_dtype, cfg_gate_step, dit_options, device
+    dtype = default_dtype(device) if options.dtype is None else options.dtype
+    vae_dtype = dtype if options.vae_dtype is None else options.vae_dtype  # bf16 halves the VAE's time
+    cfg_gate_step = envs.cfg_gate_step() if options.cfg_gate_step is None else options.cfg_gate_step
+    dit_options = DiTOptions() if options.dit_options is None else options.dit_options
+    return device, dtype, vae_dtype, cfg_gate_step, dit_options
 
 
 def load_scheduler(ckpt: Checkpoint):
@@ -70,14 +50,6 @@ def load_scheduler(ckpt: Checkpoint):
     (:func:`fastwan.checkpoint.components.scheduler_class`) from ``scheduler/scheduler_config.json``."""
     cls, cfg = scheduler_class(ckpt.index, ckpt.root)
     return cls.from_config(cfg)
-
-
-def check_flags(**flags) -> None:
-    """Each of ``flags`` (argument name -> value) must be True or False: a truthy stand-in is refused, not read as
-    a yes (``allow_pickle="no"`` must not let pickle files, which can run code, load)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise InvalidArgumentType(f"{name}={value!r} must be True or False.")
 
 
 def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:

@@ -1,0 +1,291 @@
+"""The one typed request of a video: :class:`GenerationRequest`, every argument of ``generate_video``.
+
+The Python API (``generate_video(prompt, **kw)`` builds one; ``gen.generate(request)`` takes one), the CLI (its
+flags and their help come from these fields, :mod:`fastwan.fields`) and JSON callers (:func:`~fastwan.fields.to_json`
+/ :func:`~fastwan.fields.from_json`, :func:`~fastwan.fields.json_schema`) share it. Building one checks every rule
+that needs no checkpoint (types, ranges, the output path); the rules of a checkpoint (size multiples, the scheduler's
+step limit, the preset that fills each unset field, the image a checkpoint needs) are checked when a generator
+resolves it (:func:`fastwan.pipelines.request.resolve_request`), before any compute.
+
+Rule for numbers (:func:`fastwan.values.python_number`): a NumPy scalar, or a 0-d NumPy array / torch tensor, stands
+for the Python number it holds; a bool is never a number; nothing else is converted (``480.0`` is not a size,
+``"5"`` not a scale).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fastwan.cache import CACHES, check_cache
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.fields import REQUIRED, check_fields, integer_text, number_text, option
+from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
+from fastwan.pipelines.output import check_output_path
+from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps
+from fastwan.pipelines.text import clean_prompt
+from fastwan.values import python_number
+
+IMAGE_DATA_URL = "data:image/png;base64,"  # an image's JSON form when it is pixels rather than a file path
+
+
+# ---- field rules (each: the given value -> its normal form, or a user error naming it) -------------------------
+def _prompt(value):
+    if not isinstance(value, str):
+        raise InvalidArgumentType(f"prompt={value!r} must be a string.")
+    if not clean_prompt(value):  # what the text encoder reads: HTML entities decoded, whitespace dropped
+        raise InvalidArgument(f"prompt={value!r} is empty once cleaned as the text encoder reads it (HTML entities "
+                              "decoded, whitespace dropped); describe the video to generate, e.g. 'a cat surfing a "
+                              "wave'.")
+    return value
+
+
+def _negative_prompt(value):
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgumentType(f"negative_prompt={value!r} must be a string or None (Wan's default).")
+    return value
+
+
+def _count(name: str, example: int, most: int | None = None):
+    """The rule of a whole-number field: None (the preset's) or an int in [1, most]."""
+    def check(value):
+        if value is None:
+            return None
+        value = python_number(value)
+        if not is_int(value):
+            raise InvalidArgumentType(f"{name}={value!r} must be an int >= 1 (e.g. {example}).")
+        if value < 1 or most is not None and value > most:
+            upper = f" and <= {most}" if most is not None else ""
+            raise InvalidArgument(f"{name}={value!r} must be >= 1{upper} (an int, e.g. {example}).")
+        return int(value)
+    return check
+
+
+def _scale(name: str):
+    def check(value):
+        if value is None:
+            return None
+        value = python_number(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgumentType(f"{name}={value!r} must be a number (a float >= 0).")
+        number = finite_float(value)
+        if number is None or number < 0:
+            raise InvalidArgument(f"{name}={value!r} must be finite and >= 0; e.g. 5.0 (1.0 or less disables CFG).")
+        return value
+    return check
+
+
+def _seed(value):
+    """None (a new random seed) or an int in [0, 2**64); bool is not a seed."""
+    if value is None:
+        return None
+    value = python_number(value)
+    if not is_int(value):
+        raise InvalidArgumentType(f"seed={value!r} must be an int in [0, 2**64) (e.g. 0), or None for a random seed.")
+    if not 0 <= int(value) < SEED_LIMIT:
+        raise InvalidArgument(f"seed={value} must be >= 0 and < 2**64 (e.g. 0); leave it unset for a random seed.")
+    return int(value)
+
+
+def _flag(name: str):
+    def check(value):
+        if not isinstance(value, bool):
+            raise InvalidArgumentType(f"{name}={value!r} must be True or False.")
+        return value
+    return check
+
+
+def _sampler(value):
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SAMPLERS:
+        raise (InvalidArgument if isinstance(value, str) else InvalidArgumentType)(
+            f"sampler={value!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
+            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+    return value
+
+
+def _timesteps(value):
+    return None if value is None else _check_timesteps(value)
+
+
+def _flow_shift(value):
+    if value is None:
+        return None
+    value = python_number(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (finite_float(value) or 0) <= 0:
+        raise (InvalidArgument if number else InvalidArgumentType)(
+            f"flow_shift={value!r} must be > 0 (a finite number, e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
+    return float(value)
+
+
+def _output_path(value):
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidArgumentType(f"output_path={value!r} must be a path: a folder, or a file ending in .mp4.")
+    return value
+
+
+def _cache(value):
+    """None: the generator's default step cache; "none": no cache; else a config (its string form parsed)."""
+    if value is None:
+        return None
+    config = check_cache(value)
+    return "none" if config is None else config
+
+
+def _encode_cache(value):
+    if isinstance(value, str):
+        return value
+    return {"type": value.name, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _decode_cache(value):
+    if isinstance(value, dict):
+        kind = value.get("type")
+        if kind not in CACHES:
+            raise InvalidArgument(f"cache={value!r}: 'type' must be one of {sorted(CACHES)}, e.g. "
+                                  "{'type': 'teacache', 'threshold': 0.1}.")
+        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items() if k != "type"}
+        try:
+            return CACHES[kind](**settings)
+        except TypeError:
+            names = [f.name for f in dataclasses.fields(CACHES[kind])]
+            raise InvalidArgument(f"cache={value!r}: {kind} takes the settings {names}.") from None
+    return value
+
+
+def _encode_image(value):
+    """A file path as its text; pixels (a PIL image or an np.uint8 array) as a PNG data URL (lossless)."""
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    from PIL import Image
+
+    image = Image.fromarray(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(image, Image.Image):
+        raise InvalidArgumentType(f"an image of type {type(value).__name__} has no JSON form; give a PIL image, an "
+                                  "np.uint8 array or a file path.")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", exif=image.getexif())
+    return IMAGE_DATA_URL + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _decode_image(value):
+    if not isinstance(value, str):
+        raise InvalidArgumentType(f"an image's JSON form is a string (a file path or a {IMAGE_DATA_URL}... data URL), "
+                                  f"not {type(value).__name__}.")
+    if not value.startswith("data:"):
+        return value
+    from PIL import Image
+
+    if not value.startswith(IMAGE_DATA_URL):
+        raise InvalidArgument(f"image data URL {value[:40]!r}...: only {IMAGE_DATA_URL}<base64> is read.")
+    try:
+        data = base64.b64decode(value[len(IMAGE_DATA_URL):], validate=True)
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as exc:  # noqa: BLE001 -- any decoding failure is the caller's data
+        raise InvalidArgument(f"image data URL: not a readable PNG ({type(exc).__name__}: {exc}).") from None
+    return image
+
+
+def timesteps_text(text: str) -> list[float]:
+    """--timesteps '1000,757,522' -> [1000.0, 757.0, 522.0] (the request checks the values). Rule: numbers
+    separated by commas, each item one number (spaces around it allowed); an error names the first item that is
+    not."""
+    items, values = text.split(","), []
+    for i, item in enumerate(items, 1):
+        try:
+            values.append(float(item))
+        except ValueError:
+            what = "is empty" if not item.strip() else f"{item.strip()!r} is not a number"
+            raise ValueError(f"{text!r}: item {i} of {len(items)} {what}; pass numbers separated by commas, e.g. "
+                             "1000,757,522") from None
+    return values
+
+
+
+_TYPE = {"integer": {"type": "integer", "minimum": 1}, "number": {"type": "number", "minimum": 0}}
+_IMAGE_SCHEMA = {"type": "string", "description": "a file path or a data:image/png;base64 URL"}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One video: every argument of ``VideoGenerator.generate_video``; None fields take the checkpoint's preset.
+
+    Built once, checked once (types and ranges here; the checkpoint's rules when a generator resolves it), read by
+    the Python API, the CLI and JSON callers alike."""
+
+    prompt: str = option(REQUIRED, help="what the video shows", schema={"type": "string", "minLength": 1},
+                         check=_prompt, flag="--prompt")
+    image: Any = option(None, help="first frame (image-to-video checkpoints): an image file", nullable=True,
+                        schema=_IMAGE_SCHEMA, encode=_encode_image, decode=_decode_image, flag="--image")
+    last_image: Any = option(None, help="last frame (first-last-frame checkpoints): an image file", nullable=True,
+                             schema=_IMAGE_SCHEMA, encode=_encode_image, decode=_decode_image, flag="--last-image")
+    negative_prompt: str | None = option(None, help="what the video avoids (default: Wan's negative prompt)",
+                                         nullable=True, schema={"type": "string"}, check=_negative_prompt,
+                                         flag="--negative-prompt")
+    height: int | None = option(None, help="video height in pixels, a multiple of the VAE factor x patch (e.g. 480; "
+                                           "default: the preset's)", nullable=True, schema=_TYPE["integer"],
+                                check=_count("height", 480), flag="--height", parse=integer_text)
+    width: int | None = option(None, help="video width in pixels, a multiple of the VAE factor x patch (e.g. 832; "
+                                          "default: the preset's)", nullable=True, schema=_TYPE["integer"],
+                               check=_count("width", 832), flag="--width", parse=integer_text)
+    num_frames: int | None = option(None, help="frames, 4k+1 (e.g. 81; default: the preset's)", nullable=True,
+                                    schema=_TYPE["integer"], check=_count("num_frames", 81), flag="--num-frames",
+                                    parse=integer_text)
+    num_inference_steps: int | None = option(None, help="denoising steps (default: the preset's)", nullable=True,
+                                             schema=_TYPE["integer"], check=_count("num_inference_steps", 50),
+                                             flag="--steps", parse=integer_text)
+    guidance_scale: float | None = option(None, help="classifier-free guidance scale, >= 0 (1 or less: no CFG; "
+                                                     "default: the preset's)", nullable=True,
+                                          schema=_TYPE["number"], check=_scale("guidance_scale"),
+                                          flag="--guidance-scale", parse=number_text)
+    guidance_scale_2: float | None = option(None, help="the low-noise expert's scale (Wan2.2 A14B; default: "
+                                                       "--guidance-scale when given, else the preset's)",
+                                            nullable=True, schema=_TYPE["number"], check=_scale("guidance_scale_2"),
+                                            flag="--guidance-scale-2", parse=number_text)
+    seed: int | None = option(None, help="random seed, an int in [0, 2**64) (default: a new random one, reported)",
+                              nullable=True, schema={"type": "integer", "minimum": 0, "maximum": SEED_LIMIT - 1},
+                              check=_seed, flag="--seed", parse=integer_text)
+    fps: int | None = option(None, help=f"frames per second of the mp4, 1..{MAX_FPS} (default: the preset's)",
+                             nullable=True, schema={"type": "integer", "minimum": 1, "maximum": MAX_FPS},
+                             check=_count("fps", 16, MAX_FPS), flag="--fps", parse=integer_text)
+    output_path: str = option("outputs/", help="a folder (the file gets an automatic name), or a path ending in .mp4",
+                              schema={"type": "string"}, check=_output_path, encode=os.fspath, flag="--output")
+    save_video: bool = option(True, help="write the mp4", schema={"type": "boolean"}, check=_flag("save_video"))
+    return_frames: bool = option(True, help="return the frames as an array", schema={"type": "boolean"},
+                                 check=_flag("return_frames"))
+    overwrite: bool = option(False, help="replace an existing video at the output path", schema={"type": "boolean"},
+                             check=_flag("overwrite"), flag="--overwrite", action="store_true")
+    cache: Any = option(None, help="this video's step cache (fastwan.cache; 'none': off; default: the generator's)",
+                        nullable=True, schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=_cache,
+                        encode=_encode_cache, decode=_decode_cache)
+    sampler: str | None = option(None, help="default (the checkpoint's scheduler), euler (step-distilled LoRAs) or "
+                                            "dmd (FastWan); default: the checkpoint's", nullable=True,
+                                 schema={"enum": list(SAMPLERS)}, check=_sampler, flag="--sampler", choices=SAMPLERS)
+    timesteps: tuple[float, ...] | None = option(
+        None, help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)",
+        nullable=True, schema={"type": "array", "items": {"type": "number"}, "minItems": 1}, check=_timesteps,
+        encode=list, flag="--timesteps", parse=timesteps_text, metavar="T1,T2,...")
+    flow_shift: float | None = option(None, help="the sampler's flow shift, > 0 (default: the preset's, else 8 for "
+                                                 "dmd and the checkpoint scheduler's otherwise)", nullable=True,
+                                      schema={"type": "number", "exclusiveMinimum": 0}, check=_flow_shift,
+                                      flag="--flow-shift", parse=number_text)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        check_output_path(self.output_path, self.overwrite)
+
+    def replace(self, **changes) -> GenerationRequest:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
