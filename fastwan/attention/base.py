@@ -89,14 +89,12 @@ def reasons_cannot_run(
     seq_q: int | None = None,
     seq_kv: int | None = None,
 ) -> list[str]:
-    """Turn a backend's declared capabilities into the list of reasons it cannot run this problem.
+    """Turn a backend's declared capabilities into the list of reasons it cannot run this problem, the device's
+    first (the main reason, which an error states: :func:`fastwan.attention.registry.resolve_backend`).
 
     ``head_dim`` / ``seq_q`` / ``seq_kv`` None: that fact is unknown and its checks are skipped."""
     device = torch.device(device)
-    reasons: list[str] = []
-    for module, hint in caps.packages:
-        if not package_available(module):
-            reasons.append(f"package '{module}' is not installed ({hint})")
+    reasons: list[str] = []  # the device's first: no package, dtype or head dim makes a backend run on it
     if device.type not in caps.device_types:
         reasons.append(f"device type '{device.type}' is not supported (needs {', '.join(caps.device_types)})")
     elif device.type == "cuda":
@@ -114,6 +112,9 @@ def reasons_cannot_run(
             if caps.compute_capabilities and cc not in caps.compute_capabilities:
                 ok = ", ".join(f"sm{a}{b}" for a, b in caps.compute_capabilities)
                 reasons.append(f"compute capability {sm} is not one of {ok}")
+    for module, hint in caps.packages:
+        if not package_available(module):
+            reasons.append(f"package '{module}' is not installed ({hint})")
     if dtype not in caps.dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
         reasons.append(f"dtype {str(dtype).replace('torch.', '')} is not supported (needs one of {names})")

@@ -4,7 +4,8 @@ Choice order: an explicit name (argument) > ``FASTVIDEO_ATTENTION_BACKEND`` / ``
 > automatic. Automatic mode walks :data:`AUTO_ORDER` (fastest first for the device), skips backends that
 cannot run or whose kernel here is unverified (never run on such a GPU by fastwan; debug log with the reasons)
 and logs the one it picked at info level. An unverified kernel asked for by name runs, with a warning. An
-explicitly requested backend that cannot run raises :class:`BackendUnavailableError` listing every reason.
+explicitly requested backend that cannot run raises :class:`BackendUnavailableError`: one line with its main
+reason and the backends that can run instead (every reason in its ``reasons``).
 """
 from __future__ import annotations
 
@@ -80,7 +81,12 @@ OTHER_NAMES: dict[str, str] = {
 
 
 class BackendUnavailableError(UserError, RuntimeError):
-    """An explicitly requested backend cannot run; the message lists every reason."""
+    """An explicitly requested backend cannot run. The message is one line: the backend, its main reason and the
+    backends that can run instead; ``reasons`` holds every reason (``fastwan env`` lists them too)."""
+
+    def __init__(self, message: str, reasons: list[str] | None = None):
+        super().__init__(message)
+        self.reasons = list(reasons or [])
 
 
 def backend_names() -> list[str]:
@@ -222,14 +228,10 @@ def resolve_backend(
                 f"FASTVIDEO_NVFP4_FA4 (or FASTWAN_NVFP4_FA4) asks for NVFP4 Q/K in the FLASH_ATTN backend, but "
                 f"{backend.name} was requested by {source}; unset the NVFP4 variable, or request FLASH_ATTN."
             )
-        reasons = backend.reasons(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+        problem = {"device": device, "dtype": dtype, "head_dim": head_dim, "seq_q": seq_q, "seq_kv": seq_kv}
+        reasons = backend.reasons(**problem)
         if reasons:
-            raise BackendUnavailableError(
-                f"Attention backend {backend.name} (requested by {source}) cannot run on "
-                f"device={torch.device(device)}, dtype={dtype}, head_dim={head_dim}:\n  - "
-                + "\n  - ".join(reasons)
-                + f"\nPick another backend ({', '.join(BACKENDS)}) or unset it for automatic selection."
-            )
+            raise _unavailable(backend.name, source, reasons, config, problem)
         why = backend.unverified(device, head_dim)
         if why:
             logger.warning("attention backend %s (%s), requested by %s, is unverified: %s", backend.name,
@@ -242,6 +244,47 @@ def resolve_backend(
             "backend it is for (attention_backend= or FASTVIDEO_ATTENTION_BACKEND), e.g. SLIDING_TILE_ATTN."
         )
     return auto_backend(device=device, dtype=dtype, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv)
+
+
+def runnable_instead(refused: str, problem: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The registered backends other than ``refused`` that can run ``problem`` (``reasons``' keywords) with their
+    default settings: (the dense ones, the sparse ones, which change the result)."""
+    dense, sparse = [], []
+    for name in BACKENDS:
+        try:
+            other = create_backend(name)
+        except UserError:  # its settings from the environment are wrong: not one to suggest
+            continue
+        if name != refused and not other.reasons(**problem):
+            (sparse if other.sparse else dense).append(name)
+    return dense, sparse
+
+
+def _unavailable(name: str, source: str, reasons: list[str], config, problem: Mapping[str, Any]):
+    """The one-line error for backend ``name``, asked for by ``source``, that cannot run ``problem``: its main
+    reason (the first: the device's come first), how many more there are, and the fix, which never names ``name``:
+    dropping ``config`` when ``name`` runs without it, else the dense backends that run here (and automatic
+    selection when it would pick one of them), else the sparse ones."""
+    fixes = []
+    if config:
+        try:
+            plain = create_backend(name).reasons(**problem)
+        except UserError:
+            plain = reasons
+        if not plain:
+            fixes.append(f"drop the attention config ({', '.join(map(str, config))})")
+    dense, sparse = runnable_instead(name, problem) if not fixes else ([], [])
+    others = dense or sparse
+    if others:
+        fixes.append(f"use {' or '.join(others)}, which run{'s' if len(others) == 1 else ''} here")
+    if any(n in AUTO_ORDER for n in dense):
+        fixes.append("unset it for automatic selection")
+    fix = ", or ".join(fixes) if fixes else "no other backend runs it here either"
+    where = f"{torch.device(problem['device'])} ({str(problem['dtype']).replace('torch.', '')}, head dim " \
+            f"{problem['head_dim']})"
+    more = f" (+{len(reasons) - 1} more: see 'fastwan env')" if len(reasons) > 1 else ""
+    return BackendUnavailableError(f"Attention backend {name} (requested by {source}) cannot run on {where}: "
+                                   f"{reasons[0]}{more}. {fix[0].upper()}{fix[1:]}.", reasons)
 
 
 def auto_backend(

@@ -75,23 +75,63 @@ def test_explicit_argument_beats_context_beats_env():
 
 # ---- explicit but unavailable -----------------------------------------------------------------------------
 
-def test_flash_attn_on_cpu_lists_every_reason_with_install_commands(no_packages):
+def test_flash_attn_on_cpu_states_the_device_and_keeps_every_reason_with_install_commands(no_packages):
     with pytest.raises(BackendUnavailableError) as e:
         resolve_backend("FLASH_ATTN", device="cpu", dtype=BF16, head_dim=128, env={})
-    msg = str(e.value)
+    msg, reasons = str(e.value), e.value.reasons
     assert "FLASH_ATTN" in msg and "requested by attention_backend= (CLI --attention-backend)" in msg
-    assert "device type 'cpu' is not supported (needs cuda)" in msg
-    assert "pip install flash-attn-4" in msg
-    assert "pip install flash-attn " in msg
-    assert "hopper/" in msg
-    assert msg.count("\n  - ") == 4  # device + FA4 + FA3 + FA2
+    assert "device type 'cpu' is not supported (needs cuda) (+3 more: see 'fastwan env')" in msg  # the main one
+    assert "\n" not in msg and "pip install" not in msg  # installing a package does not make it run on a CPU
+    assert reasons[0] == "device type 'cpu' is not supported (needs cuda)" and len(reasons) == 4  # + FA4, FA3, FA2
+    text = "\n".join(reasons)
+    assert "pip install flash-attn-4" in text and "pip install flash-attn " in text and "hopper/" in text
 
 
-def test_sage_attn_on_cpu_lists_reasons_with_install_command(no_packages):
+# A configuration of each registered backend that cannot run on the CPU (None: the backend as registered).
+CPU_REFUSED = {"TORCH_SDPA": {"kernel": "cudnn"}, "FLASH_ATTN": None, "SAGE_ATTN": None,
+               "SLIDING_TILE_ATTN": {"kernel": "fa4"}, "VIDEO_SPARSE_ATTN": {"kernel": "fa4"},
+               "NEIGHBORHOOD_ATTN": {"kernel": "fa4"}}
+
+
+def test_every_registered_backend_has_a_cpu_refusal_case():
+    from fastwan.attention.registry import BACKENDS
+
+    assert set(CPU_REFUSED) == set(BACKENDS)
+
+
+def _runs(name, config, dtype):
+    try:
+        resolve_backend(name, device="cpu", dtype=dtype, head_dim=64, config=config, env={})
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("name", sorted(CPU_REFUSED))
+def test_an_unavailable_backend_is_one_short_line_whose_fix_runs_here(name, dtype):
+    from fastwan.attention.registry import BACKENDS
+
+    config = CPU_REFUSED[name]
+    with pytest.raises(BackendUnavailableError) as e:
+        resolve_backend(name, device="cpu", dtype=dtype, head_dim=64, config=config, env={})
+    msg = str(e.value)
+    assert len(msg) <= 300 and "\n" not in msg, msg
+    assert msg.startswith(f"Attention backend {name} ") and msg.count(name) == 1, msg  # never suggested itself
+    assert e.value.reasons and e.value.reasons[0] in msg  # the main reason
+    suggested = [n for n in BACKENDS if n != name and n in msg]
+    assert all(_runs(n, None, dtype) for n in suggested), msg
+    if config is not None and _runs(name, None, dtype):
+        assert f"Drop the attention config ({', '.join(config)})" in msg, msg
+    else:
+        assert suggested, msg
+
+
+def test_sage_attn_on_cpu_states_the_device_and_keeps_the_install_command(no_packages):
     with pytest.raises(BackendUnavailableError) as e:
         resolve_backend("SAGE_ATTN", device="cpu", dtype=BF16, head_dim=128, env={})
-    msg = str(e.value)
-    assert "pip install sageattention==1.0.6" in msg and "device type 'cpu'" in msg
+    assert "device type 'cpu'" in str(e.value)
+    assert "pip install sageattention==1.0.6" in "\n".join(e.value.reasons)
 
 
 def test_explicit_unavailable_via_env_names_the_variable(no_packages):
@@ -140,7 +180,8 @@ def test_reasons_cannot_run_from_fake_capabilities(fake_gpu):
     assert "sm86 is below the minimum sm90" in text
     assert "dtype float32 is not supported" in text
     assert "head dim 96 is not supported (needs one of [64, 128])" in text
-    assert reasons_cannot_run(caps, device="cpu", dtype=torch.float16, head_dim=64)[-1].startswith("device type 'cpu'")
+    # the device's reason first: no package makes a CUDA backend run on a CPU
+    assert reasons_cannot_run(caps, device="cpu", dtype=torch.float16, head_dim=64)[0].startswith("device type 'cpu'")
 
 
 def test_flash_head_dim_512_reason(fake_gpu):

@@ -251,7 +251,7 @@ def test_fa4_reasons_come_from_declared_capabilities(fake_gpu, fa4_probe_cleared
     fake_gpu(cc=(12, 0))
     assert "compute capability sm120 is above the supported maximum sm103" in "\n".join(
         fa4.fa4_reasons("cuda", torch.bfloat16))
-    assert fa4.fa4_reasons("cpu", torch.bfloat16)[-1] == "device type 'cpu' is not supported (needs cuda)"
+    assert fa4.fa4_reasons("cpu", torch.bfloat16)[0] == "device type 'cpu' is not supported (needs cuda)"
     fa4._fa4_reasons.cache_clear()
     fake_gpu(cc=(9, 0))
     monkeypatch.setattr(base, "package_available", lambda name: True)  # flash_attn "installed" but not importable
@@ -263,6 +263,7 @@ def test_sparse_backend_reasons_on_a_fake_gpu_list_each_reason_once(fake_gpu, fa
     fake_gpu(cc=(8, 0))  # fake_gpu: no triton
     reasons = create_backend("SLIDING_TILE_ATTN", {"kernel": "fa4"}).reasons(
         device="cuda", dtype=torch.float32, head_dim=64)
-    assert len(reasons) == len(set(reasons)) and "compute capability sm80 is below the minimum sm90" in reasons
+    assert len(reasons) == len(set(reasons)) and "kernel 'fa4': compute capability sm80 is below the minimum sm90" \
+        in reasons
     auto = create_backend("SLIDING_TILE_ATTN", {}).reasons(device="cuda", dtype=torch.bfloat16, head_dim=64)
     assert auto == ["package 'triton' is not installed (compiled flex_attention on CUDA: pip install triton)"]

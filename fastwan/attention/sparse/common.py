@@ -96,7 +96,7 @@ class SparseVideoBackend(AttentionBackend):
         dev = torch.device(device)
         extra = []
         if self.kernel == "fa4":
-            extra += fa4.fa4_reasons(dev, dtype)
+            extra += [f"kernel 'fa4': {r}" for r in fa4.fa4_reasons(dev, dtype)]
         if dev.type == "cuda" and self.kernel in ("auto", "flex"):
             extra += reasons_cannot_run(COMPILED_FLEX_CAPABILITIES, device=dev, dtype=dtype, head_dim=head_dim)
         return reasons + [r for r in dict.fromkeys(extra) if r not in reasons]
