@@ -227,7 +227,6 @@ def render(info: dict[str, Any], console=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
-    parser.label = "fastwan"  # usage errors read 'fastwan: error: ...', as every fastwan command's do
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--device", default=None, help="device to check (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="bf16", help="dtype to check backends for (default bf16)")

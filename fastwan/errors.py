@@ -12,6 +12,7 @@ import argparse
 import sys
 
 USER_ERROR_EXIT = 2  # the exit code of a command that stops on a user error
+INTERRUPT_EXIT = 130  # the exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 class UserError(Exception):
@@ -46,6 +47,13 @@ class VideoWriteError(OutputPathError):
     """The video encoder failed or wrote nothing (after compute); the destination was left unchanged."""
 
 
+def report_interrupt(who: str = "") -> int:
+    """Say on one stderr line that the command was stopped by Ctrl-C (``who``: e.g. 'rank 1: ') -> its exit
+    code, :data:`INTERRUPT_EXIT`."""
+    print(f"fastwan: {who}interrupted", file=sys.stderr)
+    return INTERRUPT_EXIT
+
+
 def one_line(exc: BaseException) -> str:
     """``exc``'s message on one line (a multi-line message's lines joined with '; ')."""
     lines = [ln.strip() for ln in str(exc).splitlines()]
@@ -57,11 +65,12 @@ def one_line(exc: BaseException) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are user errors: one line on stderr (``label``, default the program name, then the
-    message), exit code 2, no usage dump."""
+    """argparse whose errors are user errors: one line on stderr, ``fastwan: error: <message> (see '<prog>
+    --help')``, exit code 2, no usage dump. Every fastwan command's errors start alike, whatever its program name
+    (``fastwan env``, ``python -m fastwan.profiler``, an example's script)."""
 
-    label: str | None = None
+    label = "fastwan"
 
     def error(self, message: str):
-        print(f"{self.label or self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        print(f"{self.label}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)

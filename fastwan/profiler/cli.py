@@ -12,11 +12,12 @@ import torch
 
 from fastwan.attention.variants import BackendSpec, backend_specs
 from fastwan.envinfo import default_device, parse_device, parse_dtype
-from fastwan.errors import InvalidArgument, OneLineParser, OutputPathError, UserError, one_line
+from fastwan.errors import InvalidArgument, OneLineParser, OutputPathError, UserError, one_line, report_interrupt
 from fastwan.checkpoint.safetensors import write_atomically
 from fastwan.profiler.problem import MODELS, Problem, model_grid, model_preset
 from fastwan.profiler.output import render, report
 from fastwan.profiler.runner import plan, run
+from fastwan.quiet import quiet_libraries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +152,22 @@ def write_json(path: Path, data) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The profiler's exit code: 0, 1 when no backend could be timed, 2 on a user error (one line, 'fastwan: error:
+    ...', as every fastwan command's), 130 on Ctrl-C (one line, 'fastwan: interrupted')."""
     ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+        if args.model is not None and args.model not in MODELS:  # a checkpoint's configs (a tiny one written first)
+            quiet_libraries()
+        return _profile(ap, args)
+    except UserError as exc:  # one met after the checks (e.g. writing --json)
+        ap.error(one_line(exc))
+    except KeyboardInterrupt:
+        pass  # said below, once the run's frames (and its progress bars) are gone
+    return report_interrupt()
+
+
+def _profile(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         problem = problem_from_args(args)
         specs = backend_specs(args.backend, variants=args.optimize)

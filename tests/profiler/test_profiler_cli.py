@@ -8,18 +8,46 @@ import pytest
 import torch
 
 from fastwan.attention.variants import backend_specs
+from fastwan.errors import OutputPathError
 from fastwan.profiler import cli, problem, runner
 
 SMALL = ["-n", "2", "-d", "16", "--dtype", "fp32", "--device", "cpu", "--warmup", "0", "--iters", "1"]
 
 
 def user_error(argv, capsys) -> str:
-    """The one-line stderr message of ``argv``, which must stop with exit code 2."""
+    """The one-line stderr message of ``argv``, which must stop with exit code 2 and read 'fastwan: error: ...' as
+    every fastwan command's errors do."""
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("fastwan: error: ") and "Traceback" not in err, err
     return err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--bogus"], "unrecognized arguments: --bogus"),  # argparse's own
+    (["-i", "2", "4"], "expected 3 arguments"),
+    (["-i", "2", "4", "4", "--dtype", "fp7"], "fp7"),
+])
+def test_usage_errors_read_like_every_fastwan_command(argv, needle, capsys, no_profiling):
+    err = user_error([*argv, "--device", "cpu"], capsys)
+    assert needle in err and "(see 'python -m fastwan.profiler --help')" in err, err
+
+
+def test_a_user_error_met_while_profiling_is_one_line(capsys, monkeypatch):
+    def fails(*a, **k):
+        raise OutputPathError("writing profile.json failed: disk full; nothing at that path was changed.")
+    monkeypatch.setattr(cli, "run", fails)
+    assert "disk full" in user_error(["-i", "2", "4", "4", *SMALL], capsys)
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "run", interrupted)
+    assert cli.main(["-i", "2", "4", "4", *SMALL]) == 130
+    assert capsys.readouterr().err == "fastwan: interrupted\n"
 
 
 @pytest.mark.parametrize("argv,needle", [
