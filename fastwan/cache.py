@@ -344,11 +344,12 @@ def _rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class PassCache:
-    """The state of one CFG pass of one expert in one request, asked by the DiT's forward at each step.
+    """The state of one CFG pass of one expert in one request, asked at each step by the step cache's hook on the
+    DiT's blocks (:mod:`fastwan.models.wan.step_cache`).
 
-    The forward calls :meth:`skip_stack` before the blocks (``x`` the stream entering block 0, ``temb`` / ``mod`` the
-    timestep embedding and modulation) and, with a First-Block cache, :meth:`skip_rest` after block 0; it then
-    calls :meth:`stored` with the residual of what it ran, or :meth:`reuse` for the output of what it skipped.
+    The hook calls :meth:`skip_stack` before the blocks (``temb`` / ``mod`` the timestep embedding and modulation)
+    and, with a First-Block cache, :meth:`skip_rest` after block 0; it then calls :meth:`stored` with the residual
+    of what it ran, or :meth:`reuse` for the output of what it skipped.
     """
 
     def __init__(self, config: CacheConfig, num_steps: int, coefficients: tuple[float, ...] | None = None):

@@ -102,7 +102,7 @@ def test_cycle_finder_finds_a_cycle():
 # __init__). Checkpoint I/O spans two layers: its file and safetensors readers sit below the models, which load
 # through them; resolving a checkpoint reads the models' configs, so it sits above them.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fastwan", "fastwan.errors", "fastwan.values", "fastwan.fields", "fastwan.quiet"),
+    ("fastwan", "fastwan.errors", "fastwan.values", "fastwan.fields", "fastwan.hooks", "fastwan.quiet"),
     ("fastwan.envs",),
     ("fastwan.checkpoint.files", "fastwan.checkpoint.safetensors"),
     ("fastwan.kernels",),

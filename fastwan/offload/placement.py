@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from fastwan.errors import InvalidArgument
 from fastwan.offload import BlockStreamer, Footprint, OffloadPlan
-from fastwan.offload.stream import held_tensors
+from fastwan.offload.stream import held_tensors, stop_streaming, stream_blocks
 from fastwan.offload.plan import Usable
 from fastwan.checkpoint.presets import runs_cfg
 from fastwan.vae.decode import tiling_state
@@ -222,7 +222,8 @@ class Placement:
                 raise InvalidArgument(f"streamed_blocks={k}: a DiT of {n} blocks streams at most {n - 1} (block 0's "
                                       "halves run outside the block loop); plan with the footprint's dit_blocks.")
             streamer = None if k == 0 else BlockStreamer(t.blocks, device, range(n - k, n), keep=keep_cross)
-            t.streamer = streamer
+            if streamer is not None:
+                stream_blocks(t, streamer)
             self.streamers.append(streamer)
         offload_dit = plan.dit_offload or plan.experts == "swap"
         skip = set()
@@ -264,7 +265,7 @@ class Placement:
         if self.te_streamer is not None:
             self.te_streamer.detach_hooks()
         for t in self.transformers:
-            t.streamer = None
+            stop_streaming(t)
         if self.tiled:  # tiles change the decoded values: only a plan that needs them keeps them
             self.vae.disable_tiling()
 

@@ -13,17 +13,22 @@ Rules:
   safe. The streamer holds at most two streamed blocks on the device: the running one and the prefetched next.
 * Kept tensors and the blocks that are not streamed stay on the device for good.
 * Without CUDA (device "cpu") the same bookkeeping runs with plain synchronous copies.
+* On a model whose block loop calls its blocks through call points ``block_calls.i`` (the Wan DiT, whose blocks may
+  be compiled), :func:`stream_blocks` hooks (:mod:`fastwan.hooks`) those points of the streamed blocks with
+  ``before(i)`` / ``after(i)`` (``after`` also when the block raises); :func:`stop_streaming` removes them.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from fastwan.errors import InvalidArgument
+from fastwan.hooks import Hook, HookRegistry
 
 
 def _never(name: str) -> bool:
@@ -262,3 +267,36 @@ class BlockStreamer:
             for k, t in enumerate(self._tensors[i]):
                 t.point(live.tensors[k] if live is not None else t.host.to(self.device, copy=True))
         self._tensors, self._live, self._next, self.streamed = {}, {}, {}, ()
+
+
+class StreamHook(Hook):
+    """``streamer``'s before(i) / after(i) around the call points ``block_calls.i`` of the streamed blocks."""
+
+    name = "block_streaming"
+
+    def __init__(self, streamer: BlockStreamer):
+        self.streamer = streamer
+
+    def points(self, module: nn.Module) -> dict:
+        blocks = getattr(module, "blocks", None)
+        if blocks is None or [id(b) for b in blocks] != [id(b) for b in self.streamer._blocks]:
+            raise InvalidArgument(f"the streamer's blocks are not this {type(module).__name__}'s blocks; stream a "
+                                  "model with the streamer made for its own blocks.")
+        return {f"block_calls.{i}": partial(self._around, i) for i in self.streamer.streamed}
+
+    def _around(self, i: int, module, inner, *args, **kwargs):
+        self.streamer.before(i)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self.streamer.after(i)
+
+
+def stream_blocks(module: nn.Module, streamer: BlockStreamer) -> StreamHook:
+    """Run ``module``'s streamed blocks (its ``block_calls``) through ``streamer`` -> the hook."""
+    return HookRegistry.of(module).add(StreamHook(streamer))
+
+
+def stop_streaming(module: nn.Module) -> None:
+    """Remove :func:`stream_blocks`'s hook (nothing if there is none)."""
+    HookRegistry.of(module).remove(StreamHook.name)

@@ -3,13 +3,15 @@
 Per step: the expert of the step's timestep (Wan2.2 A14B: high noise while t >= boundary), the model input
 (noise latents, plus the condition latents of image-to-video, or the image as frame 0 at timestep 0 for TI2V),
 the prediction (CFG as one batch of 2 or two passes sharing their start, gated late in sampling, each pass under
-its own step cache), then the sampler's update (:mod:`fastwan.pipelines.sampling`).
+its own step cache), then the sampler's update (:mod:`fastwan.pipelines.sampling`). The request's step caches are
+hooks on the DiTs (:mod:`fastwan.models.wan.step_cache`) for the loop's duration.
 """
 from __future__ import annotations
 
 import torch
 
 from fastwan.cache import CacheRun
+from fastwan.models.wan.step_cache import apply_step_cache, remove_step_cache
 from fastwan.pipelines.sampling import Schedule
 
 
@@ -18,6 +20,18 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
     """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
     image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
     caches -> final latents [1, C, F, H, W] fp32, and the forward count."""
+    hooks = []
+    try:
+        for e, t in enumerate(gen.transformers if run is not None else ()):
+            hooks.append(apply_step_cache(t, run, e))
+        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks)
+    finally:
+        for t, _ in zip(gen.transformers, hooks):
+            remove_step_cache(t)
+
+
+def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list):
+    """:func:`denoise`'s loop; ``hooks``: the step cache on each expert's DiT (empty: none)."""
     from tqdm.auto import tqdm
 
     dev = gen.device
@@ -54,8 +68,9 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
     current = None
     forwards = 0
 
-    def cached(expert: int, name: str) -> dict:  # a step cache decides per pass: own forward and state
-        return {} if run is None else {"cache": run.state(expert, name)}
+    def select(expert: int, name: str) -> None:  # a step cache decides per pass: the next forward's state
+        if hooks:
+            hooks[expert].select(name)
 
     # which expert runs each step, decided on the host once (no device sync inside the loop); compared as diffusers
     # does, tensor against Python float in the timesteps' precision (float32 for integer timesteps): a boundary
@@ -81,26 +96,26 @@ def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=Non
         step_cfg = do_cfg and gs != 1.0  # scale 1: the conditional prediction alone
         if step_cfg and (i < gate_at or delta is None):
             if split_cfg:  # one pass per CFG group of ranks, the two predictions exchanged
-                mine = model(x, timestep, uncond if par.cfg_index else cond, **kw,
-                             **cached(expert, "uncond" if par.cfg_index else "cond"))
+                select(expert, "uncond" if par.cfg_index else "cond")
+                mine = model(x, timestep, uncond if par.cfg_index else cond, **kw)
                 pos, neg = par.cfg_pair(mine)
             else:
                 # cond and uncond share the latents: their common start (to block 0's cross-attention) once; under
                 # a step cache each pass decides with its own state, one after the other
-                caches = None if run is None else (run.state(expert, "cond"), run.state(expert, "uncond"))
-                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and run is None,
-                                             caches=caches, **kw)
+                pos, neg = model.forward_cfg(x, timestep, cond, uncond, batched=batched and not hooks, **kw)
             forwards += 2
             delta = pos - neg
             pred = neg + gs * delta
         elif step_cfg:  # gated: reuse the last guidance direction, no uncond forward
-            pos = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+            select(expert, "cond")
+            pos = model(x, timestep, cond, **kw)
             if split_cfg:  # every rank runs it; CFG group 0's counts (its step cache has the conditional history)
                 pos = par.cfg_pair(pos)[0]
             forwards += 1
             pred = pos + (gs - 1.0) * delta
         else:
-            pred = model(x, timestep, cond, **kw, **cached(expert, "cond"))
+            select(expert, "cond")
+            pred = model(x, timestep, cond, **kw)
             forwards += 1
         latents = schedule.step(pred, i, latents)
     if first_frame:

@@ -12,7 +12,8 @@ from fastwan.attention import AttentionDispatch
 from fastwan.errors import InvalidArgument
 from fastwan.models import WanConfig, WanTransformer
 from fastwan.options import DiTOptions
-from fastwan.parallel import SequenceParallel, shard_sizes
+from fastwan.parallel import SequenceParallel, UlyssesDispatch, shard_sizes
+from fastwan.parallel.plan import apply_sequence_parallel, remove_sequence_parallel
 
 HEADS, HEAD_DIM = 4, 8
 # latents 3 x 6 x 10 with patch (1, 2, 2): a 3 x 3 x 5 grid, 45 tokens (not divisible by 2 or 4)
@@ -49,7 +50,7 @@ def _worker(rank: int, world: int, store: str, case: dict, errors) -> None:
         torch.set_num_threads(1)
         ref = model(case["options"], case["backend"], case["conf"])
         par = model(case["options"], case["backend"], case["conf"])
-        par.enable_sequence_parallel(SequenceParallel.from_group())
+        apply_sequence_parallel(par, SequenceParallel.from_group())
         latents, timestep, text, text_uncond = inputs(case["per_token"])
         with torch.no_grad():
             want = ref(latents, timestep, text, step_index=0, num_steps=1)
@@ -61,6 +62,8 @@ def _worker(rank: int, world: int, store: str, case: dict, errors) -> None:
                     g = par.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
                     for a, b in zip(g, w):
                         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            remove_sequence_parallel(par)  # the plan off: the plain model again, bit for bit
+            assert torch.equal(par(latents, timestep, text, step_index=0, num_steps=1), want)
         dist.barrier()
         errors.put(f"ok {rank}")
     except BaseException as exc:  # reported to the parent with this rank named
@@ -120,10 +123,22 @@ def test_heads_must_divide():
 
 
 def test_step_cache_refused_under_sequence_parallelism():
-    m = model("reference", "TORCH_SDPA", None)
-    m._sp = SequenceParallel(None, 1, 0)
-    from fastwan.cache import FirstBlockCache, PassCache
+    """Either order: a step cache on a sequence-parallel DiT, or the plan on a DiT with a step cache, is refused
+    with the one rule's message, and the DiT is left as it was."""
+    from fastwan.cache import CacheRun, FirstBlockCache
+    from fastwan.hooks import HookRegistry
+    from fastwan.models.wan.step_cache import apply_step_cache, remove_step_cache
 
-    latents, timestep, text, _ = inputs(False)
-    with pytest.raises(InvalidArgument, match="sequence parallelism"):
-        m(latents, timestep, text, step_index=0, num_steps=1, cache=PassCache(FirstBlockCache(0.1), 1))
+    m = model("reference", "TORCH_SDPA", None)
+    run = CacheRun(FirstBlockCache(0.1), 4)
+    apply_sequence_parallel(m, SequenceParallel(None, 2, 0))
+    with pytest.raises(InvalidArgument, match="step caches do not run with sequence parallelism"):
+        apply_step_cache(m, run)
+    assert HookRegistry.of(m).names() == ["sequence_parallel"]
+    remove_sequence_parallel(m)
+    apply_step_cache(m, run)
+    with pytest.raises(InvalidArgument, match="step caches do not run with sequence parallelism"):
+        apply_sequence_parallel(m, SequenceParallel(None, 2, 0))
+    assert HookRegistry.of(m).names() == ["step_cache"] and not isinstance(m.attention, UlyssesDispatch)
+    remove_step_cache(m)
+    assert HookRegistry.of(m).names() == []

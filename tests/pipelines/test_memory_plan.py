@@ -13,6 +13,7 @@ import torch
 
 from fastwan import VideoGenerator
 from fastwan.errors import InvalidArgument
+from fastwan.hooks import HookRegistry
 from fastwan.offload import OffloadPlan, plan_offload
 from fastwan.offload.plan import GiB
 from fastwan.offload.placement import Placement, estimate_footprint, weight_bytes
@@ -43,10 +44,10 @@ def test_every_plan_gives_the_same_frames(tiny_ckpts, p):
     want = VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32).generate_video("a cat", **RUN)
     gen = placed(ckpt, p)
     calls = []
-    for t in gen.transformers:
-        if t.streamer is not None:
-            before = t.streamer.before
-            t.streamer.before = lambda i, b=before: calls.append(i) or b(i)
+    for s in gen.placement.streamers:
+        if s is not None:
+            before = s.before
+            s.before = lambda i, b=before: calls.append(i) or b(i)
     swaps = []
     expert = gen.placement.expert
     gen.placement.expert = lambda i: swaps.append(i) or expert(i)
@@ -143,7 +144,7 @@ def test_each_video_gets_the_planners_plan_before_compute(tiny_ckpts, monkeypatc
     gen._weight_bytes = weight_bytes(gen.checkpoint, dtype=torch.float32, vae_dtype=torch.float32, quantization=None)
     got = gen.generate_video("a cat", **RUN)
     assert gen.placement is not old and gen.memory_plan.levers() == []  # 80 GiB: the tiny model needs no lever
-    assert all(t.streamer is None for t in gen.transformers)  # the old plan's streaming is gone
+    assert all(HookRegistry.of(t).names() == [] for t in gen.transformers)  # the old plan's streaming is gone
     assert np.array_equal(got.frames, want.frames)
     monkeypatch.setattr(generator, "plan_offload", lambda fp, budget: (_ for _ in ()).throw(
         InvalidArgument("nothing fits")))

@@ -27,9 +27,9 @@ def frames(gen, **kw):
 def streamed_calls(gen) -> list[int]:
     """Records the block indices the streamers bring onto the device."""
     calls = []
-    for t in gen.transformers:
-        before = t.streamer.before
-        t.streamer.before = lambda i, b=before: calls.append(i) or b(i)
+    for s in gen.placement.streamers:
+        before = s.before
+        s.before = lambda i, b=before: calls.append(i) or b(i)
     return calls
 
 

@@ -214,8 +214,9 @@ def test_cached_forward_cfg_equals_two_cached_forwards(block, config):
     """forward_cfg with both passes' caches (block 0's video half shared, the fast block adding into the stream in
     place) gives what two forward() calls with their own caches give, step after step, skipped or computed."""
     from fastwan.attention import AttentionDispatch
-    from fastwan.cache import PassCache
+    from fastwan.cache import CacheRun
     from fastwan.models import load_transformer
+    from fastwan.models.wan.step_cache import apply_step_cache, remove_step_cache
     from fastwan.options import DiTOptions
 
     attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
@@ -225,18 +226,23 @@ def test_cached_forward_cfg_equals_two_cached_forwards(block, config):
     text = torch.randn(1, 512, model.config.text_dim, generator=g)
     text[:, 6:] = 0
     uncond = torch.zeros_like(text)
-    pair, single = [PassCache(config, 4) for _ in range(2)], [PassCache(config, 4) for _ in range(2)]
+    pair, single = CacheRun(config, 4), CacheRun(config, 4)
     with torch.no_grad():
         for step, t in enumerate((900.0, 700.0, 500.0, 300.0)):
             x = torch.randn(1, 16, 3, 8, 8, generator=g)
             tt = torch.tensor([t])
-            got = model.forward_cfg(x, tt, text, uncond, batched=False, step_index=step, num_steps=4,
-                                    caches=tuple(pair))
-            want = [model(x, tt, c, step_index=step, num_steps=4, cache=s) for c, s in zip((text, uncond), single)]
+            apply_step_cache(model, pair)
+            got = model.forward_cfg(x, tt, text, uncond, batched=False, step_index=step, num_steps=4)
+            remove_step_cache(model)
+            hook, want = apply_step_cache(model, single), []
+            for name, c in zip(("cond", "uncond"), (text, uncond)):
+                hook.select(name)
+                want.append(model(x, tt, c, step_index=step, num_steps=4))
+            remove_step_cache(model)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert [p.computed for p in pair] == [s.computed for s in single]
-    assert len(pair[0].computed) < 4  # something was skipped
+    assert pair.report()["computed"] == single.report()["computed"]
+    assert len(pair.report()["computed"]["cond"]) < 4  # something was skipped
 
 
 def test_cache_errors_name_the_argument_and_a_reachable_range():

@@ -5,28 +5,31 @@ DiTOptions`, resolved): :class:`~fastwan.models.wan.block.WanBlock` (the referen
 :class:`~fastwan.models.wan.block.FastWanBlock`, whose cross-attention reads per-prompt keys and values
 (:mod:`fastwan.models.wan.cross`). Every attention call goes through :class:`fastwan.attention.AttentionDispatch`
 in the [B, S, H, D] layout.
+
+The forward is one path: :meth:`WanTransformer.embed` -> :meth:`WanTransformer.run_blocks` ->
+:meth:`WanTransformer.head`. The step cache, block streaming and sequence parallelism are hooks on those call points
+(:mod:`fastwan.hooks`), attached when the model is built or a run starts: ``run_blocks`` / ``run_cfg`` (the step
+cache, :mod:`fastwan.models.wan.step_cache`), ``block_calls.i`` (block streaming, :mod:`fastwan.offload.stream`),
+and the points the sequence plan ``_sp_plan`` names (:mod:`fastwan.parallel.plan`).
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.errors import InvalidArgument
+from fastwan.hooks import Gather, Split
 from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
 from fastwan.options import DiTOptions
-from fastwan.parallel import UlyssesDispatch, shard_sizes
 
-if TYPE_CHECKING:
-    from fastwan.cache import PassCache
-
-__all__ = ["WanTransformer", "keep_in_fp32"]
+__all__ = ["Embedded", "WanTransformer", "keep_in_fp32"]
 
 
 def _shape(value) -> str:
@@ -34,8 +37,25 @@ def _shape(value) -> str:
     return str(list(value.shape)) if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
 
 
+class Embedded(NamedTuple):
+    """One forward's embedded input, what the blocks and the head read: the stream ``x`` [B, S, C] (contiguous, in a
+    sparse backend's compact order), the RoPE table ``rope`` [1, S, 1, 2 * head_dim], the time embedding ``temb``
+    ([B, C], or per token [B, S, C], raster order) and modulation ``mod`` ([B, 6, C], or per token [B, S, 6, C]), the
+    token ``grid`` and the sparse backend's ``layout`` (None for a dense one)."""
+    x: torch.Tensor
+    rope: torch.Tensor
+    temb: torch.Tensor
+    mod: torch.Tensor
+    grid: tuple[int, int, int]
+    layout: object
+
+
 class WanTransformer(nn.Module):
     """Wan DiT. ``forward(latents [B, C, F, H, W], timestep [B] or [B, S], text [B, L, text_dim])``."""
+
+    # where sequence parallelism splits the token sequence over the ranks and gathers it back
+    # (fastwan.parallel.plan): the embedding's stream, RoPE table and per-token modulation; the head's input
+    _sp_plan = {"embed": Split({"x": 3, "rope": 4, "mod": 4}), "head": Gather(0)}
 
     def __init__(self, cfg: WanConfig, attention: AttentionDispatch | None = None,
                  options: DiTOptions | None = None):
@@ -56,24 +76,13 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.attention = attention
         self._rope_cache: dict = {}
-        self._sp = None  # fastwan.parallel.SequenceParallel once enable_sequence_parallel() ran
         self._first_halves = None  # compiled (video_half, text_half) of block 0, set by compile_blocks()
         self.prompts = PromptCache() if options.fast else None
-        # a fastwan.offload.BlockStreamer when blocks' weights stream from host memory (never block 0, whose halves
-        # forward_cfg calls outside the block loop)
-        self.streamer = None
+        # what the block loop calls for block i: the block itself, or a hook's wrapper of it (point "block_calls.i")
+        self.block_calls: list = list(self.blocks)
 
     def set_attention(self, dispatch: AttentionDispatch) -> None:
-        self.attention = dispatch if self._sp is None else UlyssesDispatch(dispatch, self._sp)
-
-    def enable_sequence_parallel(self, sp) -> None:
-        """Split every forward's token sequence over the ranks of ``sp`` (:class:`fastwan.parallel.SequenceParallel`):
-        each rank runs its shard through the blocks, self-attention exchanges shards for heads (Ulysses), the
-        prediction is gathered on every rank. Raises if the heads do not divide over the ranks."""
-        sp.check_heads(self.config.num_attention_heads)
-        self._sp = sp
-        if self.attention is not None:
-            self.set_attention(getattr(self.attention, "inner", self.attention))
+        self.attention = dispatch
 
     def add_gate_compress(self) -> None:
         """Create the VSA ``to_gate_compress`` projections (checkpoints trained for VSA carry their weights)."""
@@ -193,10 +202,20 @@ class WanTransformer(nn.Module):
         image_context = None if image is None else self.image_context(image, context.shape[0])
         return [CrossInputs(context, image_context)] * len(self.blocks)
 
+    def _cfg_contexts(self, text: torch.Tensor, text_uncond: torch.Tensor, image: torch.Tensor | None,
+                      batched: bool) -> list:
+        """forward_cfg's cross-attention inputs: for the batch of 2 (``batched``), else a pair, one per pass (the
+        reference block's text embedder runs once for both)."""
+        if batched:
+            return self._contexts((text, text_uncond), image=image)
+        context = None if self.prompts is not None else self.text_context((text, text_uncond))
+        return [self._contexts((t,), None if context is None else context[i:i + 1], image)
+                for i, t in enumerate((text, text_uncond))]
+
     # -- forward ------------------------------------------------------------------------------------------
-    def _embed(self, latents: torch.Tensor, timestep: torch.Tensor):
+    def embed(self, latents: torch.Tensor, timestep: torch.Tensor) -> Embedded:
         """Patch embedding (in a sparse backend's compact tile-major order: no dummy slots), RoPE table and time
-        embeddings -> (x [B, S, C], rope, temb, mod, grid, layout)."""
+        embeddings (call point "embed")."""
         if self.attention is None:
             raise RuntimeError("WanTransformer has no attention dispatch; call set_attention() first.")
         _, _, Fr, Hh, Ww = latents.shape
@@ -212,27 +231,21 @@ class WanTransformer(nn.Module):
             rope = layout.permute_compact(rope, dim=1)
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute_compact(mod, dim=1)
-        if self._sp is not None:  # this rank's contiguous shard of the (layout-ordered) sequence
-            sizes = self.attention.sizes = shard_sizes(x.shape[1], self._sp.world)
-            x = self._sp.shard(x, sizes).contiguous()
-            rope = self._sp.shard(rope, sizes)
-            if mod.dim() == 4:
-                mod = self._sp.shard(mod, sizes)
-        return x, rope, temb, mod, grid, layout
+        return Embedded(x, rope, temb, mod, grid, layout)
 
-    def _meta(self, grid, layout, i: int, step_index, num_steps) -> AttentionMetadata | None:
+    def attention_meta(self, e: Embedded, i: int, step_index, num_steps) -> AttentionMetadata | None:
+        """Block ``i``'s attention metadata (a sparse backend's; None for a dense one)."""
         if not self.attention.sparse:
             return None
-        return AttentionMetadata(grid=grid, step_index=step_index, num_steps=num_steps, layer_index=i, layout=layout,
-                                 compact=True)
+        return AttentionMetadata(grid=e.grid, step_index=step_index, num_steps=num_steps, layer_index=i,
+                                 layout=e.layout, compact=True)
 
-    def _head(self, r: Residual, temb: torch.Tensor, grid, layout) -> torch.Tensor:
-        """The last block's stream (compact layout order under a sparse backend) -> prediction [B, C_out, F, H, W]."""
-        x = settle(r)
-        if self._sp is not None:
-            x = self._sp.gather(x, self.attention.sizes)
-        if layout is not None:
-            x = layout.unpermute_compact(x, dim=1)
+    def head(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
+        """The last block's stream x [B, S, C] (compact layout order under a sparse backend) -> prediction
+        [B, C_out, F, H, W] (call point "head")."""
+        if e.layout is not None:
+            x = e.layout.unpermute_compact(x, dim=1)
+        temb = e.temb
         if temb.dim() == 3:  # per-token: [B, S, C]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
         else:
@@ -240,7 +253,7 @@ class WanTransformer(nn.Module):
         x = (fp32_layer_norm(x, self.norm_out) * (1 + scale) + shift).type_as(x)
         x = self.proj_out(x)  # [B, S, C_out * pt * ph * pw]
         B = x.shape[0]
-        T, H, W = grid
+        T, H, W = e.grid
         pt, ph, pw = self.config.patch_size
         x = x.view(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(B, -1, T * pt, H * ph, W * pw)
@@ -254,68 +267,32 @@ class WanTransformer(nn.Module):
         image: torch.Tensor | None = None,
         step_index: int | None = None,
         num_steps: int | None = None,
-        cache: PassCache | None = None,
     ) -> torch.Tensor:
         """latents [B, C_in, F, H, W]; timestep [B] (or per-token [B, S]); text [B, L, text_dim]; image: CLIP image
         tokens [B or 1, N, image_dim] for image-conditioned checkpoints (see :meth:`image_context`), else None;
-        cache: the step cache of this pass (:class:`fastwan.cache.PassCache`, with ``step_index``), which may skip
-        the blocks -> prediction [B, C_out, F, H, W] in the dtype of the model."""
+        step_index / num_steps: the denoising step of this call (what sparse backends and a step cache read)
+        -> prediction [B, C_out, F, H, W] in the dtype of the model."""
         self._check_inputs(latents, timestep, (text,), image)
-        x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
-        contexts = self._contexts((text,), image=image)
-        args = (contexts, mod, rope, grid, layout, step_index, num_steps)
-        if cache is not None and self._sp is not None:
-            raise InvalidArgument("step caches do not run with sequence parallelism yet (each rank would decide on "
-                                  "its own shard); pass cache=None.")
-        if cache is None:
-            r = self._blocks(0, Residual(x), *args)
-        else:
-            if step_index is None:
-                raise InvalidArgument("forward(cache=...) needs step_index (the denoising step of this call).")
-            r = Residual(self._cached_blocks(cache, x, temb, args))
-        return self._head(r, temb, grid, layout)
+        e = self.embed(latents, timestep)
+        x = self.run_blocks(e, self._contexts((text,), image=image), step_index, num_steps)
+        return self.head(x, e)
 
-    def _blocks(self, start: int, r: Residual, contexts, mod, rope, grid, layout, step_index, num_steps,
-                stop: int | None = None) -> Residual:
-        """Blocks ``start`` .. ``stop`` - 1 (default: the last) on the stream; ``contexts``: one cross-attention
-        input per block."""
-        streamer = self.streamer
-        for i in range(start, len(self.blocks) if stop is None else stop):
-            meta = self._meta(grid, layout, i, step_index, num_steps)
-            if streamer is not None:
-                streamer.before(i)
-            r = self.blocks[i](r, contexts[i], mod, rope, self.attention, meta)
-            if streamer is not None:
-                streamer.after(i)
+    def run_blocks(self, e: Embedded, contexts: list, step_index, num_steps) -> torch.Tensor:
+        """Every block on the embedded stream -> the stream after the last one [B, S, C] (call point "run_blocks");
+        ``contexts``: one cross-attention input per block."""
+        return settle(self.blocks_range(0, Residual(e.x), contexts, e, step_index, num_steps))
+
+    def blocks_range(self, start: int, r: Residual, contexts: list, e: Embedded, step_index, num_steps,
+                     stop: int | None = None) -> Residual:
+        """Blocks ``start`` .. ``stop`` - 1 (default: the last) on the stream ``r``, each through ``block_calls``."""
+        calls, mod, rope, attn = self.block_calls, e.mod, e.rope, self.attention
+        for i in range(start, len(calls) if stop is None else stop):
+            r = calls[i](r, contexts[i], mod, rope, attn, self.attention_meta(e, i, step_index, num_steps))
         return r
 
-    def _cached_blocks(self, cache: PassCache, x: torch.Tensor, temb: torch.Tensor, args: tuple) -> torch.Tensor:
-        """The blocks under a step cache: x [B, S, C] (the stream entering block 0) -> the stream after the last
-        block, computed or reused as ``cache`` decides. The fast block adds into its input in place, so every
-        tensor kept for a residual is a copy."""
-        step, mod = args[5], args[1]
-        start = x.clone()
-        if cache.skip_stack(step, temb, mod):
-            return cache.reuse(start)
-        return self._cached_rest(cache, self._blocks(0, Residual(x), *args, stop=1), start, args)
-
-    def _cached_rest(self, cache: PassCache, head: Residual, start: torch.Tensor, args: tuple) -> torch.Tensor:
-        """Blocks 1.. under a step cache that did not skip the whole stack: ``head`` is the stream after block 0,
-        ``start`` a copy of the stream entering it -> the stream after the last block; the cache stores the
-        residual of what ran (a First-Block cache may skip blocks 1.. here)."""
-        step = args[5]
-        if not cache.head_decides:
-            out = settle(self._blocks(1, head, *args))
-            cache.stored(step, out - start)
-            return out
-        head_x = settle(head)
-        head_residual = head_x - start
-        if cache.skip_rest(step, head_residual):
-            return cache.reuse(head_x)
-        head_out = head_x.clone()
-        out = settle(self._blocks(1, Residual(head_x), *args))
-        cache.stored(step, out - head_out, head_residual)
-        return out
+    def first_halves(self) -> tuple:
+        """Block 0's (video_half, text_half), compiled once :meth:`compile_blocks` ran."""
+        return self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
 
     def forward_cfg(
         self,
@@ -328,7 +305,6 @@ class WanTransformer(nn.Module):
         batched: bool = True,
         step_index: int | None = None,
         num_steps: int | None = None,
-        caches: tuple[PassCache, PassCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The conditional and unconditional predictions of one CFG step, as ``forward(latents, timestep, text)``
         and ``forward(latents, timestep, text_uncond)`` would give them.
@@ -338,9 +314,7 @@ class WanTransformer(nn.Module):
         The passes then run as one batch of 2 (``batched``) or one after the other (less memory).
 
         latents [1, C_in, F, H, W]; timestep [1] (or per-token [1, S]); text, text_uncond [1, L, text_dim]; image:
-        the image tokens both passes read, as in :meth:`forward`; caches: the two passes' step caches (as
-        :meth:`forward` takes one; the passes then run one after the other, the shared start only when one of them
-        computes) -> (cond, uncond), each [1, C_out, F, H, W].
+        the image tokens both passes read, as in :meth:`forward` -> (cond, uncond), each [1, C_out, F, H, W].
         """
         if any(isinstance(a, torch.Tensor) and a.dim() == d and a.shape[0] != 1
                for a, d in ((latents, 5), (text, 3), (text_uncond, 3))):
@@ -353,55 +327,26 @@ class WanTransformer(nn.Module):
                 f"forward_cfg: text {tuple(text.shape)} and text_uncond {tuple(text_uncond.shape)} must have the same "
                 "length and width (the pipeline pads both prompts to the same number of tokens); pad them equally."
             )
-        x, rope, temb, mod, grid, layout = self._embed(latents, timestep)
-        video_half, text_half = self._first_halves or (self.blocks[0].video_half, self.blocks[0].text_half)
+        e = self.embed(latents, timestep)
+        contexts = self._cfg_contexts(text, text_uncond, image, batched)
+        return self.run_cfg(e, contexts, batched, step_index, num_steps)
+
+    def run_cfg(self, e: Embedded, contexts: list, batched: bool, step_index,
+                num_steps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both CFG passes from the embedded input to their predictions (call point "run_cfg"): block 0's video
+        half once, then each pass's rest and head, as one batch of 2 (``batched``; ``contexts`` for the batch) or
+        one after the other (``contexts``: a pair, one per pass)."""
+        video_half, text_half = self.first_halves()
         attn = self.attention
-        if caches is not None:
-            if self._sp is not None:
-                raise InvalidArgument("step caches do not run with sequence parallelism yet (each rank would decide "
-                                      "on its own shard); pass caches=None.")
-            if batched or step_index is None:
-                raise InvalidArgument("forward_cfg(caches=...) runs the passes one after the other: pass "
-                                      "batched=False and the step_index.")
-            context = None if self.prompts is not None else self.text_context((text, text_uncond))
-            ctx = [self._contexts((t,), None if context is None else context[i:i + 1], image)
-                   for i, t in enumerate((text, text_uncond))]
-            return self._cached_cfg(caches, x, temb, mod, rope, grid, layout, step_index, num_steps,
-                                    (video_half, text_half), ctx)
-        r, h = video_half(Residual(x), mod, rope, attn, self._meta(grid, layout, 0, step_index, num_steps))
+        r, h = video_half(Residual(e.x), e.mod, e.rope, attn, self.attention_meta(e, 0, step_index, num_steps))
 
         def rest(r: Residual, h: torch.Tensor, ctx: list) -> torch.Tensor:
-            r = text_half(r, h, ctx[0], mod, attn)
-            r = self._blocks(1, r, ctx, mod, rope, grid, layout, step_index, num_steps)
-            return self._head(r, temb, grid, layout)
+            r = text_half(r, h, ctx[0], e.mod, attn)
+            return self.head(settle(self.blocks_range(1, r, ctx, e, step_index, num_steps)), e)
 
         if batched:
             both = r._replace(x=torch.cat([r.x, r.x]), y=None if r.y is None else torch.cat([r.y, r.y]))
-            return rest(both, torch.cat([h, h]), self._contexts((text, text_uncond), image=image)).chunk(2)
-        context = None if self.prompts is not None else self.text_context((text, text_uncond))  # one embedder call
-        ctx = [self._contexts((t,), None if context is None else context[i:i + 1], image)
-               for i, t in enumerate((text, text_uncond))]
+            return rest(both, torch.cat([h, h]), contexts).chunk(2)
         # the fast block adds into x in place: the first pass gets its own copy
         first = r._replace(x=r.x.clone()) if self.prompts is not None else r
-        return rest(first, h, ctx[0]), rest(r, h, ctx[1])
-
-    def _cached_cfg(self, caches, x, temb, mod, rope, grid, layout, step_index, num_steps, halves, ctx):
-        """forward_cfg's two passes under step caches: each pass decides with its own state; block 0's video half,
-        which the passes share, runs once if either computes. -> (cond, uncond) predictions."""
-        video_half, text_half = halves
-        args = [(c, mod, rope, grid, layout, step_index, num_steps) for c in ctx]
-        start = x.clone()  # the stream entering block 0 (the fast block adds into x in place)
-        skips = [c.skip_stack(step_index, temb, mod) for c in caches]
-        computing = [i for i in (0, 1) if not skips[i]]
-        if computing:
-            r, h = video_half(Residual(x), mod, rope, self.attention, self._meta(grid, layout, 0, step_index,
-                                                                                 num_steps))
-        outs = []
-        for i, cache in enumerate(caches):
-            if skips[i]:
-                outs.append(cache.reuse(start))
-                continue
-            shared = self.prompts is not None and i == computing[0] and len(computing) == 2
-            ri = text_half(r._replace(x=r.x.clone()) if shared else r, h, ctx[i][0], mod, self.attention)
-            outs.append(self._cached_rest(cache, ri, start, args[i]))
-        return tuple(self._head(Residual(o), temb, grid, layout) for o in outs)
+        return rest(first, h, contexts[0]), rest(r, h, contexts[1])
