@@ -3,6 +3,9 @@ the single-process prediction of the same weights and inputs, at token counts th
 a per-token timestep (TI2V), a sparse backend, CFG's shared start and both DiT builds."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,3 +145,14 @@ def test_step_cache_refused_under_sequence_parallelism():
     assert HookRegistry.of(m).names() == ["step_cache"] and not isinstance(m.attention, UlyssesDispatch)
     remove_step_cache(m)
     assert HookRegistry.of(m).names() == []
+
+
+def test_the_step_cache_rule_is_written_once():
+    """The rule lives in fastwan.parallel.mesh.check_cache; the request checks, the step cache's hook and the plan
+    raise it from there."""
+    import fastwan
+
+    root = Path(fastwan.__file__).parent
+    written = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
+               if re.search(r"step caches do not run\s+with sequence parallelism", p.read_text())]
+    assert written == ["parallel/mesh.py"]
