@@ -1,8 +1,9 @@
 """The ``fastwan`` command: ``fastwan generate ...``, ``fastwan quantize ...`` and ``fastwan env``.
 
 Errors: a user error (an exception in :data:`USER_ERRORS`) prints one line, ``fastwan: error: <message>`` (a
-multi-line message joined with '; ' by :func:`fastwan.errors.one_line`), on stderr and exits 2; any other
-exception is a bug and propagates with its traceback.
+multi-line message joined with '; ' by :func:`fastwan.errors.one_line`), on stderr and exits 2; Ctrl-C prints
+``fastwan: interrupted`` and exits 130, leaving no partial output; any other exception is a bug and propagates with
+its traceback. A run prints fastwan's own lines only: third-party progress bars are off (:mod:`fastwan.quiet`).
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastwan import envs
-from fastwan.errors import USER_ERROR_EXIT, InvalidArgument, OneLineParser, UserError, one_line
-from fastwan.options import BLOCKS
+from fastwan.errors import USER_ERROR_EXIT, InvalidArgument, OneLineParser, UserError, one_line, report_interrupt
 
 # The exceptions reported as one line (exit 2): fastwan's user errors. Every other exception is a bug.
 USER_ERRORS: tuple[type[Exception], ...] = (UserError,)
@@ -30,72 +30,21 @@ class Parser(OneLineParser):
 
 
 def _generate_parser(sub) -> None:
+    """``fastwan generate``: one flag per field of the request and the load options that has one (their help is
+    the fields'), plus the launch flag --sp and the repeatable --lora."""
+    from fastwan.fields import add_flags
+    from fastwan.pipelines.load_options import LoadOptions
+    from fastwan.pipelines.params import GenerationRequest
+
     p = sub.add_parser("generate", help="make a video from a text prompt (and an image)")
-    p.add_argument("--prompt", required=True, type=_prompt_arg, help="what the video shows")
-    p.add_argument("--model", default="tiny",
-                   help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.1 / tiny-wan2.2-a14b / tiny-wan2.2-ti2v "
-                        "/ tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b / tiny-fastwan2.1 (default: "
-                        "tiny)")
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model (Hub ids only)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="also read PyTorch pickle weights (.bin, .pt, ...) of the checkpoint and --lora files, "
-                        "for sources you trust (unpickling can run code); default: safetensors only")
-    p.add_argument("--negative-prompt", default=None, help="default: Wan's negative prompt")
-    p.add_argument("--image", default=None, help="first frame (image-to-video checkpoints): an image file")
-    p.add_argument("--last-image", default=None, help="last frame (first-last-frame checkpoints): an image file")
-    p.add_argument("--height", type=_positive_int, default=None)
-    p.add_argument("--width", type=_positive_int, default=None)
-    p.add_argument("--num-frames", type=_positive_int, default=None, help="4k+1 frames, e.g. 81")
-    p.add_argument("--steps", type=_positive_int, default=None, help="denoising steps")
-    p.add_argument("--sampler", choices=("default", "euler", "dmd"), default=None,
-                   help="default: the checkpoint's (its scheduler; dmd for FastWan); euler for step-distilled LoRAs")
-    p.add_argument("--timesteps", type=_timesteps_arg, default=None, metavar="T1,T2,...",
-                   help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)")
-    p.add_argument("--flow-shift", type=_shift_arg, default=None,
-                   help="default: the preset's (8 for FastWan), else 8 for dmd (FastVideo's DMD stage) and the "
-                        "checkpoint scheduler's otherwise")
-    p.add_argument("--guidance-scale", type=_scale_arg, default=None)
-    p.add_argument("--guidance-scale-2", type=_scale_arg, default=None,
-                   help="low-noise expert's scale (Wan2.2 A14B; default: --guidance-scale when given, else the "
-                        "preset's)")
-    p.add_argument("--seed", type=_seed_arg, default=None, help="default: a random seed (printed)")
-    p.add_argument("--fps", type=_positive_int, default=None)
-    p.add_argument("--output", default="outputs/", help="folder, or a path ending in .mp4")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing video at the output path")
-    p.add_argument("--attention-backend", default=None,
-                   help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN")
-    p.add_argument("--attention-config", default=None,
-                   help="the backend's settings: a JSON file, or inline JSON such as '{\"sparsity\": 0.9}'")
-    p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks")
-    p.add_argument("--dit-block", choices=BLOCKS, default="auto",
-                   help="the DiT block: fast (fused kernels), reference (diffusers' rounding points), or auto (fast "
-                        "where the kernels run)")
-    p.add_argument("--cfg-gate-step", type=float, default=None, help="fraction of steps with full CFG (0..1)")
+    add_flags(p, GenerationRequest)
+    add_flags(p, LoadOptions)
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE][:high|low]",
                    help="merge a LoRA (.safetensors) into the DiT, with an optional strength; ':high' / ':low' "
                         "merges it into one Wan2.2 A14B expert only (high or low noise); repeatable")
-    p.add_argument("--cache", default=None, metavar="TYPE[:KEY=VALUE,...]",
-                   help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, e.g. "
-                        "teacache:threshold=0.1 or magcache:mag_ratios=@ratios.json (see fastwan.cache)")
-    p.add_argument("--cfg-mode", choices=("auto", "batched", "sequential"), default="auto",
-                   help="CFG as one batch of 2, two passes, or auto (two passes for large videos on CUDA)")
-    p.add_argument("--vae-tiling", action="store_true",
-                   help="decode in spatial tiles (diffusers' VAE tiling): ~5x less decode memory, ~2x slower decode")
-    p.add_argument("--vae-chunk-frames", type=_chunk_arg, default="auto",
-                   help="latent frames per VAE decoder call after the first: auto (default) or an int >= 1 "
-                        "(1 = diffusers' frame-by-frame decode; more = faster, more decode memory)")
-    p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: e4m3 DiT weights with per-channel scales (half the memory; FP8 GEMMs on sm89+)")
-    p.add_argument("--max-gpu-memory", default=None, metavar="SIZE",
-                   help="GPU memory budget, e.g. 24GiB: offload / streaming levers are planned to fit it (printed)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--sp", type=_positive_int, default=None, metavar="N",
                    help="sequence-parallel degree: N processes (GPUs) split each pass's tokens (Ulysses); under "
                         "torchrun --nproc_per_node must equal N (x2 with --cfg-parallel), else fastwan starts them")
-    p.add_argument("--cfg-parallel", action="store_true",
-                   help="run the two CFG passes on two groups of --sp processes (2 x N processes)")
 
 
 def _quantize_parser(sub) -> None:
@@ -105,68 +54,6 @@ def _quantize_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an output folder a former fastwan quantize wrote (no other folder is replaced)")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available)")
-
-
-def _prompt_arg(text: str) -> str:
-    from fastwan.pipelines.text import clean_prompt
-
-    if not clean_prompt(text):  # what the text encoder reads: HTML entities decoded, whitespace dropped
-        raise argparse.ArgumentTypeError(f"the prompt {text!r} is empty once cleaned (HTML entities decoded, "
-                                         "whitespace dropped); describe the video, e.g. 'a cat surfing a wave'")
-    return text
-
-
-def _real(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
-    return value
-
-
-def _scale_arg(text: str) -> float:
-    value = _real(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (e.g. 5.0; 1.0 or less: no CFG)")
-    return value
-
-
-def _shift_arg(text: str) -> float:
-    value = _real(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0 (e.g. 3.0 at 480p, 5.0 at 720p)")
-    return value
-
-
-def _seed_arg(text: str) -> int:
-    value = _positive_int(text, "an int in [0, 2**64)", minimum=0)
-    if value >= 2**64:
-        raise argparse.ArgumentTypeError(f"{value} must be < 2**64")
-    return value
-
-
-def _timesteps_arg(text: str) -> list[float]:
-    """'1000,757,522' -> [1000.0, 757.0, 522.0] (the generator checks the values). Rule: numbers separated by
-    commas, each item one number (spaces around it allowed); an error names the first item that is not."""
-    items, values = text.split(","), []
-    for i, item in enumerate(items, 1):
-        try:
-            values.append(float(item))
-        except ValueError:
-            what = "is empty" if not item.strip() else f"{item.strip()!r} is not a number"
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: item {i} of {len(items)} {what}; pass numbers separated by commas, e.g. 1000,757,522"
-            ) from None
-    return values
-
-
-def _chunk_arg(text: str):
-    """--vae-chunk-frames: 'auto' or an int >= 1 (argparse turns the ValueError into a usage error)."""
-    if text == "auto":
-        return text
-    return _positive_int(text, "'auto' or an int >= 1", " (1 = frame-by-frame decode)")
 
 
 def _positive_int(text: str, what: str = "an int >= 1", note: str = "", minimum: int = 1) -> int:
@@ -194,92 +81,83 @@ def _num_gpus(args) -> int | None:
     return (args.sp or 1) * (2 if args.cfg_parallel else 1)
 
 
-def _dtype_name(args, device: str) -> str:
-    """--dtype, else bfloat16 on CUDA and float32 elsewhere. ``device`` is not parsed here: from_pretrained
-    reports a bad --device."""
-    if args.dtype is not None:
-        return args.dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
-
-
-def _check_output(args) -> None:
-    """The output destination's checks (:mod:`fastwan.pipelines.output`), before the model is loaded: a path
-    that cannot be written, or an existing file without --overwrite, fails at once. generate_video checks again."""
+def _request(args):
+    """The command line's GenerationRequest (its images read, its output destination checked: a path that cannot be
+    written, or an existing file without --overwrite, fails before anything loads)."""
+    from fastwan.fields import flag_values
     from fastwan.pipelines import output
+    from fastwan.pipelines.image import read_image
+    from fastwan.pipelines.params import GenerationRequest
 
-    output.prepare_output(output.check_output_path(args.output, args.overwrite))
+    fields = flag_values(args, GenerationRequest)
+    for name in ("image", "last_image"):  # read once: an unreadable image fails before the model loads, and a
+        if fields.get(name) is not None:  # pipe (bash's <(...)) is not read a second time, empty
+            fields[name] = read_image(fields[name], name)
+    request = GenerationRequest(**fields, return_frames=False)
+    output.prepare_output(output.check_output_path(request.output_path, request.overwrite))
+    return request
 
 
-def _check_request(args, loras: list[tuple[str, float, int | None]]) -> None:
-    """The video's arguments checked against the checkpoint's files before the model loads
-    (:func:`fastwan.pipelines.request.check_request`; local folders and tiny models, as a Hub id would be
-    downloaded first): a size, step count, guidance, sampler or step-cache mistake fails in seconds. generate_video
-    checks again, with the attention backend's rules."""
-    from fastwan.cache import check_cache, resolve_coefficients
-    from fastwan.lora.merge import parse_lora_spec
+def _resolve_early(args, request, options):
+    """``request`` resolved from the checkpoint's files before any weight loads (local folders and tiny models; a
+    Hub id would be downloaded first, so its request is resolved once the generator has it), or None: a size, step
+    count, guidance, sampler or step-cache mistake fails in seconds, and the generator does not check the resolved
+    request again."""
     from fastwan.checkpoint.resolver import pipeline_index, resolve
-    from fastwan.pipelines.request import check_request, checkpoint_vae_factors
-    from fastwan.pipelines.setup import load_scheduler
     from fastwan.checkpoint.tiny import TINY_IDS
 
-    parse_lora_spec(loras, args.allow_pickle)  # a missing LoRA file before anything is fetched
-    if args.model not in TINY_IDS and not Path(args.model).expanduser().is_dir():
+    loras, model = options.lora, options.model
+    if model not in TINY_IDS and not Path(model).expanduser().is_dir():
         if any(expert is not None for _, _, expert in loras):  # a Hub id: its model_index.json alone is fetched
-            _check_lora_experts(args.lora, loras, len(pipeline_index(args.model, args.revision).experts), args.model)
-        return  # resolving a Hub id downloads the checkpoint; from_pretrained's own checks come first
-    ckpt = resolve(args.model, allow_pickle=args.allow_pickle, revision=args.revision)
+            _check_lora_experts(args.lora, loras, len(pipeline_index(model, options.revision).experts), model)
+        return None
+    ckpt = resolve(model, allow_pickle=options.allow_pickle, revision=options.revision)
     _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
-    s, _, _ = check_request(ckpt, ckpt.preset, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), args.prompt,
-                           image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
-                           height=args.height, width=args.width, num_frames=args.num_frames,
-                           num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                           guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, sampler=args.sampler,
-                           timesteps=args.timesteps, flow_shift=args.flow_shift)
-    # the step cache against the request's step count and size (steps it names, whether it can skip any, TeaCache's
-    # coefficients): checked here, as generate_video checks it, so the mistake fails before the model loads
-    resolve_coefficients(check_cache(args.cache), ckpt.variant, ckpt.transformer_config.inner_dim, s.height, s.width,
-                         s.num_inference_steps)
+    return _resolve(ckpt, request, options)
+
+
+def _resolve(ckpt, request, options):
+    """``request`` resolved from ``ckpt``'s files (its scheduler config and VAE factors; no weight loaded)."""
+    from fastwan.pipelines.request import checkpoint_vae_factors, resolve_request
+    from fastwan.pipelines.setup import load_scheduler
+
+    return resolve_request(ckpt, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), request, options.cache)
 
 
 def _run_generate(args) -> int:
-    """Check the output destination, load the model, make one video, print where it is, the seed and the
-    timings."""
-    import torch
+    """Check the request and the output destination, load the model, make one video, print what it makes before
+    it starts, then where it is, the seed and the timings. A user error's ``name=`` is written as its flag."""
+    from fastwan.fields import cli_text
+    from fastwan.pipelines.load_options import LoadOptions
+    from fastwan.pipelines.params import GenerationRequest
 
+    try:
+        return _generate(args)
+    except UserError as exc:
+        exc.args = (cli_text(str(exc), GenerationRequest, LoadOptions),)
+        raise
+
+
+def _generate(args) -> int:
     from fastwan import VideoGenerator
-    from fastwan.options import DiTOptions
+    from fastwan.fields import flag_values
     from fastwan.parallel.workers import ParallelGenerator
-    from fastwan.pipelines.image import read_image
+    from fastwan.pipelines.load_options import LoadOptions
 
-    _check_output(args)
-    for name in ("image", "last_image"):  # read once: an unreadable image fails before the model loads, and a
-        if getattr(args, name) is not None:  # pipe (bash's <(...)) is not read a second time, empty
-            setattr(args, name, read_image(getattr(args, name), name))
+    request = _request(args)
     loras = [_lora_arg(a) for a in args.lora]  # each --lora parsed once
-    _check_request(args, loras)
-    num_gpus = _num_gpus(args)
-    device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, _dtype_name(args, device))
-    gen = VideoGenerator.from_pretrained(
-        args.model, device=device, dtype=dtype, attention_backend=args.attention_backend,
-        attention_config=args.attention_config, enable_torch_compile=args.compile,
-        cfg_gate_step=args.cfg_gate_step, cfg_mode=args.cfg_mode, vae_tiling=args.vae_tiling,
-        vae_chunk_frames=args.vae_chunk_frames, dit_options=DiTOptions(block=args.dit_block), cache=args.cache,
-        lora=loras, quantization=args.quantization, max_gpu_memory=args.max_gpu_memory,
-        num_gpus=num_gpus, cfg_parallel=args.cfg_parallel, revision=args.revision, allow_pickle=args.allow_pickle,
-    )
+    options = LoadOptions(**flag_values(args, LoadOptions), lora=loras, num_gpus=_num_gpus(args))
+    resolved = _resolve_early(args, request, options)
+    gen = VideoGenerator.load(options)
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:
         print(gen.memory_plan.describe())
     try:
-        res = gen.generate_video(
-            args.prompt, image=args.image, last_image=args.last_image, negative_prompt=args.negative_prompt,
-            height=args.height, width=args.width,
-            num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-            guidance_scale_2=args.guidance_scale_2, seed=args.seed, fps=args.fps, output_path=args.output,
-            overwrite=args.overwrite, return_frames=False, sampler=args.sampler, timesteps=args.timesteps,
-            flow_shift=args.flow_shift,
-        )
+        if resolved is None:  # a Hub model: its files are here now
+            resolved = _resolve(gen.checkpoint, request, options)
+        if not quiet:
+            print(f"making: {resolved.describe()}", flush=True)
+        res = gen.generate(resolved)
     finally:  # worker processes fastwan started (--sp / --cfg-parallel outside a launcher) end with the run
         if isinstance(gen, ParallelGenerator):
             gen.close()
@@ -334,6 +212,9 @@ def _lora_arg(text: str) -> tuple[str, float, int | None]:
             parsed = (text, 1.0, expert)
     if not _is_file(parsed[0]):
         _check_lora_suffix(given)
+    if not math.isfinite(parsed[1]):
+        raise InvalidArgument(f"--lora {given!r}: the scale {scale} must be a finite number (1.0 as trained, 0.5 for "
+                              "half strength), e.g. style.safetensors:0.8.")
     return parsed
 
 
@@ -385,19 +266,35 @@ def _run_env(argv: list[str]) -> int:
     return env_main(argv)
 
 
+def _rank() -> str:
+    """'rank R: ' in a process a launcher started as one of several ranks (which process says it), else ''."""
+    try:
+        launched = envs.torchrun_env()
+    except USER_ERRORS:  # a bad launcher variable is reported by the run itself when it matters
+        launched = None
+    return f"rank {launched[0]}: " if launched is not None and launched[2] > 1 else ""
+
+
 def report_user_errors(run: Callable[[], int]) -> int:
-    """``run()``'s exit code, with a user error (:data:`USER_ERRORS`) printed as one line on stderr and exit code 2
-    (under a launcher, naming the rank). The examples' scripts end with it."""
+    """``run()``'s exit code, with a user error (:data:`USER_ERRORS`) printed as one line on stderr and exit code 2,
+    and Ctrl-C as the one line 'fastwan: interrupted' and exit code 130 (under a launcher, naming the rank). The
+    examples' scripts end with it."""
     try:
         return run()
     except USER_ERRORS as exc:
-        try:
-            launched = envs.torchrun_env()
-        except USER_ERRORS:  # a bad launcher variable is reported by the run itself when it matters
-            launched = None
-        rank = f"rank {launched[0]}: " if launched is not None and launched[2] > 1 else ""  # which process said it
-        print(f"fastwan: error: {rank}{one_line(exc)}", file=sys.stderr)
+        print(f"fastwan: error: {_rank()}{one_line(exc)}", file=sys.stderr)
         return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        pass  # said below: once the run's frames are gone, its progress bars have cleared their line
+    return report_interrupt(_rank())
+
+
+def _quietly(run: Callable[[], int]) -> int:
+    """``run()`` with third-party progress bars and notices off (:mod:`fastwan.quiet`)."""
+    from fastwan.quiet import quiet_libraries
+
+    quiet_libraries()
+    return run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,11 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         try:
-            return report_user_errors(lambda: _run_generate(args))
+            return report_user_errors(lambda: _quietly(lambda: _run_generate(args)))
         finally:  # under torchrun this process is a rank: its process group ends here, not at interpreter exit
             _leave_job()
     if args.command == "quantize":
-        return report_user_errors(lambda: _run_quantize(args))
+        return report_user_errors(lambda: _quietly(lambda: _run_quantize(args)))
     return 0
 
 

@@ -200,10 +200,13 @@ def flag_values(args: argparse.Namespace, cls) -> dict[str, Any]:
 
 def cli_text(message: str, *classes) -> str:
     """``message`` with each ``name=`` of a field of ``classes`` that has a flag written as that flag (``steps=0``
-    -> ``--steps 0``), as a command-line user spells it."""
+    -> ``--steps 0``), as a command-line user spells it; a remark naming the flag for Python callers ("(CLI
+    --overwrite)") is dropped."""
+    message = re.sub(r"\s*\(CLI:? --[a-z0-9-]+(?: [A-Z]+)?\)|; CLI:? --[a-z0-9-]+(?: [A-Z]+)?(?=\))", "", message)
     for cls in classes:
         for f, opt in options(cls):
             if opt.flag is not None and opt.action != "store_true":
+                message = re.sub(rf"(?<![\w.-]){f.name}=(?= |\)|,|;|$)", opt.flag, message)
                 message = re.sub(rf"(?<![\w.-]){f.name}=", f"{opt.flag} ", message)
             elif opt.flag is not None:
                 message = re.sub(rf"(?<![\w.-]){f.name}=(True|False)", opt.flag, message)

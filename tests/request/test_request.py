@@ -166,3 +166,33 @@ def test_cli_errors_name_flags_not_python_arguments(tiny, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and all(w in err for w in words), (extra, err)
         assert "num_inference_steps=" not in err and "guidance_scale_2=" not in err
+
+
+def test_cli_errors_carry_no_python_spelling(tmp_path, capsys):
+    """What a command-line user reads names flags: no ``image=``, ``overwrite=True``, ``lora=[(...)]`` or
+    "(CLI --flag)" remark meant for Python callers."""
+    existing = tmp_path / "v.mp4"
+    existing.write_bytes(b"kept")
+    lora = tmp_path / "style.safetensors"
+    lora.write_bytes(b"")
+    cases = ((["--model", "tiny-wan2.1-i2v"], ["pass --image"]),
+             (["--output", str(existing)], ["--overwrite"]),
+             (["--lora", f"{lora}:nan"], ["--lora", "finite"]),
+             (["--cache", "teacache:threshold=x"], ["--cache"]))
+    for extra, words in cases:
+        assert cli.main(["generate", "--prompt", "a kite", "--output", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), (extra, err)
+        for python in ("image=", "overwrite=", "lora=", "(CLI", "cache="):
+            assert python not in err, (extra, err)
+    assert existing.read_bytes() == b"kept"
+
+
+def test_parallel_workers_take_the_request(tiny):
+    """A generator of worker processes (num_gpus=2, gloo on the CPU) takes a GenerationRequest as one process
+    does, and makes the same video as its own generate_video."""
+    kw = dict(SMALL, prompt="a windmill")
+    with VideoGenerator.from_pretrained(str(tiny), device="cpu", num_gpus=2) as gen:
+        a = gen.generate(GenerationRequest(**kw, save_video=False)).frames
+        b = gen.generate_video(**kw, save_video=False).frames
+    assert a.shape == (5, 32, 48, 3) and np.array_equal(a, b)
