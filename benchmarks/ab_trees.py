@@ -7,6 +7,7 @@ up first, then timed in interleaved rounds (A B A B ...) so clock drift hits bot
 
 ``--sequential`` builds, times and ends one worker at a time (jobs whose two copies do not fit in memory
 together), round after round. e2e also reports the PSNR of each tree's frames against the first tree's.
+``--dry-run`` (CI, no GPU): the arguments checked and each tree's worker command listed, nothing started.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.harness import add_dry_run, print_plan
 
 WORKER = Path(__file__).with_name("ab_worker.py")
 
@@ -52,8 +55,8 @@ def psnr(a, b) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_trees", description=__doc__.split("\n\n")[0])
     p.add_argument("--job", choices=("e2e", "forward14b"), required=True)
     p.add_argument("--tree", action="append", required=True, help="LABEL=PATH, twice or more")
     p.add_argument("--rounds", type=int, default=2)
@@ -62,15 +65,23 @@ def main() -> int:
     p.add_argument("--workdir", default="/tmp/ab")
     p.add_argument("--out", default="ab.json")
     p.add_argument("worker_args", nargs="*", help="after --: more arguments for the workers")
-    a = p.parse_args()
+    add_dry_run(p)
+    a = p.parse_args(argv)
+    if any("=" not in t for t in a.tree) or len(a.tree) < 2:
+        p.error(f"--tree {a.tree}: give LABEL=PATH at least twice, e.g. --tree old=../old --tree new=.")
     trees = dict(t.split("=", 1) for t in a.tree)
-    Path(a.workdir).mkdir(parents=True, exist_ok=True)
 
     def args(label):
         extra = ["--frames", f"{a.workdir}/{label}"] if a.job == "e2e" else []
         return ["--job", a.job, "--ckpt", a.ckpt, *extra, *a.worker_args]
 
-    res = {"command": " ".join(["python -m benchmarks.ab_trees"] + sys.argv[1:]), "trees": trees, "setup": {},
+    if a.dry_run:
+        return print_plan(p.prog, [f"{label}: PYTHONPATH={Path(tree).resolve()} {WORKER.name} {' '.join(args(label))}"
+                                   f", {a.rounds} round(s){', alone' if a.sequential else ''}"
+                                   for label, tree in trees.items()])
+    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+
+    res = {"command": " ".join([p.prog, *(sys.argv[1:] if argv is None else argv)]), "trees": trees, "setup": {},
            "runs": {label: [] for label in trees}}
     workers = {}
     if not a.sequential:

@@ -7,12 +7,14 @@ Shapes: Wan2.1 1.3B 480p (B=1, S=32760, H=12, D=128) and 14B 720p (B=1, S=75600,
 Timing: CUDA events around each call, median of ``--iters`` calls after ``--warmup`` calls (the first FA4
 call JIT-compiles its kernel and is part of the warmup). TFLOP/s = 4*B*H*S*S*D / time. A case that cannot run
 or fails prints its reason and the script goes on. The JSON holds device, versions, and per shape and case:
-kernel, median/all times, TFLOP/s, max abs difference vs SDPA flash. A short table is printed last.
+kernel, median/all times, TFLOP/s, max abs difference vs SDPA flash. A short table is printed last. ``--dry-run``
+(CI, no GPU): the arguments checked and the (shape, case) jobs listed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import add_dry_run, print_plan
 from fastwan.attention import create_backend
 from fastwan.attention.synthetic import wan_like_qkv
 from fastwan.envinfo import device_info, software_versions
@@ -95,6 +98,17 @@ def bench_case(label, spec, q, k, v, *, warmup, iters):
         return row, None
 
 
+def plan(shapes: list[str], cases: list[str], args) -> list[str]:
+    """The (shape, case) jobs, each case's backend built from its config (a bad config raises here)."""
+    jobs = []
+    for name in shapes:
+        shape = f"B=1, S={math.prod(SHAPES[name]['grid'])}, H={SHAPES[name]['heads']}, D=128"
+        for label in cases:
+            how = "a direct call" if CASES[label] is None else f"{create_backend(*CASES[label]).name} {CASES[label][1]}"
+            jobs.append(f"{name} ({shape}): {label} = {how}; {args.warmup} warm-up + {args.iters} timed calls")
+    return jobs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -102,10 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--cases", default=None, help="comma-separated subset of the case labels")
+    add_dry_run(ap)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("attention_bench needs a CUDA device", file=sys.stderr)
-        return 2
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     cases = [c.strip() for c in args.cases.split(",")] if args.cases else list(CASES)
     for name in shapes:
@@ -114,6 +126,11 @@ def main(argv=None) -> int:
     for c in cases:
         if c not in CASES:
             ap.error(f"unknown case {c!r}; choose from {', '.join(CASES)}")
+    if args.dry_run:
+        return print_plan(ap.prog, plan(shapes, cases, args))
+    if not torch.cuda.is_available():
+        print("attention_bench needs a CUDA device", file=sys.stderr)
+        return 2
 
     report = {"device": device_info(), "software": software_versions(), "iters": args.iters,
               "warmup": args.warmup, "dtype": "bfloat16", "results": {}}

@@ -9,6 +9,7 @@ as measured text + decode time plus --full-steps times the measured seconds per 
 40-step 720p video of a 14B model outlasts one device call).
 
   python -m benchmarks.budget_bench --ckpt /tmp/wan14b --video 720x1280x81 --budget 24GiB [--quantization fp8]
+  python -m benchmarks.budget_bench --smoke      # CI: a tiny checkpoint on the CPU, no budget (a GPU's alone)
 """
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.harness import PROMPT, log, parse_video, versions
+from benchmarks.checkpoints import tiny_checkpoint
+from benchmarks.harness import (
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, gib, log, output, parse_args,
+    parse_video, peak_gib, reset_peak, versions)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.budget_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan14b")
     p.add_argument("--video", default="720x1280x81")
@@ -38,19 +42,36 @@ def main(argv=None) -> int:
     p.add_argument("--frames-out", default=None, help="save the last timed video's uint8 frames here (.npy)")
     p.add_argument("--label", default=None)
     p.add_argument("--out", default="budget.jsonl")
-    a = p.parse_args(argv)
+    add_device(p, compile_default=True)
+    add_smoke(p, ckpt=str(SMOKE_DIR / "wan2.1"), video="32x32x5", steps=2, full_steps=4, repeats=1,
+              backend="TORCH_SDPA", out=str(SMOKE_DIR / "budget.jsonl"))
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = parse_args(p, argv)
     from fastwan import VideoGenerator
+    from fastwan.errors import InvalidArgument
     from fastwan.offload import parse_memory
 
-    h, w, f = parse_video(a.video)
-    budget = parse_memory(a.budget, name="--budget")
-    total = torch.cuda.get_device_properties(0).total_memory
+    device = device_arg(p, a.device, *(["--budget"] if a.budget is not None else []))
+    try:
+        h, w, f = parse_video(a.video)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        budget = parse_memory(a.budget, name="--budget")
+    except InvalidArgument as exc:
+        p.error(str(exc))
+    if a.smoke:
+        tiny_checkpoint(a.ckpt)
     if budget is not None:
-        torch.cuda.set_per_process_memory_fraction(budget / total)
+        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(device).total_memory)
     t0 = time.perf_counter()
     gen = VideoGenerator.from_pretrained(a.ckpt, attention_backend=a.backend,
                                          attention_config={"sparsity": a.sparsity} if "SPARSE" in a.backend else None,
-                                         enable_torch_compile=True,
+                                         device=device, dtype=bench_dtype(device), enable_torch_compile=a.compile,
                                          quantization=a.quantization, max_gpu_memory=budget)
     load_s = time.perf_counter() - t0
     plan = None if gen.memory_plan is None else gen.memory_plan.describe()
@@ -62,27 +83,26 @@ def main(argv=None) -> int:
     warm = time.perf_counter() - t0
     runs = []
     for i in range(a.repeats):
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak(device)
         keep = a.frames_out is not None and i == a.repeats - 1
         r = gen.generate_video(PROMPT, **{**job, "return_frames": keep}, num_inference_steps=a.steps)
         if keep:
             np.save(a.frames_out, np.asarray(r.frames))
         t = r.timings
-        runs.append({"timings": t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                     "step_s": t["denoising"] / a.steps})
-        log(f"{a.label}: {t} peak {runs[-1]['peak_gib']:.2f} GiB")
+        runs.append({"timings": t, "peak_gib": peak_gib(device), "step_s": t["denoising"] / a.steps})
+        log(f"{a.label}: {t} peak {gib(runs[-1]['peak_gib'])} GiB")
     plan = None if gen.memory_plan is None else gen.memory_plan.describe()  # the plan of this size (may be new)
     step = statistics.median(x["step_s"] for x in runs)
     fixed = statistics.median(x["timings"]["total"] - x["timings"]["denoising"] for x in runs)
     res = {"label": a.label or f"budget={a.budget} q={a.quantization}", "video": a.video, "budget": a.budget,
            "quantization": a.quantization, "plan": plan, "load_s": load_s, "warmup_s": warm, "runs": runs,
            "step_s": step, "fixed_s": fixed, "e2e_full_s": fixed + a.full_steps * step, "full_steps": a.full_steps,
-           "peak_gib": max(x["peak_gib"] for x in runs), "versions": versions(),
-           "command": " ".join(["python -m benchmarks.budget_bench"] + (argv or sys.argv[1:]))}
-    with open(a.out, "a") as fh:
+           "peak_gib": None if device.type != "cuda" else max(x["peak_gib"] for x in runs), "versions": versions(),
+           "command": command(p.prog, argv)}
+    with open(output(a.out), "a") as fh:
         fh.write(json.dumps(res) + "\n")
     print(f"{res['label']}: {step:.3f} s/step, fixed {fixed:.2f} s, {a.full_steps}-step e2e {res['e2e_full_s']:.1f} s, "
-          f"peak {res['peak_gib']:.2f} GiB, load {load_s:.0f} s")
+          f"peak {gib(res['peak_gib'])} GiB, load {load_s:.0f} s")
     return 0
 
 

@@ -18,6 +18,7 @@ Each job: one untimed warm-up (compilation), then --repeats timed runs; the medi
 
   python -m benchmarks.distilled --phase make
   python -m benchmarks.distilled --phase fastwan13b,fastwan14b,lora14b,diffusers13b,diffusers14b
+  python -m benchmarks.distilled --smoke    # CI: tiny checkpoints on the CPU (FastWan, LoRA, diffusers eager)
 """
 from __future__ import annotations
 
@@ -31,65 +32,62 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.checkpoints import derive_fastwan, make_checkpoint, transformer_config, write_lora
 from benchmarks.harness import (
-    PROMPT,
-    derive_fastwan,
-    diffusers_pipeline,
-    log,
-    make_checkpoint,
-    parse_phases,
-    release,
-    versions,
-    write_lora,
-)
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, diffusers_pipeline, log, output,
+    parse_args, parse_phases, parse_video, release, sync, versions)
 
 PHASES = ("make", "fastwan13b", "fastwan14b", "lora14b", "diffusers13b", "diffusers14b")
 SIZES_13B = {"480x832x81": (480, 832, 81), "448x832x61": (448, 832, 61)}
 LORA_JOB = dict(sampler="euler", timesteps=[1000, 750, 500, 250], flow_shift=5.0, guidance_scale=1.0)
 
 
-def timed(fn, repeats: int) -> tuple[list[float], object]:
-    """Wall seconds of ``repeats`` calls of ``fn`` (CUDA synchronised) and the last result."""
+def timed(fn, repeats: int, device: torch.device) -> tuple[list[float], object]:
+    """Wall seconds of ``repeats`` calls of ``fn`` (the device synchronised) and the last result."""
     runs, out = [], None
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         out = fn()
-        torch.cuda.synchronize()
+        sync(device)
         runs.append(time.perf_counter() - t0)
     return runs, out
 
 
-def job_fastwan(root: Path, sizes: dict, repeats: int, **gen_kw) -> dict:
-    """A fastwan generator from ``root`` (compiled, its defaults unless ``gen_kw``) over ``sizes``."""
+def job_fastwan(root: Path, sizes: dict, repeats: int, run: dict, **gen_kw) -> dict:
+    """A fastwan generator from ``root`` (``run``: its device and whether compiled; its defaults unless ``gen_kw``)
+    over ``sizes``."""
     from fastwan import VideoGenerator
 
     lora, quantization = gen_kw.pop("lora", None), gen_kw.pop("quantization", None)
-    gen = VideoGenerator.from_pretrained(root, device="cuda", enable_torch_compile=True, lora=lora,
-                                         quantization=quantization)
-    out = {"attention": gen.attention.describe("cuda")}
+    device = run["device"]
+    gen = VideoGenerator.from_pretrained(root, device=device, dtype=bench_dtype(device),
+                                         enable_torch_compile=run["compile"], lora=lora, quantization=quantization)
+    out = {"attention": gen.attention.describe(device)}
     for label, (h, w, f) in sizes.items():
         kw = dict(height=h, width=w, num_frames=f, seed=0, save_video=False, return_frames=False, **gen_kw)
         t0 = time.perf_counter()
         gen.generate_video(PROMPT, **kw)
         warm = time.perf_counter() - t0
-        runs, r = timed(functools.partial(gen.generate_video, PROMPT, **kw), repeats)
+        runs, r = timed(functools.partial(gen.generate_video, PROMPT, **kw), repeats, device)
         split = {k: round(v, 4) for k, v in r.timings.items()}
         out[label] = {"e2e_s": statistics.median(runs), "runs": runs, "warmup_s": warm, "timings": split,
                       "settings": {k: v for k, v in r.settings.items() if k != "cache"},
-                      "forwards": r.num_transformer_forwards, "peak_gib": r.peak_memory / 2**30}
+                      "forwards": r.num_transformer_forwards, "peak_gib": r.peak_memory and r.peak_memory / 2**30}
         log(f"{root.name} {label}: median {out[label]['e2e_s']:.3f} s of {[round(x, 3) for x in runs]}, "
-            f"split {split}, peak {out[label]['peak_gib']:.1f} GiB")
+            f"split {split}, peak {out[label]['peak_gib']} GiB")
     gen = None  # freed before the next job loads
-    release(True)
+    release(run["compile"], device)
     return out
 
 
-def job_diffusers(root: Path, sizes: dict, steps: int, repeats: int, shift: float | None = None) -> dict:
-    """diffusers' WanPipeline (eager, then tuned) on ``root`` at ``sizes``, ``steps`` steps, guidance 1."""
+def job_diffusers(root: Path, sizes: dict, steps: int, repeats: int, device: torch.device,
+                  shift: float | None = None) -> dict:
+    """diffusers' WanPipeline (eager, then tuned: CUDA only) on ``root`` at ``sizes``, ``steps`` steps,
+    guidance 1."""
     out = {}
-    for tuned in (False, True):
-        pipe = diffusers_pipeline(root, tuned)
+    for tuned in (False, True) if device.type == "cuda" else (False,):
+        pipe = diffusers_pipeline(root, tuned, device)
         if shift is not None:
             from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -97,21 +95,21 @@ def job_diffusers(root: Path, sizes: dict, steps: int, repeats: int, shift: floa
         name = "diffusers_tuned" if tuned else "diffusers"
         for label, (h, w, f) in sizes.items():
             run = functools.partial(pipe, PROMPT, height=h, width=w, num_frames=f, num_inference_steps=steps,
-                                    guidance_scale=1.0, generator=torch.Generator("cuda").manual_seed(0),
+                                    guidance_scale=1.0, generator=torch.Generator(device).manual_seed(0),
                                     output_type="np")
             t0 = time.perf_counter()
             run()
             warm = time.perf_counter() - t0
-            runs, _ = timed(run, repeats)
+            runs, _ = timed(run, repeats, device)
             out[f"{name}[{label}]"] = {"e2e_s": statistics.median(runs), "runs": runs, "warmup_s": warm}
             log(f"{name} {root.name} {label}: median {statistics.median(runs):.3f} s of "
                 f"{[round(x, 3) for x in runs]}")
         pipe = run = None  # freed before the next peer loads
-        release(tuned)
+        release(tuned, device)
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.distilled", description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", default="fastwan13b")
     p.add_argument("--ckpt13", default="/tmp/wan13b")
@@ -123,12 +121,32 @@ def main(argv=None) -> int:
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fastwan jobs: FP8 DiT weights (their results are stored as '<phase>_fp8')")
     p.add_argument("--out", default="distilled.json")
-    a = p.parse_args(argv)
+    p.add_argument("--video", default=None, metavar="HxWxF", help="every job at this size instead of its own")
+    add_device(p, compile_default=True)
+    files = {"ckpt13": "wan2.1", "ckpt14": "wan2.1", "fastwan13": "fastwan", "fastwan14": "fastwan",
+             "lora": "lora.safetensors", "out": "distilled.json"}  # --smoke: one tiny checkpoint for both sizes
+    add_smoke(p, phase="make,fastwan13b,lora14b,diffusers14b", repeats=1, video="32x32x5",
+              **{name: str(SMOKE_DIR / file) for name, file in files.items()})
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = parse_args(p, argv)
     phases = parse_phases(p, a.phase, PHASES)
-    out = Path(a.out)
+    run = {"device": device_arg(p, a.device), "compile": a.compile}
+    try:
+        video = None if a.video is None else parse_video(a.video)
+    except ValueError as exc:
+        p.error(str(exc))
+
+    def sizes(own: dict) -> dict:
+        return own if video is None else {a.video: video}
+
+    out = output(a.out)
     res = json.loads(out.read_text()) if out.exists() else {}
     res.setdefault("versions", versions())
-    res.setdefault("commands", []).append(" ".join(["python -m benchmarks.distilled"] + sys.argv[1:]))
+    res.setdefault("commands", []).append(command(p.prog, argv))
     c13, c14, f13, f14 = (Path(x) for x in (a.ckpt13, a.ckpt14, a.fastwan13, a.fastwan14))
 
     def key(phase: str) -> str:
@@ -136,24 +154,25 @@ def main(argv=None) -> int:
 
     for phase in phases:
         if phase == "make":
-            make_checkpoint(c13, "1.3b")
-            make_checkpoint(c14, "14b", text_encoder_from=c13)
+            make_checkpoint(c13, "tiny" if a.smoke else "1.3b")
+            make_checkpoint(c14, "tiny" if a.smoke else "14b", text_encoder_from=c13)
             derive_fastwan(c13, f13)
             derive_fastwan(c14, f14)
             if not Path(a.lora).exists():
-                write_lora(Path(a.lora), "14b")
+                write_lora(Path(a.lora), transformer_config(c14))
         elif phase == "fastwan13b":
-            res[key(phase)] = job_fastwan(f13, SIZES_13B, a.repeats, quantization=a.quantization)
+            res[key(phase)] = job_fastwan(f13, sizes(SIZES_13B), a.repeats, run, quantization=a.quantization)
         elif phase == "fastwan14b":
-            res[key(phase)] = job_fastwan(f14, {"720x1280x81": (720, 1280, 81)}, a.repeats,
+            res[key(phase)] = job_fastwan(f14, sizes({"720x1280x81": (720, 1280, 81)}), a.repeats, run,
                                           quantization=a.quantization)
         elif phase == "lora14b":
-            res[key(phase)] = job_fastwan(c14, {"480x832x81": (480, 832, 81)}, a.repeats, lora=a.lora,
+            res[key(phase)] = job_fastwan(c14, sizes({"480x832x81": (480, 832, 81)}), a.repeats, run, lora=a.lora,
                                           quantization=a.quantization, **LORA_JOB)
         elif phase == "diffusers13b":
-            res[phase] = job_diffusers(c13, SIZES_13B, 3, a.repeats)
+            res[phase] = job_diffusers(c13, sizes(SIZES_13B), 3, a.repeats, run["device"])
         elif phase == "diffusers14b":
-            res[phase] = job_diffusers(c14, {"480x832x81": (480, 832, 81)}, 4, a.repeats, shift=5.0)
+            res[phase] = job_diffusers(c14, sizes({"480x832x81": (480, 832, 81)}), 4, a.repeats, run["device"],
+                                       shift=5.0)
         out.write_text(json.dumps(res, indent=1))
     log("\n| job | size | e2e s (median) | text s | denoise s | decode s |")
     for phase in phases:

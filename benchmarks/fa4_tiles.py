@@ -8,7 +8,8 @@ memory per FLOP can run faster even when the stand-alone peak is the same. Each 
 calls (CUDA events, median per round; the figure is the median over rounds), with the SM clock and power
 that ``nvidia-smi`` reports during the round. Output of every configuration is compared with the default's.
 Configurations the kernel cannot build are reported as such. ``--split`` adds, for batch > 1, each configuration
-run as one call per batch element (what two sequential-CFG forwards do).
+run as one call per batch element (what two sequential-CFG forwards do). ``--dry-run`` (CI, no GPU): the arguments
+checked and the (shape, configuration) jobs listed, with the tile the model picks on an H100 (132 SMs).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import smi_round
+from benchmarks.harness import add_dry_run, print_plan, smi_round
 
 SHAPES = {  # name: (batch, tokens, heads)
     "1.3B-480p-B1": (1, 32760, 12),
@@ -51,6 +52,25 @@ CONFIGS = [  # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); the first is FA
 ]
 
 
+def runs(chosen: list, batch: int, split: bool) -> list[tuple]:
+    """(tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, per batch element?) of each timed configuration."""
+    return [(*c, False) for c in chosen] + ([(*c, True) for c in chosen] if split and batch > 1 else [])
+
+
+def plan(shapes: list[str], chosen: list, a, sms: int = 132) -> list[str]:
+    """The (shape, configuration) jobs of a run and the tile ``fa4_sm90_tile_m`` picks at ``sms`` SMs."""
+    from fastwan.attention.backends.fa4_plan import fa4_sm90_tile_m
+
+    jobs = []
+    for shape in shapes:
+        b, n, h = SHAPES[shape]
+        pick = fa4_sm90_tile_m(b, n, h, sms)
+        jobs += [f"{shape} (B={b}, S={n}, H={h}): tile {tm}x{tn}, rs {rs}, overlap {ol}"
+                 f"{', one call per batch element' if per_b else ''}; {a.rounds} rounds of {a.calls} calls "
+                 f"(model picks {pick} at {sms} SMs)" for tm, tn, rs, ol, per_b in runs(chosen, b, a.split)]
+    return jobs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fa4_tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -60,22 +80,31 @@ def main(argv=None) -> int:
     p.add_argument("--split", action="store_true",
                    help="also time each configuration as one call per batch element (batch > 1 shapes)")
     p.add_argument("--out", default="fa4_tiles.json")
+    add_dry_run(p)
     a = p.parse_args(argv)
+    shapes = a.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown shape(s) {unknown}; use {', '.join(SHAPES)}")
+    try:
+        chosen = [CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else CONFIGS
+    except (ValueError, IndexError):
+        p.error(f"--configs {a.configs!r}: use indices 0..{len(CONFIGS) - 1} into CONFIGS, comma-separated")
+    if a.dry_run:
+        return print_plan(p.prog, plan(shapes, chosen, a))
     from flash_attn.cute.interface import _flash_attn_fwd
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [],
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     from fastwan.attention.backends.fa4_plan import fa4_sm90_tile_m
 
-    for shape in a.shapes.split(","):
+    for shape in shapes:
         b, n, h = SHAPES[shape]
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         flops = 4 * b * h * n * n * 128
         fns, ref = {}, None
-        chosen = [CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else CONFIGS
-        chosen = [(*c, False) for c in chosen] + ([(*c, True) for c in chosen] if a.split and b > 1 else [])
-        for cfg in chosen:
+        for cfg in runs(chosen, b, a.split):
             tm, tn, rs, ol, split = cfg
 
             def fn(tm=tm, tn=tn, rs=rs, ol=ol, split=split, qkv=(q, k, v)):

@@ -9,6 +9,7 @@ cross-attention's output projection never folded into its values) or a DiT varia
 are timed in interleaved rounds.
 
   python -m benchmarks.forward_14b --backend FLASH_ATTN --compile [--variants auto,t128,reference] [--profile]
+  python -m benchmarks.forward_14b --smoke     # CI: a two-block DiT on the CPU, eager peer only
 """
 from __future__ import annotations
 
@@ -17,24 +18,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.harness import (
-    build_dit,
-    cuda_time,
-    dit_kwargs,
-    forward_inputs,
-    kernel_groups,
-    log,
-    option_overrides,
-    parse_video,
-    raise_recompile_limit,
-    tune_diffusers,
-    versions,
-    wan_config,
-)
+    DIT_SIZES, SMOKE_DIR, add_device, add_smoke, bench_dtype, build_dit, command, cuda_time, device_arg, dit_kwargs,
+    forward_inputs, gib, kernel_groups, log, option_overrides, output, parse_args, parse_video, peak_gib,
+    raise_recompile_limit, release, reset_peak, sync, tune_diffusers, versions, wan_config)
 
 TILES = {"auto": "auto", "t128": 128, "t192": 192}  # variant part -> FLASH_ATTN fa4_tile_m
 
@@ -67,7 +57,8 @@ def parse_variant(label: str, backend: str) -> tuple[dict | None, dict]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.forward_14b", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="FLASH_ATTN")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--size", default="14b", choices=tuple(DIT_SIZES), help="the DiT's shape (default 14b)")
+    add_device(p, compile_default=False)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="forward_14b.json")
     p.add_argument("--variants", default="auto",
@@ -86,16 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="text rows kept; the rest are zeroed as the pipelines pad a prompt (512: random text, no "
                         "padding)")
+    add_smoke(p, size="tiny", backend="TORCH_SDPA", video="32x32x5", iters=1, rounds=1, tuned_peer=False,
+              prompt_tokens=20, variants="auto,fast,auto/fp8", out=str(SMOKE_DIR / "forward_14b.json"))
     return p
 
 
 def diffusers_peers(ref, args, a, res: dict, kw: dict) -> torch.Tensor:
     """Time diffusers' model (eager, then tuned unless --no-tuned-peer) into ``res``; the eager output."""
-    torch.cuda.reset_peak_memory_stats()
-    res["diffusers_ms"] = cuda_time(lambda: ref(*args, **kw, return_dict=False), warmup=1, iters=a.iters)
-    res["diffusers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    reset_peak(a.device)
+    res["diffusers_ms"] = cuda_time(lambda: ref(*args, **kw, return_dict=False), warmup=1, iters=a.iters,
+                                    device=a.device)
+    res["diffusers_peak_gib"] = peak_gib(a.device)
     want = ref(*args, **kw, return_dict=False)[0].float()
-    log(f"diffusers 14B forward: {res['diffusers_ms']:.0f} ms, peak {res['diffusers_peak_gib']:.1f} GiB")
+    log(f"diffusers {a.size} forward: {res['diffusers_ms']:.0f} ms, peak {gib(res['diffusers_peak_gib'])} GiB")
     if a.tuned_peer:  # the second peer, on the same module and weights: diffusers tuned
         tune_diffusers(ref)
         t0 = time.perf_counter()
@@ -115,7 +109,10 @@ def diffusers_peers(ref, args, a, res: dict, kw: dict) -> torch.Tensor:
 @torch.no_grad()
 def main(argv=None) -> int:
     p = build_parser()
-    a = p.parse_args(argv)
+    a = parse_args(p, argv)
+    device = device_arg(p, a.device, *(["the tuned peer (--no-tuned-peer leaves it out)"] if a.tuned_peer else []),
+                        *(["--profile"] if a.profile else []))
+    dtype = bench_dtype(device)
     try:
         if not 0 <= a.prompt_tokens <= 512:
             raise ValueError(f"--prompt-tokens {a.prompt_tokens}: must be 0..512")
@@ -131,20 +128,21 @@ def main(argv=None) -> int:
     from fastwan.models import keep_in_fp32
     from fastwan.models.wan.quantize import fp8_layer_names, use_fp8
 
-    with torch.device("cuda"):
+    with torch.device(device):
         torch.manual_seed(0)
-        ref = WanTransformer3DModel(**dit_kwargs("14b", a.task)).to(torch.bfloat16).eval()
+        ref = WanTransformer3DModel(**dit_kwargs(a.size, a.task)).to(dtype).eval()
     for name, prm in ref.named_parameters():  # the modules diffusers keeps in fp32
         if keep_in_fp32(name):
             prm.data = prm.data.float()
-    res = {"versions": versions(), "command": " ".join(["python -m benchmarks.forward_14b"] + sys.argv[1:]),
+    res = {"versions": versions(), "command": command(p.prog, argv), "size": a.size,
            "tokens": ((f - 1) // 4 + 1) * (h // 16) * (w // 16), "video": [h, w, f], "batch": a.batch,
            "prompt_tokens": a.prompt_tokens, "task": a.task}
-    args = forward_inputs(a.batch, in_ch=ref.config.in_channels, h=h, w=w, f=f, prompt_tokens=a.prompt_tokens)
+    args = forward_inputs(a.batch, in_ch=ref.config.in_channels, h=h, w=w, f=f, prompt_tokens=a.prompt_tokens,
+                          device=device, dtype=dtype)
     image = None
     if ref.config.image_dim is not None:  # CLIP's penultimate states of one image: 257 tokens
-        g = torch.Generator("cuda").manual_seed(1)
-        image = torch.randn(a.batch, 257, ref.config.image_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        g = torch.Generator(device).manual_seed(1)
+        image = torch.randn(a.batch, 257, ref.config.image_dim, device=device, generator=g, dtype=dtype)
     peer_kw = {} if image is None else {"encoder_hidden_states_image": image}
     ours_kw = {} if image is None else {"image": image}
     want = diffusers_peers(ref, args, a, res, peer_kw)
@@ -152,25 +150,25 @@ def main(argv=None) -> int:
     raise_recompile_limit()
     state = ref.state_dict()
     ref = None
-    torch.cuda.empty_cache()
-    cfg = wan_config("14b", a.task)
+    release(False, device)
+    cfg = wan_config(a.size, a.task)
     models = {}
     for label, (conf, overrides) in variants.items():
-        att = AttentionDispatch.resolve(a.backend, device="cuda", dtype=torch.bfloat16, head_dim=128, config=conf)
+        att = AttentionDispatch.resolve(a.backend, device=device, dtype=dtype, head_dim=128, config=conf)
         options = {k: v for k, v in overrides.items() if k not in ("fp8", "nofold")}
-        model = build_dit(cfg, att, state, options)  # the same tensors as diffusers' model: no copy
+        model = build_dit(cfg, att, state, options, device, dtype)  # the same tensors as diffusers' model: no copy
         if overrides.get("nofold"):
             if model.prompts is None:
                 raise SystemExit(f"variant {label!r}: nofold needs the fast block (it has the prompt cache)")
             model.prompts.fold_max_width = 0.0
         if overrides.get("fp8"):
-            use_fp8(model, fp8_layer_names(model), device="cuda", dtype=torch.bfloat16)
+            use_fp8(model, fp8_layer_names(model), device=device, dtype=dtype)
         if a.compile:
             model.compile_blocks(fullgraph=True)
         t0 = time.perf_counter()
         got = model(*args, **ours_kw).float()
-        torch.cuda.synchronize()
-        key = f"{label}: {att.describe('cuda')}{', compiled' if a.compile else ''}"
+        sync(device)
+        key = f"{label}: {att.describe(device)}{', compiled' if a.compile else ''}"
         e = res.setdefault("fastwan", {})[label] = {"setup": key, "overrides": overrides,
                                                      "first_call_s": time.perf_counter() - t0,
                                                      "rel_err_vs_diffusers": ((got - want).norm() / want.norm()).item()}
@@ -179,12 +177,13 @@ def main(argv=None) -> int:
         models[label] = model
     del want
     times = {label: [] for label in models}
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak(device)
     for r in range(a.rounds):  # interleaved, so clock/thermal drift hits every variant alike
         for label, model in models.items():
-            times[label].append(cuda_time(lambda m=model: m(*args, **ours_kw), warmup=0, iters=a.iters))
+            times[label].append(cuda_time(lambda m=model: m(*args, **ours_kw), warmup=0, iters=a.iters,
+                                          device=device))
         log(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in times.items()))
-    res["fastwan_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    res["fastwan_peak_gib"] = peak_gib(device)
     for label, model in models.items():
         e = res["fastwan"][label]
         e["ms"] = statistics.median(times[label])
@@ -194,7 +193,7 @@ def main(argv=None) -> int:
             e["speedup_vs_tuned"] = res["diffusers_tuned_ms"] / e["ms"]
         if a.profile:
             e["kernel_ms"] = kernel_groups(lambda m=model: m(*args, **ours_kw))
-    print(f"\ndiffusers: {res['diffusers_ms']:.0f} ms (peak {res['diffusers_peak_gib']:.1f} GiB)")
+    print(f"\ndiffusers: {res['diffusers_ms']:.0f} ms (peak {gib(res['diffusers_peak_gib'])} GiB)")
     if a.tuned_peer:
         print(f"diffusers tuned: {res['diffusers_tuned_ms']:.0f} ms (peak {res['diffusers_tuned_peak_gib']:.1f} GiB)")
     for e in res["fastwan"].values():
@@ -202,7 +201,7 @@ def main(argv=None) -> int:
         tuned = f", {e['speedup_vs_tuned']:.3f}x tuned" if a.tuned_peer else ""
         print(f"{e['setup']}: {e['ms']:.0f} ms ({e['speedup']:.3f}x eager{tuned}, "
               f"rel err {e['rel_err_vs_diffusers']:.2e})" + (f" kernels: {groups}" if groups else ""))
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    output(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -1,19 +1,23 @@
-"""What the GPU benchmarks share: logging and versions, CUDA timing, the Wan inputs and shapes, a random checkpoint
-at the real shapes, DiT variants as :class:`~fastwan.options.DiTOptions` overrides, the diffusers peers, video
-comparison (PSNR/SSIM), kernel-time grouping (torch.profiler) and nvidia-smi sampling.
+"""What the GPU benchmarks share: logging and versions, timing (CUDA events; the wall clock on the CPU), the device
+and its dtype, the Wan inputs and shapes, DiT variants as :class:`~fastwan.options.DiTOptions` overrides, the
+diffusers peers, video comparison (PSNR/SSIM), kernel-time grouping (torch.profiler), nvidia-smi sampling, and the
+CI sizes: ``--smoke`` and ``--dry-run``. Random checkpoints: :mod:`benchmarks.checkpoints`.
 
 The benchmarks run from the repository root as modules, ``python -m benchmarks.<name>``. An A/B variant is data
 (DiTOptions overrides, an attention config, a ``cfg_mode``) that builds its own model or generator; nothing
-changes a built one.
+changes a built one. Every benchmark that RESULTS.md cites runs in CI: at its ``--smoke`` size on the CPU (tiny
+random weights and shapes, fp32, one warm-up and one timed run, no peer that needs a GPU), or, where only a GPU
+can run it, with ``--dry-run`` (its arguments checked and its jobs listed, nothing run).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
-import time
+import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,6 +41,7 @@ DIT_COMMON = MappingProxyType(dict(
 DIT_SIZES = MappingProxyType({  # the DiT shape of each Wan2.1 size, and its job's video (frames, height, width)
     "1.3b": (MappingProxyType(dict(num_attention_heads=12, ffn_dim=8960, num_layers=30)), (81, 480, 832)),
     "14b": (MappingProxyType(dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)), (81, 720, 1280)),
+    "tiny": (MappingProxyType(dict(num_attention_heads=2, ffn_dim=256, num_layers=2)), (5, 32, 32)),  # --smoke
 })
 PEERS = MappingProxyType({
     "diffusers": "as installed (eager, default attention), fp32 VAE",
@@ -48,12 +53,25 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def command(prog: str, argv: list[str] | None) -> str:
+    """The command line of a run, for its results: ``prog`` and its arguments (``argv``, else the process's)."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+
+
+def output(path: str | os.PathLike) -> Path:
+    """``path`` for a results file, its folder made if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def versions() -> dict:
     import diffusers
     import transformers
 
     v = {"torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
-         "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
+         "transformers": transformers.__version__,
+         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
          "cudnn": torch.backends.cudnn.version()}
     try:
         import triton
@@ -65,15 +83,42 @@ def versions() -> dict:
 
 # ---- timing ----------------------------------------------------------------------------------------------
 
-def cuda_time(fn: Callable[[], Any], warmup: int = 2, iters: int = 5) -> float:
-    """Median milliseconds of fn() over ``iters`` calls (CUDA events, one synchronised call at a time), after
-    ``warmup`` calls."""
-    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device("cuda")))
+def cuda_time(fn: Callable[[], Any], warmup: int = 2, iters: int = 5, device: torch.device | str = "cuda") -> float:
+    """Median milliseconds of fn() over ``iters`` calls (CUDA events, one synchronised call at a time; the wall
+    clock off CUDA), after ``warmup`` calls."""
+    return statistics.median(time_fn(fn, warmup=warmup, iters=iters, device=torch.device(device)))
 
 
-def span_ms(fn: Callable[[], Any], calls: int = 10, rounds: int = 3) -> float:
+def span_ms(fn: Callable[[], Any], calls: int = 10, rounds: int = 3, device: torch.device | str = "cuda") -> float:
     """Median over ``rounds`` of the ms per call of ``calls`` back-to-back calls (one span, CUDA events)."""
-    return statistics.median(span_time(fn, calls=calls, device=torch.device("cuda")) for _ in range(rounds))
+    return statistics.median(span_time(fn, calls=calls, device=torch.device(device)) for _ in range(rounds))
+
+
+def sync(device: torch.device | str = "cuda") -> None:
+    """Wait for ``device``'s queued work (CUDA; nothing to wait for elsewhere)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device | str = "cuda") -> None:
+    """Start a new peak of allocated memory on ``device`` (CUDA only: none is tracked elsewhere)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device | str = "cuda") -> float | None:
+    """Peak allocated GiB on ``device`` since :func:`reset_peak`; None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
+
+
+def gib(value: float | None) -> str:
+    """A peak of :func:`peak_gib` for a table: "12.34", or "-" where none was tracked."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+def bench_dtype(device: torch.device | str) -> torch.dtype:
+    """The benchmarks' model dtype on ``device``: bf16 on CUDA (as measured), fp32 on the CPU (--smoke)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def smi() -> tuple[float, float]:
@@ -123,16 +168,17 @@ def raise_recompile_limit(limit: int = 64) -> None:
 
 # ---- inputs and shapes -----------------------------------------------------------------------------------
 
-def forward_inputs(batch: int, in_ch: int = 16, h: int = H, w: int = W, f: int = F, prompt_tokens: int = TEXT_TOKENS):
-    """(latents, timestep, text) of one DiT forward on CUDA: bf16 latents [batch, in_ch, (f-1)/4+1, h/8, w/8],
-    t = 500, and text [batch, 512, 4096] with the rows after ``prompt_tokens`` zeroed as the pipelines pad a
-    prompt."""
+def forward_inputs(batch: int, in_ch: int = 16, h: int = H, w: int = W, f: int = F, prompt_tokens: int = TEXT_TOKENS,
+                   text_dim: int = TEXT_DIM, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """(latents, timestep, text) of one DiT forward on ``device`` in ``dtype``: latents [batch, in_ch, (f-1)/4+1,
+    h/8, w/8], t = 500, and text [batch, 512, text_dim] with the rows after ``prompt_tokens`` zeroed as the
+    pipelines pad a prompt."""
     if not 0 <= prompt_tokens <= TEXT_TOKENS:
         raise ValueError(f"prompt_tokens={prompt_tokens} must be 0..{TEXT_TOKENS}")
-    g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(batch, in_ch, (f - 1) // 4 + 1, h // 8, w // 8, device="cuda", generator=g).to(torch.bfloat16)
-    t = torch.full((batch,), 500.0, device="cuda")
-    text = torch.randn(batch, TEXT_TOKENS, TEXT_DIM, device="cuda", generator=g).to(torch.bfloat16)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(batch, in_ch, (f - 1) // 4 + 1, h // 8, w // 8, device=device, generator=g).to(dtype)
+    t = torch.full((batch,), 500.0, device=device)
+    text = torch.randn(batch, TEXT_TOKENS, text_dim, device=device, generator=g).to(dtype)
     text[:, prompt_tokens:] = 0
     return x, t, text
 
@@ -159,8 +205,12 @@ def parse_phases(parser, text: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def dit_kwargs(size: str, task: str = "t2v") -> dict:
-    """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size ("1.3b" or "14b") and task (:data:`TASKS`)."""
-    return {**DIT_COMMON, **DIT_SIZES[size][0], **TASKS[task][0]}
+    """diffusers ``WanTransformer3DModel`` arguments of a Wan2.1 size (:data:`DIT_SIZES`) and task (:data:`TASKS`);
+    a task with image tokens projects them to the model's width."""
+    kw = {**DIT_COMMON, **DIT_SIZES[size][0], **TASKS[task][0]}
+    if kw.get("image_dim") is not None:
+        kw["added_kv_proj_dim"] = kw["num_attention_heads"] * kw["attention_head_dim"]
+    return kw
 
 
 def wan_config(size: str, task: str = "t2v"):
@@ -172,172 +222,9 @@ def wan_config(size: str, task: str = "t2v"):
 
 TASKS = MappingProxyType({  # checkpoint task -> (DiT kwargs beyond the size's, scheduler shift, A14B boundary)
     "t2v": (MappingProxyType({}), 3.0, None),
-    "i2v": (MappingProxyType(dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120)), 3.0, None),  # 2.1 I2V
+    "i2v": (MappingProxyType(dict(in_channels=36, image_dim=1280)), 3.0, None),  # Wan2.1 I2V: 257 CLIP tokens
     "i2v-a14b": (MappingProxyType(dict(in_channels=36)), 5.0, 0.9),  # Wan2.2-I2V-A14B's two experts
 })
-CLIP_VIT_H = MappingProxyType(dict(  # the Wan2.1 I2V image encoder's shape (ViT-H/14, 257 tokens of 1280)
-    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, image_size=224,
-    patch_size=14, projection_dim=1024, hidden_act="gelu"))
-
-
-def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.device | str = "cuda",
-                    text_encoder_from: Path | None = None) -> None:
-    """Random weights at the real shapes of a Wan2.1 ``size`` and ``task`` (:data:`TASKS`), saved as a
-    Diffusers-format folder: bf16 DiT and UMT5-XXL, fp32 VAE; "i2v" adds a ViT-H CLIP vision encoder (fp32) and
-    its image processor; "i2v-a14b" links ``transformer_2`` to ``transformer`` (the experts load as separate
-    tensors, so time and memory are those of two experts). ``text_encoder_from``: another such checkpoint whose
-    UMT5-XXL this one links to (saves 11 GB of disk)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from fastwan.checkpoint.tiny import _tokenizer
-
-    root = Path(root)
-    if (root / "model_index.json").exists():
-        log(f"checkpoint exists at {root}")
-        return
-    _, shift, boundary = TASKS[task]
-    t0 = time.time()
-    with torch.device(device):
-        torch.manual_seed(0)
-        m = WanTransformer3DModel(**dit_kwargs(size, task)).to(torch.bfloat16)
-        m.save_pretrained(root / "transformer", safe_serialization=True, max_shard_size="10GB")
-        del m
-        cfg = UMT5Config(vocab_size=256384, d_model=TEXT_DIM, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                         feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
-                         relative_attention_max_distance=128, dense_act_fn="gelu_new", is_gated_act=True,
-                         tie_word_embeddings=False)
-        if text_encoder_from is not None:
-            (root / "text_encoder").symlink_to(Path(text_encoder_from).resolve() / "text_encoder",
-                                               target_is_directory=True)
-        else:
-            te = UMT5EncoderModel(cfg).to(torch.bfloat16)
-            te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
-            del te
-        AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
-        if task == "i2v":
-            from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-            CLIPVisionModel(CLIPVisionConfig(**CLIP_VIT_H)).save_pretrained(root / "image_encoder",
-                                                                            safe_serialization=True)
-            CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
-                               resample=3).save_pretrained(root / "image_processor")
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-    if boundary is not None:
-        (root / "transformer_2").symlink_to("transformer", target_is_directory=True)
-    _tokenizer().save_pretrained(root / "tokenizer")
-    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
-    dit = ["diffusers", "WanTransformer3DModel"]
-    index = {"_class_name": "WanPipeline" if task == "t2v" else "WanImageToVideoPipeline",
-             "_diffusers_version": "0.35.0", "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-             "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
-             "transformer": dit, "transformer_2": dit if boundary is not None else [None, None],
-             "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": boundary, "expand_timesteps": False}
-    if task != "t2v":
-        clip = task == "i2v"
-        index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
-        index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
-    (root / "model_index.json").write_text(json.dumps(index))
-    log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
-
-
-def _linked_copy(plain: Path, root: Path, skip: tuple[str, ...]) -> bool:
-    """Create ``root`` with a link to each of ``plain``'s components but ``skip`` -> False (nothing done) when
-    ``root`` already holds a checkpoint."""
-    if (root / "model_index.json").exists():
-        log(f"checkpoint exists at {root}")
-        return False
-    root.mkdir(parents=True)
-    for comp in plain.iterdir():
-        if comp.name not in skip:
-            (root / comp.name).symlink_to(comp, target_is_directory=comp.is_dir())
-    return True
-
-
-def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
-    """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
-    text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
-    folder links its weight files and adds ``gates.safetensors`` (random bf16 ``to_gate_compress``, FastVideo's
-    names), listed in its shard index (written when the plain checkpoint has a single weight file: a loader reads
-    only the files an index names or the ``diffusion_pytorch_model`` ones, never a stray file beside them)."""
-    from safetensors.torch import save_file
-
-    plain, root = Path(plain).resolve(), Path(root)
-    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
-        return
-    src, dst = plain / "transformer", root / "transformer"
-    dst.mkdir()
-    for f in src.iterdir():
-        if not f.name.endswith(".index.json"):
-            (dst / f.name).symlink_to(f)
-    cfg = json.loads((src / "config.json").read_text())
-    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    g = torch.Generator().manual_seed(seed)
-    gates = {}
-    for i in range(cfg["num_layers"]):
-        gates[f"blocks.{i}.to_gate_compress.weight"] = (torch.randn(dim, dim, generator=g) * dim ** -0.5).to(
-            torch.bfloat16)
-        gates[f"blocks.{i}.to_gate_compress.bias"] = torch.zeros(dim, dtype=torch.bfloat16)
-    save_file(gates, str(dst / "gates.safetensors"))
-    indexes = {index.name: json.loads(index.read_text()) for index in src.glob("*.safetensors.index.json")}
-    if not indexes:
-        from safetensors import safe_open
-
-        single = src / "diffusion_pytorch_model.safetensors"
-        with safe_open(str(single), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), single.name)
-        indexes = {f"{single.name}.index.json": {"metadata": {}, "weight_map": weight_map}}
-    for name, data in indexes.items():
-        data["weight_map"].update({k: "gates.safetensors" for k in gates})
-        (dst / name).write_text(json.dumps(data))
-    model_index = json.loads((plain / "model_index.json").read_text())
-    (root / "model_index.json").write_text(json.dumps({**model_index, "_class_name": "WanDMDPipeline"}))
-    log(f"derived FastWan-layout checkpoint {root} from {plain}")
-
-
-def derive_a14b(plain: Path, root: Path, shift: float = 12.0, boundary: float = 0.875) -> None:
-    """A Wan2.2-T2V-A14B-layout checkpoint from a Wan2.1-14B text-to-video one made by :func:`make_checkpoint`
-    (each A14B expert has the Wan2.1-14B DiT's shape): every component links to ``plain``'s, ``transformer_2``
-    links to ``transformer`` (the experts still load as separate tensors), model_index carries ``boundary`` and
-    the scheduler ``shift`` (Wan2.2's T2V-A14B settings)."""
-    from diffusers import UniPCMultistepScheduler
-
-    plain, root = Path(plain).resolve(), Path(root)
-    if not _linked_copy(plain, root, ("model_index.json", "scheduler", "transformer_2")):
-        return
-    (root / "transformer_2").symlink_to(plain / "transformer", target_is_directory=True)
-    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
-    index = json.loads((plain / "model_index.json").read_text())
-    index.update(transformer_2=index["transformer"], boundary_ratio=boundary)
-    (root / "model_index.json").write_text(json.dumps(index))
-    log(f"derived A14B-layout checkpoint {root} from {plain}")
-
-
-def write_lora(path: Path, size: str, rank: int = 64, seed: int = 0) -> None:
-    """A random rank-``rank`` LoRA in the original-Wan (lightx2v) layout on every attention and FFN linear of a
-    Wan2.1 ``size`` DiT: ``diffusion_model.blocks.N.<module>.lora_down/lora_up.weight`` and ``.alpha``, bf16."""
-    from safetensors.torch import save_file
-
-    kw = dit_kwargs(size)
-    dim, ffn = kw["num_attention_heads"] * kw["attention_head_dim"], kw["ffn_dim"]
-    shapes = {f"{a}.{p}": (dim, dim) for a in ("self_attn", "cross_attn") for p in "qkvo"}
-    shapes.update({"ffn.0": (ffn, dim), "ffn.2": (dim, ffn)})
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(kw["num_layers"]):
-        for name, (o, n) in shapes.items():
-            key = f"diffusion_model.blocks.{i}.{name}"
-            out[f"{key}.lora_down.weight"] = (torch.randn(rank, n, generator=g) * n ** -0.5).to(torch.bfloat16)
-            out[f"{key}.lora_up.weight"] = (torch.randn(o, rank, generator=g) * 1e-3).to(torch.bfloat16)
-            out[f"{key}.alpha"] = torch.tensor(float(rank))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path))
-    log(f"wrote random rank-{rank} {size} LoRA to {path}")
-
-
 # ---- DiT variants ------------------------------------------------------------------------------------------
 
 def _named_variants() -> dict[str, dict[str, Any]]:
@@ -382,14 +269,15 @@ def dit_options(overrides: Mapping[str, Any], device: torch.device | str = "cuda
     return DiTOptions(**overrides).resolve(device, dtype)
 
 
-def build_dit(cfg, attention, state: Mapping[str, torch.Tensor], overrides: Mapping[str, Any] = MappingProxyType({})):
+def build_dit(cfg, attention, state: Mapping[str, torch.Tensor], overrides: Mapping[str, Any] = MappingProxyType({}),
+              device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16):
     """A WanTransformer built as ``overrides`` and given the tensors of ``state`` (assigned, not copied: every
     variant built from one state shares its weights), in eval mode without gradients. ``state``'s tensors are on
-    CUDA in the model's dtypes (bf16; fp32 where :func:`~fastwan.models.keep_in_fp32`)."""
+    ``device`` in the model's dtypes (``dtype``; fp32 where :func:`~fastwan.models.keep_in_fp32`)."""
     from fastwan.models import WanTransformer
 
     with torch.device("meta"):
-        model = WanTransformer(cfg, attention, options=dit_options(overrides))
+        model = WanTransformer(cfg, attention, options=dit_options(overrides, device, dtype))
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
 
@@ -402,13 +290,13 @@ def tune_diffusers(transformer) -> None:
     transformer.compile_repeated_blocks(fullgraph=True)
 
 
-def diffusers_pipeline(root: Path, tuned: bool):
-    """diffusers' WanPipeline from ``root`` on CUDA (bf16, fp32 VAE): the eager peer, or the tuned one
-    (:func:`tune_diffusers`)."""
+def diffusers_pipeline(root: Path, tuned: bool, device: torch.device | str = "cuda"):
+    """diffusers' WanPipeline from ``root`` on ``device`` (:func:`bench_dtype`, fp32 VAE): the eager peer, or the
+    tuned one (:func:`tune_diffusers`, CUDA only)."""
     from diffusers import AutoencoderKLWan, WanPipeline
 
     vae = AutoencoderKLWan.from_pretrained(Path(root) / "vae", torch_dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(root, vae=vae, torch_dtype=torch.bfloat16).to("cuda")
+    pipe = WanPipeline.from_pretrained(root, vae=vae, torch_dtype=bench_dtype(device)).to(device)
     pipe.set_progress_bar_config(disable=True)
     if tuned:
         tune_diffusers(pipe.transformer)
@@ -436,6 +324,12 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
     m = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
     return float(m.mean())
+
+
+def frames_path(out: Path, key: str) -> Path:
+    """Where the run ``key`` (e.g. "i2v-14b:diffusers") keeps its frames, next to the results JSON ``out``."""
+    slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+    return out.with_name(f"{out.stem}_{slug}_frames.npy")
 
 
 def compare(frames: np.ndarray, ref_path: str | os.PathLike) -> dict | None:
@@ -495,3 +389,68 @@ def kernel_groups(fn: Callable[[], Any], calls: int = 1, group: Callable[[str], 
     for name, (ms, _) in kernel_times(fn, calls).items():
         groups[group(name)] += ms
     return dict(groups)
+
+
+# ---- the device, and the CI sizes: --smoke and --dry-run ---------------------------------------------------
+
+SMOKE_DIR = Path(tempfile.gettempdir()) / "fastwan-smoke"  # --smoke's tiny checkpoints and outputs by default
+SMOKE = "the CI size: tiny random weights and shapes on the CPU in fp32, one warm-up and one timed run, no peer " \
+        "that needs a GPU"
+
+
+def add_device(parser, compile_default: bool | None = None) -> None:
+    """``--device`` (default cuda) and, unless ``compile_default`` is None, ``--compile`` / ``--no-compile``
+    (torch.compile of the fastwan models)."""
+    parser.add_argument("--device", default="cuda", help="torch device (default cuda; --smoke: cpu)")
+    if compile_default is not None:
+        parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
+                            help=f"fastwan: enable_torch_compile (default {'on' if compile_default else 'off'})")
+
+
+def add_smoke(parser, **settings) -> None:
+    """``--smoke``: ``settings`` (argument name -> value) become the defaults (:func:`parse_args`), with
+    ``--device cpu --no-compile`` where the parser has those (:func:`add_device`); a flag given explicitly still
+    wins."""
+    cpu = {name: value for name, value in (("device", "cpu"), ("compile", False))
+           if parser.get_default(name) is not None}
+    settings = {**cpu, **settings}
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items()).replace("%", "%%")
+    parser.add_argument("--smoke", action="store_const", const=settings, default=None, help=f"{SMOKE} ({shown})")
+
+
+def parse_args(parser, argv):
+    """``parser.parse_args(argv)``; with ``--smoke`` (:func:`add_smoke`), parsed again with its settings as the
+    defaults. ``args.smoke`` is then those settings (truthy), else None."""
+    args = parser.parse_args(argv)
+    if getattr(args, "smoke", None):
+        parser.set_defaults(**args.smoke)
+        args = parser.parse_args(argv)
+    return args
+
+
+def device_arg(parser, text: str, *gpu_only: str) -> torch.device:
+    """``--device``'s torch device. The parser's error (exit 2, before any work) for a name that is no device, or
+    when ``gpu_only`` names something asked for (a phase, a peer, an option) that only a GPU runs, off CUDA."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {text!r} is not a torch device; use cuda, cuda:N or cpu")
+    if device.type != "cuda" and gpu_only:
+        parser.error(f"{', '.join(gpu_only)}: only a GPU runs this (--device {text}); leave it out, or run on a "
+                     "CUDA device")
+    return device
+
+
+def add_dry_run(parser) -> None:
+    """``--dry-run``: check the arguments, list the jobs, run nothing (the CI check of a GPU-only benchmark)."""
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the arguments and print the jobs that would be timed, one a line; run nothing "
+                             "(no GPU needed)")
+
+
+def print_plan(name: str, jobs: list) -> int:
+    """``--dry-run``'s output: a header, then each job on a line; 0 (the exit status)."""
+    log(f"{name} --dry-run: {len(jobs)} job(s), nothing run")
+    for job in jobs:
+        log(f"  {job}")
+    return 0

@@ -13,6 +13,7 @@ Phases (each appends to the JSON given by --out, so they can run in separate pro
 Random weights have the FLOPs and kernels of the real model; video quality is not measured here.
 
   python -m benchmarks.i2v --job i2v-14b --phase make,diffusers,diffusers_tuned,fastwan --ckpt /tmp/i2v14b
+  python -m benchmarks.i2v --smoke [--job i2v-a14b]    # CI: the job's tiny checkpoint on the CPU, 2 steps
 """
 from __future__ import annotations
 
@@ -27,19 +28,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from benchmarks.checkpoints import make_checkpoint
 from benchmarks.harness import (
-    NEG,
-    PEERS,
-    PROMPT,
-    compare,
-    log,
-    make_checkpoint,
-    parse_phases,
-    parse_video,
-    release,
-    tune_diffusers,
-    versions,
-)
+    NEG, PEERS, PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, compare, device_arg, frames_path, log,
+    output, parse_args, parse_phases, parse_video, peak_gib, release, reset_peak, sync, tune_diffusers, versions)
 
 class Job(NamedTuple):
     task: str  # the checkpoint's task (benchmarks.harness.TASKS)
@@ -69,12 +61,6 @@ def bench_image(height: int, width: int) -> np.ndarray:
     return np.clip(np.stack([r, g, b], -1) * 0.8 + checker[..., None], 0, 255).astype(np.uint8)
 
 
-def frames_path(out: Path, key: str) -> Path:
-    """Where the run ``key`` (e.g. "i2v-14b:diffusers") keeps its frames, next to the results JSON."""
-    slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
-    return out.with_name(f"{out.stem}_{slug}_frames.npy")
-
-
 def compare_runs(res: dict, out: Path, job: str) -> None:
     """Every run of ``job`` against diffusers eager's frames, once both are saved (the phases may run in any order
     and in separate processes)."""
@@ -93,8 +79,7 @@ class StepClock:
         self.device, self.marks = device, []
 
     def __call__(self, pipe, i, t, kwargs):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)
         self.marks.append(time.perf_counter())
         return {}
 
@@ -104,7 +89,8 @@ class StepClock:
 
 
 def diffusers_i2v(root: Path, tuned: bool, device: torch.device):
-    """diffusers' WanImageToVideoPipeline from ``root``: bf16 DiT, fp32 VAE and CLIP (diffusers' examples)."""
+    """diffusers' WanImageToVideoPipeline from ``root``: bf16 DiT (fp32 off CUDA), fp32 VAE and CLIP (diffusers'
+    examples)."""
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
     extra = {"vae": AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=torch.float32)}
@@ -112,22 +98,13 @@ def diffusers_i2v(root: Path, tuned: bool, device: torch.device):
         from transformers import CLIPVisionModel
 
         extra["image_encoder"] = CLIPVisionModel.from_pretrained(root / "image_encoder", torch_dtype=torch.float32)
-    pipe = WanImageToVideoPipeline.from_pretrained(root, torch_dtype=torch.bfloat16, **extra).to(device)
+    pipe = WanImageToVideoPipeline.from_pretrained(root, torch_dtype=bench_dtype(device), **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     if tuned:
         for t in (pipe.transformer, pipe.transformer_2):
             if t is not None:
                 tune_diffusers(t)
     return pipe
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: int, res: dict, out: Path,
@@ -146,18 +123,17 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
     pipe(**kw, num_inference_steps=2 if tuned else 1, output_type="latent")
     warmup = time.perf_counter() - t0
     clock = StepClock(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    reset_peak(device)
+    sync(device)
     t0 = time.perf_counter()
     out_np = pipe(**kw, num_inference_steps=steps, generator=torch.Generator(device).manual_seed(0),
                   output_type="np", callback_on_step_end=clock).frames[0]
-    _sync(device)
+    sync(device)
     e2e = time.perf_counter() - t0
     frames = (out_np * 255).round().astype(np.uint8)
     per_step = clock.step_seconds()
     key = f"{job}:diffusers_tuned" if tuned else f"{job}:diffusers"
-    res[key] = {"seconds": e2e, "steps": steps, "warmup_s": warmup, "peak_gib": _peak(device),
+    res[key] = {"seconds": e2e, "steps": steps, "warmup_s": warmup, "peak_gib": peak_gib(device),
                 "s_per_step_median": statistics.median(per_step) if per_step else None,
                 "s_per_step_spread": [min(per_step), max(per_step)] if per_step else None,
                 "setup": PEERS["diffusers_tuned" if tuned else "diffusers"] + ", fp32 CLIP"}
@@ -174,17 +150,17 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
 
     h, w, f = video
     gs, gs2 = JOBS[job].guidance, JOBS[job].guidance_2
-    gen = VideoGenerator.from_pretrained(root, device=device, dtype=torch.bfloat16, cfg_mode=cfg_mode,
+    gen = VideoGenerator.from_pretrained(root, device=device, dtype=bench_dtype(device), cfg_mode=cfg_mode,
                                          enable_torch_compile=compile_)
     kw = dict(image=bench_image(h, w), negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs,
               guidance_scale_2=gs2, seed=0, save_video=False)
     t0 = time.perf_counter()
     gen.generate_video(PROMPT, **kw, num_inference_steps=2)
     warmup = time.perf_counter() - t0
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     r = gen.generate_video(PROMPT, **kw, num_inference_steps=steps)
-    _sync(device)
+    sync(device)
     e2e = time.perf_counter() - t0
     key = f"{job}:fastwan[{cfg_mode}{',compiled' if compile_ else ''},{steps} steps]"
     res[key] = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps,
@@ -235,17 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", default="/tmp/wan-i2v-random")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the job's)")
     p.add_argument("--cfg-mode", default="auto", choices=("auto", "batched", "sequential"))
-    p.add_argument("--compile", action="store_true", help="fastwan: enable_torch_compile")
+    add_device(p, compile_default=False)
     p.add_argument("--video", default=None, metavar="HxWxF", help="height x width x frames (default: the job's)")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="i2v.json")
+    add_smoke(p, ckpt=None, phase="make,diffusers,fastwan", video="32x32x5", steps=2,
+              out=str(SMOKE_DIR / "i2v.json"))
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
-    a = p.parse_args(argv)
+    a = parse_args(p, argv)
     phases = parse_phases(p, a.phase, PHASES)
+    device = device_arg(p, a.device, *(f"--phase {ph}" for ph in phases if ph == "diffusers_tuned"))
     steps = a.steps if a.steps is not None else JOBS[a.job].steps
     if steps < 2:
         p.error(f"--steps {steps}: must be at least 2 (the per-step times need two step ends)")
@@ -255,14 +233,14 @@ def main(argv=None) -> int:
             video = parse_video(a.video)
         except ValueError as exc:
             p.error(str(exc))
-    root, out, device = Path(a.ckpt), Path(a.out), torch.device(a.device)
+    root = SMOKE_DIR / a.job if a.ckpt is None else Path(a.ckpt)  # --smoke: each job's tiny checkpoint
+    out = output(a.out)
     res = json.loads(out.read_text()) if out.exists() else {}
-    if device.type == "cuda":
-        res.setdefault("versions", versions())
-    res.setdefault("commands", []).append(" ".join(["python -m benchmarks.i2v"] + sys.argv[1:]))
+    res.setdefault("versions", versions())
+    res.setdefault("commands", []).append(command(p.prog, argv))
     for ph in phases:
         if ph == "make":
-            make_checkpoint(root, "14b", task=JOBS[a.job].task, device=device)
+            make_checkpoint(root, "tiny" if a.smoke else "14b", task=JOBS[a.job].task, device=device)
         elif ph in ("diffusers", "diffusers_tuned"):
             phase_diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
         else:

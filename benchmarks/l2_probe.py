@@ -7,7 +7,8 @@ A Triton kernel reads a bf16 buffer of each size over and over (every program wa
 L2 is served from L2 after the first pass. Median of 5 CUDA-event timings; the figure is bytes read / time.
 
 Why: a 64-row query tile (one VSA cube) that shares no key cube with another tile reads 32 KB of K and V per 64-key
-block for 2.1 MFLOP, 64 FLOP per byte; its attention runs at most 64 x (L2 read bandwidth) FLOP/s.
+block for 2.1 MFLOP, 64 FLOP per byte; its attention runs at most 64 x (L2 read bandwidth) FLOP/s. ``--dry-run``
+(CI, no GPU): the arguments checked and the buffers listed.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import statistics
 
 import torch
 
+from benchmarks.harness import add_dry_run, print_plan
+
+TOTAL_BYTES = 40e9  # read per buffer size
 
 def _kernel():
     import triton
@@ -36,7 +40,7 @@ def _kernel():
     return read_blocks
 
 
-def bandwidth(size_bytes: int, total_bytes: float = 40e9, block: int = 8192, programs_per_sm: int = 8) -> float:
+def bandwidth(size_bytes: int, total_bytes: float = TOTAL_BYTES, block: int = 8192, programs_per_sm: int = 8) -> float:
     """Bytes per second read from a buffer of ``size_bytes`` (bf16), median of 5 timed launches."""
     kernel = _kernel()
     n_blocks = max(size_bytes // (2 * block), 1)
@@ -57,13 +61,23 @@ def bandwidth(size_bytes: int, total_bytes: float = 40e9, block: int = 8192, pro
     return moved / statistics.median(times)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.l2_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mb", default="4,16,32,48,4096")
     p.add_argument("--out", default=None)
+    add_dry_run(p)
     a = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in a.sizes_mb.split(",")]
+    except ValueError:
+        sizes = [0]
+    if min(sizes) <= 0:
+        p.error(f"--sizes-mb {a.sizes_mb!r}: use positive integers (MB), comma-separated, e.g. 4,16,4096")
+    if a.dry_run:
+        return print_plan(p.prog, [f"a {mb} MB bf16 buffer read until {TOTAL_BYTES / 1e9:.0f} GB have moved, median of "
+                                   "5 launches" for mb in sizes])
     rows = []
-    for mb in (int(s) for s in a.sizes_mb.split(",")):
+    for mb in sizes:
         tbs = bandwidth(mb << 20) / 1e12
         rows.append({"buffer_mb": mb, "read_tb_s": round(tbs, 2), "attention_bound_tflops_64row": round(64 * tbs, 0)})
     if a.out:
@@ -72,7 +86,8 @@ def main(argv=None) -> None:
     print(f"{'buffer MB':>10} {'read TB/s':>10} {'64 FLOP/B bound TFLOP/s':>24}")
     for r in rows:
         print(f"{r['buffer_mb']:>10} {r['read_tb_s']:>10} {r['attention_bound_tflops_64row']:>24}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

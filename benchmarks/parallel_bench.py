@@ -10,6 +10,7 @@ CFG all-gather, and the waits for the other ranks inside them), divided by the s
 
   python -m benchmarks.parallel_bench --ckpt /tmp/wan14b --layouts 1,sp2,cfg2,sp4,cfg2xsp2
   python -m benchmarks.parallel_bench --ckpt tiny --device cpu --video 48x80x9 --layouts 1,sp2,cfg2xsp2  # gloo
+  python -m benchmarks.parallel_bench --smoke      # CI: a tiny checkpoint on the CPU, one process and two (gloo)
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ import sys
 import numpy as np
 import torch
 
-from benchmarks.harness import PROMPT, log, parse_video, psnr, versions
+from benchmarks.checkpoints import tiny_checkpoint
+from benchmarks.harness import (
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, log, output, parse_args, parse_video,
+    psnr, versions)
 
 
 def layout(text: str) -> tuple[int, bool]:
@@ -62,28 +66,41 @@ def profiled_loader(model, **kwargs) -> Profiled:
     return Profiled(VideoGenerator.from_pretrained(model, **kwargs))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.parallel_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan14b")
     p.add_argument("--video", default="720x1280x81")
     p.add_argument("--layouts", default="1,sp2,cfg2,sp4,cfg2xsp2")
-    p.add_argument("--device", default="cuda")
+    add_device(p, compile_default=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--full-steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="parallel.json")
-    a = p.parse_args(argv)
+    add_smoke(p, ckpt=str(SMOKE_DIR / "wan2.1"), video="32x32x5", layouts="1,sp2", steps=2, full_steps=4, repeats=1,
+              out=str(SMOKE_DIR / "parallel.json"))
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = parse_args(p, argv)
     from fastwan.parallel.workers import ParallelGenerator
 
-    h, w, f = parse_video(a.video)
-    cuda = a.device == "cuda"
-    load = dict(device=a.device, dtype=torch.bfloat16 if cuda else torch.float32, enable_torch_compile=cuda,
+    device = device_arg(p, a.device)
+    try:
+        h, w, f = parse_video(a.video)
+        layouts = {name: layout(name) for name in a.layouts.split(",")}
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.smoke:
+        tiny_checkpoint(a.ckpt)
+    cuda = device.type == "cuda"
+    load = dict(device=a.device, dtype=bench_dtype(device), enable_torch_compile=a.compile,
                 attention_backend="FLASH_ATTN" if cuda else None)
     job = dict(height=h, width=w, num_frames=f, guidance_scale=5.0, seed=0, save_video=False)
     timed = {**job, "num_inference_steps": a.steps}
     rows, ref = [], None
-    for name in a.layouts.split(","):
-        n, cfg = layout(name)
+    for name, (n, cfg) in layouts.items():
         # the workers are the ones from_pretrained(num_gpus=n) starts, each generator wrapped in Profiled
         gen = (profiled_loader(a.ckpt, **load) if n == 1 else
                ParallelGenerator(profiled_loader, a.ckpt, {**load, "num_gpus": n, "cfg_parallel": cfg}, n,
@@ -110,8 +127,8 @@ def main(argv=None) -> int:
     base = rows[0]["e2e_full_s"]
     res = {"video": a.video, "steps": a.steps, "full_steps": a.full_steps, "rows": rows,
            "versions": versions() if cuda else {"torch": torch.__version__},
-           "command": " ".join(["python -m benchmarks.parallel_bench"] + (argv or sys.argv[1:]))}
-    with open(a.out, "w") as fh:
+           "command": command(p.prog, argv)}
+    with open(output(a.out), "w") as fh:
         json.dump(res, fh, indent=1)
     first = rows[0]['layout']
     print(f"\n| layout | GPUs | s/step | comm / compute s/step | {a.full_steps}-step e2e s | speedup | "

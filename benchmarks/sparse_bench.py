@@ -24,7 +24,8 @@ VSA's top-k selection is per call; its ``ms`` includes pooling, coarse attention
 construction (``select_ms``: all of these, as ``VideoSparseBackend.select`` runs them; ``tables_ms``: top-k and
 block tables from given tile scores), and ``fine_ms`` is the block-sparse kernel alone. A variant that fails
 prints its error and the run goes on; variants left when ``--budget-s`` is spent are skipped (listed). The JSON
-(``--out``) holds the environment and every row; a short table is printed last.
+(``--out``) holds the environment and every row; a short table is printed last. ``--dry-run`` (CI, no GPU): the
+arguments checked and the queue of (grid, variant) jobs listed, each variant's backend built from its config.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import cuda_time, kernel_groups
+from benchmarks.harness import add_dry_run, cuda_time, kernel_groups, print_plan
 from benchmarks.sparse_configs import GRIDS, variants
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
@@ -373,11 +374,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="time each variant and FA4 dense alternately this many times (medians); 1: dense once "
                         "per grid")
+    add_dry_run(p)
     return p
 
 
+def parse_grids(text: str) -> list[tuple[tuple[int, int, int], int]]:
+    """'21x30x52:12,21x45x80:40' -> [(grid, heads), ...]; ValueError for another form."""
+    try:
+        grids = [(tuple(int(x) for x in g.split(":")[0].split("x")), int(g.split(":")[1])) for g in text.split(",")]
+    except (ValueError, IndexError):
+        grids = []
+    if not grids or any(len(g) != 3 or min(g) <= 0 or heads <= 0 for g, heads in grids):
+        raise ValueError(f"--grids {text!r}: use TxHxW:HEADS[,...], e.g. 21x30x52:12")
+    return grids
+
+
+def job_queue(grids, wanted: list[str]) -> list[tuple]:
+    """(core variants of every grid first, then the extras) as (grid, heads, (label, backend name, config))."""
+    queue = []
+    for gi, (grid, heads) in enumerate(grids):
+        vs = [v for v in variants(grid) if not wanted or any(w in v[0] for w in wanted)]
+        queue += [(not v[3], i, gi, grid, heads, v[:3]) for i, v in enumerate(vs)]
+    queue.sort(key=lambda x: x[:3])
+    return [q[3:] for q in queue]
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        grids = parse_grids(args.grids) if args.grids else GRIDS
+    except ValueError as exc:
+        p.error(str(exc))
+    wanted = [w for w in args.variants.split(",") if w]
+    queue = job_queue(grids, wanted)
+    if args.dry_run:
+        return print_plan(p.prog, [f"{'x'.join(map(str, grid))}, {heads} heads: {label} = "
+                                   f"{create_backend(name, conf).name} {conf}" for grid, heads, (label, name, conf)
+                                   in queue])
     extras = Extras(rounds=max(1, args.rounds), graph=args.graph, kernel_time=args.kernel_time,
                     host_dir=Path(args.host_time) if args.host_time else None)
     if extras.host_dir:
@@ -386,11 +420,6 @@ def main(argv=None):
         sys.exit("sparse_bench needs a CUDA device.")
     t0 = time.perf_counter()
     dev = torch.device("cuda")
-    grids = GRIDS
-    if args.grids:
-        grids = [(tuple(int(x) for x in g.split(":")[0].split("x")), int(g.split(":")[1]))
-                 for g in args.grids.split(",")]
-    wanted = [w for w in args.variants.split(",") if w]
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(dev),
            "capability": list(torch.cuda.get_device_capability(dev))}
     try:
@@ -403,16 +432,9 @@ def main(argv=None):
     print(json.dumps(env), flush=True)
     dense_name, dense_fn = dense_kernel()
 
-    # queue: core variants of every grid first, then the extras
     per_grid = {}
-    queue = []
-    for gi, (grid, heads) in enumerate(grids):
-        vs = [v for v in variants(grid) if not wanted or any(w in v[0] for w in wanted)]
-        queue += [(not v[3], i, gi, grid, heads, v[:3]) for i, v in enumerate(vs)]
-    queue.sort(key=lambda x: x[:3])
-
     results, skipped = [], []
-    for *_, grid, heads, (label, name, conf) in queue:
+    for grid, heads, (label, name, conf) in queue:
         if time.perf_counter() - t0 > args.budget_s:
             skipped.append(f"{'x'.join(map(str, grid))}/{label}")
             continue

@@ -22,7 +22,8 @@ Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memo
 max |difference| to the ``bf16`` decode of the same latents (tiling blends tile borders, so it is not exact).
 ``--profile`` also prints, per variant, the CUDA kernel time of one decode (torch.profiler) by group and its top
 kernels; ``--ckpt random`` builds the VAE from diffusers' default config (Wan2.1's) with random weights, and
-``--ckpt random-wan2.2`` the Wan2.2-TI2V-5B one (48 latent channels, spatial factor 16).
+``--ckpt random-wan2.2`` the Wan2.2-TI2V-5B one (48 latent channels, spatial factor 16). ``--smoke`` (CI): the tiny
+checkpoint's VAE on the CPU at 32x32, 5 frames, every variant (the kernels' PyTorch references stand in for Triton).
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import kernel_times
+from benchmarks.checkpoints import tiny_checkpoint
+from benchmarks.harness import (
+    SMOKE_DIR, add_device, add_smoke, device_arg, gib, kernel_times, output, parse_args, peak_gib, release, reset_peak,
+    sync)
 
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
             "bf16+channels-last+fused-norms+fast-convs", "bf16+channels-last+fused-norms+fast-convs+cudnn-bench",
@@ -50,7 +54,7 @@ WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4
                  latents_std=[1.0] * 48)
 
 
-def load_vae(ckpt: str, dtype):
+def load_vae(ckpt: str, dtype, device: torch.device):
     from diffusers import AutoencoderKLWan
 
     if ckpt in ("random", "random-wan2.2"):
@@ -58,7 +62,7 @@ def load_vae(ckpt: str, dtype):
         vae = AutoencoderKLWan(**(WAN22_VAE if ckpt == "random-wan2.2" else {})).to(dtype)
     else:
         vae = AutoencoderKLWan.from_pretrained(Path(ckpt) / "vae", torch_dtype=dtype)
-    return vae.cuda().eval()
+    return vae.to(device).eval()
 
 
 def latent_params(ckpt: str) -> tuple[int, int]:
@@ -130,8 +134,7 @@ def check_variant(variant: str) -> None:
                          "+chunkauto")
 
 
-@torch.no_grad()
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.vae_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan13b-random")
     p.add_argument("--sizes", default="480x832,720x1280")
@@ -141,25 +144,41 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="vae_bench.json")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one decode per variant")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
-    a = p.parse_args(argv)
+    add_device(p)
+    add_smoke(p, ckpt=str(SMOKE_DIR / "wan2.1"), sizes="32x32", frames=5, iters=1, out=str(SMOKE_DIR / "vae.json"))
+    return p
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    p = build_parser()
+    a = parse_args(p, argv)
+    device = device_arg(p, a.device, *(["--profile"] if a.profile else []))
     try:
         for variant in a.variants.split(","):
             check_variant(variant)
+        sizes = [tuple(int(x) for x in size.split("x")) for size in a.sizes.split(",")]
+        if any(len(s) != 2 or min(s) <= 0 for s in sizes):
+            raise ValueError
     except ValueError as exc:
-        p.error(str(exc))
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+        p.error(str(exc) or f"--sizes {a.sizes!r}: use HEIGHTxWIDTH[,HEIGHTxWIDTH...], e.g. 480x832")
+    if a.smoke:
+        tiny_checkpoint(a.ckpt)
+    cuda = device.type == "cuda"
+    res = {"device": torch.cuda.get_device_name(device) if cuda else str(device), "torch": torch.__version__,
+           "rows": []}
     lat_t = (a.frames - 1) // 4 + 1
     z_dim, factor = latent_params(a.ckpt)
-    for size in a.sizes.split(","):
-        h, w = (int(x) for x in size.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        z32 = torch.randn(1, z_dim, lat_t, h // factor, w // factor, device="cuda", generator=g)
+    for h, w in sizes:
+        size = f"{h}x{w}"
+        g = torch.Generator(device=device).manual_seed(0)
+        z32 = torch.randn(1, z_dim, lat_t, h // factor, w // factor, device=device, generator=g)
         ref = first = None
         for variant in a.variants.split(","):
             dtype = torch.float32 if variant.startswith("fp32") else torch.bfloat16
             parts = set(variant.split("+")[1:])
             torch.backends.cudnn.benchmark = "cudnn-bench" in parts
-            vae = load_vae(a.ckpt, dtype)
+            vae = load_vae(a.ckpt, dtype, device)
             z = z32.to(dtype)
             if "channels-last" in parts:
                 for mod in vae.modules():  # the 5-D conv weights (to() would also touch 1-D/2-D tensors)
@@ -177,27 +196,27 @@ def main(argv=None) -> int:
             if "tiling" in parts:
                 vae.enable_tiling()
             run = decode_fn(vae, z, chunk_of(variant))
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            sync(device)
+            base = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+            reset_peak(device)
             try:
                 t0 = time.perf_counter()
                 out = run()
-                torch.cuda.synchronize()
+                sync(device)
                 first_s = time.perf_counter() - t0
             except torch.OutOfMemoryError as exc:
                 print(f"{size} {variant}: out of memory ({exc})", flush=True)
                 res["rows"].append({"size": size, "variant": variant, "error": "OOM"})
                 del vae, run
-                torch.cuda.empty_cache()
+                release(False, device)
                 continue
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            peak = peak_gib(device) - base if cuda else None
             times = []
             for _ in range(a.iters):
-                torch.cuda.synchronize()
+                sync(device)
                 t0 = time.perf_counter()
                 out = run()
-                torch.cuda.synchronize()
+                sync(device)
                 times.append((time.perf_counter() - t0) * 1e3)
             if variant == "bf16":
                 ref = out.float()
@@ -206,24 +225,24 @@ def main(argv=None) -> int:
             diff = float((out.float() - ref).abs().max()) if ref is not None else None
             row = {"size": size, "frames": a.frames, "variant": variant, "ms": round(statistics.median(times), 1),
                    "times_ms": [round(t, 1) for t in times], "first_s": round(first_s, 2),
-                   "peak_above_weights_gib": round(peak, 2), "max_diff_vs_bf16": diff,
+                   "peak_above_weights_gib": peak and round(peak, 2), "max_diff_vs_bf16": diff,
                    "max_diff_vs_first_variant": float((out.float() - first).abs().max())}
             if a.profile:
                 row["profile"] = profile_decode(run, f"{size} {variant}", a.top)
             res["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
             del vae, run, out
-            torch.cuda.empty_cache()
+            release(False, device)
         del ref, first
         torch.backends.cudnn.benchmark = False
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    output(a.out).write_text(json.dumps(res, indent=1))
     print(f"\n{'size':<10} {'variant':<42} {'ms':>9} {'peak GiB':>9} {'max diff':>9}")
     for r in res["rows"]:
         if "error" in r:
             print(f"{r['size']:<10} {r['variant']:<42} {r['error']}")
             continue
         d = "-" if r["max_diff_vs_bf16"] is None else f"{r['max_diff_vs_bf16']:.3f}"
-        print(f"{r['size']:<10} {r['variant']:<42} {r['ms']:>9.1f} {r['peak_above_weights_gib']:>9.2f} {d:>9}")
+        print(f"{r['size']:<10} {r['variant']:<42} {r['ms']:>9.1f} {gib(r['peak_above_weights_gib']):>9} {d:>9}")
     return 0
 
 

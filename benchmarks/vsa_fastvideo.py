@@ -35,7 +35,8 @@ Each sparsity row also records how many (head, query cube) rows select the same 
 selection captured from one untimed call) and the largest output difference, raster order. The ratio printed is
 FastVideo ms / fastwan ms (``fastvideo`` over each fastwan case; the JSON also has it for ``fastvideo kernel``).
 A case that cannot run records why; cases left when ``--budget-s`` is spent are skipped (listed). The JSON
-(``--out``) holds the environment, the arguments and every row; a short table is printed last.
+(``--out``) holds the environment, the arguments and every row; a short table is printed last. ``--dry-run`` (CI, no
+GPU): the arguments checked and the (shape, sparsity, case) jobs listed with their k.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import add_dry_run, print_plan
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse.fa4 import fa4_reasons
@@ -387,7 +389,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-rule", choices=sorted(RULES), default="padded",
                    help="FastVideo's k: padded = its backend today, legacy = what FastWan was trained with")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the (shape, sparsity) pairs left after this")
+    add_dry_run(p)
     return p
+
+
+def plan(shapes: list[str], sparsities: list[float], cases: list[str], rule: str) -> list[str]:
+    """The jobs of a run: each shape's dense cases, then each (shape, sparsity)'s sparse cases with FastVideo's k
+    under ``rule`` and the sparsity fastwan runs to get it."""
+    jobs = []
+    for shape in shapes:
+        grid, heads = SHAPES[shape]
+        head = f"{shape} ({'x'.join(map(str, grid))}, {heads} heads, {cube_count(grid)} cubes)"
+        jobs += [f"{head}: {case}" for case in DENSE if case in cases]
+        for s in sparsities:
+            k, fw = RULES[rule](s, grid), fastwan_sparsity(s, grid, rule)
+            jobs += [f"{head}, sparsity {s} (k {k}, fastwan at {fw:.4f}): {case}" for case in cases
+                     if case not in DENSE]
+    return jobs
 
 
 def main(argv=None) -> int:
@@ -409,6 +427,8 @@ def main(argv=None) -> int:
         ap.error(f"--sparsity {args.sparsity!r}: use numbers in [0, 1), e.g. 0.8,0.9")
     if args.iters < 10:
         ap.error("--iters must be at least 10")
+    if args.dry_run:
+        return print_plan(ap.prog, plan(shapes, sparsities, cases, args.k_rule))
     if not torch.cuda.is_available():
         print("vsa_fastvideo needs a CUDA device", file=sys.stderr)
         return 2

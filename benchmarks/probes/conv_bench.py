@@ -3,7 +3,7 @@
 conv2d over the three time taps stacked along channels (one accumulation; timed with the stacking copy done by
 three strided ``copy_`` calls, and without it).
 
-    python -m benchmarks.conv_bench
+    python -m benchmarks.probes.conv_bench
 
 Shapes: [1, C, T, H, W] inputs with T = 4 or 8 output frames + 2 cached (one or two latent frames per decoder
 call), C = 96 / 192 / 384 at the decoder's three resolutions; per case the median of 3 spans of 10 back-to-back
@@ -77,7 +77,7 @@ def run_case(C: int, T: int, H: int, W: int) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.conv_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.conv_bench", description=__doc__.split("\n\n")[0])
     p.parse_args(argv)
     for case in CASES:
         run_case(*case)

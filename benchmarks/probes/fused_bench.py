@@ -1,6 +1,6 @@
 """The fused norm kernels (fastwan.kernels.norms) against Inductor at the Wan widths, per call (GPU).
 
-    python -m benchmarks.fused_bench [--iters 50]
+    python -m benchmarks.probes.fused_bench [--iters 50]
 
 For each shape (1.3B B=2 at 480p, 14B B=1 at 720p) times, with CUDA events (median of ``--iters`` calls):
 q/k RMSNorm + RoPE and LayerNorm + modulation through the ops (the launch fastwan picks), through the RMSNorm +
@@ -65,7 +65,7 @@ def shape_cases(B, grid, C):
 
 @torch.no_grad()
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.fused_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="fused_bench.json")
     a = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """The GEMMs of a Wan 14B block at 720p (M = 75,600 tokens) as the model calls them, with 8192^3 for scale.
 
-    python -m benchmarks.gemm_shapes [M]
+    python -m benchmarks.probes.gemm_shapes [M]
 
 Each case: 3 interleaved rounds of 10 calls (CUDA events, median), the SM clock and power from nvidia-smi mid-round,
 then the cuBLAS kernel names of one call each (torch.profiler). Random bf16 operands; needs a GPU.
@@ -64,7 +64,7 @@ def run(m: int) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gemm_shapes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.gemm_shapes", description=__doc__.split("\n\n")[0])
     p.add_argument("m", nargs="?", type=int, default=75600, help="GEMM rows, the video tokens (default 75600)")
     run(p.parse_args(argv).m)
 

@@ -8,7 +8,7 @@ reference block); each is its own model built on the same weight tensors
 so that clock drift hits all alike. Text: ``--cond-tokens`` / ``--uncond-tokens`` random rows, the rest of the
 512 zeroed as the pipelines pad a prompt.
 
-  python -m benchmarks.levers --size 1.3b --rounds 5 --out levers_13b.json
+  python -m benchmarks.probes.levers --size 1.3b --rounds 5 --out levers_13b.json
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def inputs(size: str, cond_tokens: int, uncond_tokens: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.levers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.levers", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="1.3b", choices=tuple(DIT_SIZES))
     p.add_argument("--variants", default=None,
                    help="comma-separated DiT variants (default: every variant of option_variants() whose options "
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
             return m.forward_cfg(x, t, cond, uncond, batched=False, step_index=i, num_steps=50)
         return m(x, t, cond, step_index=i, num_steps=50)
 
-    res = {"command": " ".join(["python -m benchmarks.levers"] + sys.argv[1:]),
+    res = {"command": " ".join(["python -m benchmarks.probes.levers"] + sys.argv[1:]),
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "attention": att.describe("cuda"),
            "overrides": variants, "variants": {}}
     ref = None

@@ -4,7 +4,7 @@ Groups CUDA kernel time into attention / GEMM / norms / other (:func:`benchmarks
 top kernels, and measures the bf16 GEMM rate in the same run (the FLOP floor's rate). ``--dit-variant`` builds
 fastwan's DiT with DiTOptions overrides (:func:`benchmarks.harness.option_variants`).
 
-  python -m benchmarks.profile_forward --ckpt /tmp/wan13b-random --backend FLASH_ATTN [--compile]
+  python -m benchmarks.probes.profile_forward --ckpt /tmp/wan13b-random --backend FLASH_ATTN [--compile]
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def breakdown(fn, label: str, out: dict, top_n: int = 15) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_forward", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.profile_forward",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/wan13b-random")
     p.add_argument("--backend", default="FLASH_ATTN")
     p.add_argument("--compile", action="store_true")

@@ -1,6 +1,6 @@
 """Probe (scratch): VSA's fine stage on 64-token cubes through FA4 in other ways than 64 x 64 block sparsity.
 
-    python -m benchmarks.vsa64_probe --out probe.json
+    python -m benchmarks.probes.vsa64_probe --out probe.json
 
 For each shape and sparsity: the backend's own fine stage (FA4 block sparse, 64 x 64 tiles), then the same
 selection as FA4 paged KV: one "sequence" per (head, query cube) of 64 queries, its pages the selected key cubes
@@ -101,12 +101,12 @@ def probe(shape, sparsity, rows):
     return None
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.probes.vsa64_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sparsity", default="0.9,0.8")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows, tables = [], []
     for shape in args.shapes.split(","):
         for s in (float(x) for x in args.sparsity.split(",")):

@@ -1,6 +1,6 @@
 """Where a FastWan step's time goes (GPU): one profiled 3-step generation per VSA tiling, top CUDA kernels.
 
-  python -m benchmarks.vsa_profile --ckpt /tmp/fastwan13b --video 480x832x81 --tiles 4x4x4,auto
+  python -m benchmarks.probes.vsa_profile --ckpt /tmp/fastwan13b --video 480x832x81 --tiles 4x4x4,auto
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from benchmarks.harness import PROMPT, log, parse_video, release
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.vsa_profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.vsa_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/fastwan13b")
     p.add_argument("--video", default="480x832x81")
     p.add_argument("--tiles", default="4x4x4,auto")

@@ -148,7 +148,7 @@ def _kernels():
     return norm_rows, rms_rope_rows
 
 
-# Warps per row program, measured on an H100 (benchmarks/fused_bench.py): fewer warps with more
+# Warps per row program, measured on an H100 (benchmarks/probes/fused_bench.py): fewer warps with more
 # elements per thread beat wide programs at every Wan width; the LayerNorm kernel is fastest at 4 warps up to
 # 8,192-wide blocks.
 def _launch_cfg(C: int, per_thread: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """The GPU benchmarks' CPU-checkable parts: variants derived from DiTOptions, variant parsing, video comparison,
-and every benchmark module importing and answering --help."""
+and every benchmark and probe module importing and answering --help."""
 import dataclasses
 import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,8 +11,12 @@ import torch
 from benchmarks import e2e, forward_14b, harness
 from fastwan.options import DiTOptions
 
-MODULES = ("attention_bench", "conv_bench", "cross_bench", "e2e", "fa4_tiles", "forward_14b", "fused_bench", "i2v",
-           "gemm_shapes", "levers", "profile_forward", "sparse_bench", "vae_bench", "cache_bench")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# every script with a command line: the benchmarks and the probes (not the helpers they import, nor the A/B worker,
+# which is run by path)
+MODULES = sorted(p.relative_to(BENCHMARKS.parent).with_suffix("").as_posix().replace("/", ".")
+                 for p in [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("probes/*.py")]
+                 if p.stem not in ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker"))
 
 
 def test_option_variants_follow_the_dataclass():
@@ -87,12 +92,16 @@ def test_kernel_classes():
     assert harness.classify("triton_poi_fused_add_0") == "elementwise/other"
 
 
+def test_modules_found():
+    assert {"benchmarks.e2e", "benchmarks.cache_bench", "benchmarks.probes.levers"} <= set(MODULES)
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_benchmark_help(name, capsys):
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(name)
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
-    assert e.value.code == 0 and f"python -m benchmarks.{name}" in capsys.readouterr().out
+    assert e.value.code == 0 and f"python -m {name}" in capsys.readouterr().out
 
 
 def test_forward_14b_video_argument():
@@ -108,7 +117,7 @@ def test_derived_fastwan_checkpoint_loads_its_gates(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from benchmarks.harness import derive_fastwan
+    from benchmarks.checkpoints import derive_fastwan
     from fastwan import VideoGenerator
     from fastwan.checkpoint.tiny import write_tiny_checkpoint
 
