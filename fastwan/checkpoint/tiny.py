@@ -13,6 +13,7 @@ offline.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fastwan.errors import InvalidArgument, MissingFileError
+from fastwan.errors import InvalidArgument, MissingFileError, OutputExistsError
 from fastwan.checkpoint.files import new_file_mode, new_temp_folder, set_file_modes
 from fastwan.checkpoint.safetensors import HUB_COMMIT, HUB_MODEL_ID
 
@@ -40,6 +41,7 @@ TINY_IDS = {
 }
 CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
 _FORMAT = 2  # bump when the tiny layout changes, so cached copies are rebuilt
+MANIFEST = ".fastwan-tiny.json"  # in a cached tiny checkpoint: the sha256 of each of its files
 
 TEXT_DIM = 32
 
@@ -97,18 +99,34 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
     ``max_shard_size`` (bytes): the transformer(s) and the text encoder are saved as safetensors shards of at
     most this size plus a ``*.safetensors.index.json`` (the layout of the published checkpoints); None (the
     default) saves each as one file. The weights are the same either way.
+
+    Rule: the checkpoint is written into a new hidden folder beside ``path`` and moved onto ``path`` whole, so a
+    failed or killed write leaves no partial checkpoint; ``path`` must not exist yet or be an empty folder.
     """
     _check_variant(variant)
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
                                        or max_shard_size <= 0):
         raise InvalidArgument(f"max_shard_size={max_shard_size!r} must be a positive int (bytes) or None "
                               "(one file per component), e.g. 40_000 splits the tiny models into a few shards.")
-    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    path = Path(path)
+    if path.is_dir() and any(path.iterdir()):
+        raise OutputExistsError(f"{path} is not empty (it holds {sorted(p.name for p in path.iterdir())[:3]}); "
+                                "a tiny checkpoint is written into a new or empty folder: pass another path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_temp_folder(path.parent, f".{path.name}-", ".tmp")
+    try:
+        _write(tmp, variant, seed, {} if max_shard_size is None else {"max_shard_size": max_shard_size})
+        os.replace(tmp, path)  # onto a missing path or an empty folder: whole, in one step
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
+    """The files of a tiny checkpoint of ``variant``, into the existing empty folder ``path``."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     ti2v = variant == "wan2.2-ti2v"
     channels = 48 if ti2v else 16
     image = variant in IMAGE_VARIANTS
@@ -179,7 +197,6 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
         index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
-    return path
 
 
 def tiny_cache_dir() -> Path:
@@ -188,11 +205,29 @@ def tiny_cache_dir() -> Path:
     return Path(envs.cache_dir()) / "tiny"
 
 
+def _digests(folder: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file of a checkpoint folder (the manifest left out)."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def _intact(folder: Path) -> bool:
+    """Whether ``folder`` holds exactly the files its manifest lists, with their contents."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())
+        return isinstance(listed, dict) and listed == _digests(folder)
+    except (OSError, ValueError):
+        return False
+
+
 def tiny_checkpoint(variant: str = "wan2.1") -> Path:
-    """Path of a cached tiny checkpoint of ``variant``, written on first use (atomically)."""
+    """Path of the cached tiny checkpoint of ``variant``, written on first use. Rule: the cached folder is used
+    only while its files are those its manifest (:data:`MANIFEST`, sha256 per file) lists; a corrupt, missing or
+    changed file makes it be written again (a tiny checkpoint cannot be downloaded again). Written atomically:
+    the new folder is complete before it replaces the old one."""
     _check_variant(variant)
     final = tiny_cache_dir() / f"{variant}-v{_FORMAT}"
-    if (final / "model_index.json").is_file():
+    if _intact(final):
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -202,16 +237,24 @@ def tiny_checkpoint(variant: str = "wan2.1") -> Path:
             f"the tiny checkpoint cannot be written under {final.parent} ({exc.strerror or exc}); point "
             "FASTWAN_CACHE (or XDG_CACHE_HOME) at a folder you can write to."
         ) from None
+    old = None
     try:
-        write_tiny_checkpoint(tmp, variant)
+        _write(tmp, variant, 0, {})
+        (tmp / MANIFEST).write_text(json.dumps(_digests(tmp), indent=1))
         set_file_modes(tmp, new_file_mode(tmp))  # the weights too, which safetensors writes owner-only
+        if final.exists():  # damaged: moved aside, then replaced in one step
+            old = new_temp_folder(final.parent, f".{variant}-old-", ".tmp")
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.replace(final, old)
         try:
             os.replace(tmp, final)
         except OSError:  # another process won the race
-            if not (final / "model_index.json").is_file():
+            if not _intact(final):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
