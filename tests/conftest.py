@@ -1,7 +1,39 @@
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 from fastwan.checkpoint.tiny import write_tiny_checkpoint
+
+# Rule: the suite is hermetic. Its home, caches and Hugging Face folder lie in one temporary folder, and the
+# caller's variables that change what fastwan, FastVideo or the Hub libraries do are cleared.
+HERMETIC_FOLDERS = {"HOME": "home", "XDG_CACHE_HOME": "xdg-cache", "XDG_CONFIG_HOME": "xdg-config",
+                    "XDG_DATA_HOME": "xdg-data", "FASTWAN_CACHE": "fastwan-cache", "HF_HOME": "hf"}
+CLEARED_PREFIXES = ("FASTWAN_", "FASTVIDEO_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_")
+SAVED_ENV = pytest.StashKey[tuple[dict, Path]]()
+
+
+def pytest_configure(config):
+    """Set the hermetic environment before any test module is imported (huggingface_hub reads its folders from
+    the environment when it is imported)."""
+    saved = dict(os.environ)
+    root = Path(tempfile.mkdtemp(prefix="fastwan-tests-"))
+    for name in [k for k in os.environ if k.startswith(CLEARED_PREFIXES)]:
+        del os.environ[name]
+    for name, folder in HERMETIC_FOLDERS.items():
+        (root / folder).mkdir()
+        os.environ[name] = str(root / folder)
+    config.stash[SAVED_ENV] = saved, root
+
+
+def pytest_unconfigure(config):
+    saved, root = config.stash[SAVED_ENV]
+    os.environ.clear()
+    os.environ.update(saved)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
