@@ -225,12 +225,18 @@ def render(info: dict[str, Any], console=None) -> None:
         console.print(f"[bold]Requested[/]  {escape(info['requested_backend'])}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> OneLineParser:
+    """``fastwan env``'s arguments (also read by :mod:`fastwan.cli_reference`)."""
     parser = OneLineParser(prog="fastwan env", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--device", default=None, help="device to check (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="bf16", help="dtype to check backends for (default bf16)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim to check backends for (default 128)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype)
