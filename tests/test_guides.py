@@ -139,6 +139,12 @@ def test_usage_guide_json_block_runs_as_written(tiny_ckpts, tmp_path, monkeypatc
     assert scope["schema"]["title"] == "GenerationRequest" and "prompt" in scope["schema"]["required"]
 
 
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_every_python_block_is_python(doc):
+    for block in code_blocks(DOCS[doc], "python"):
+        compile(block, doc, "exec")
+
+
 def test_sparse_attention_block_runs_as_written(tiny_ckpts):
     (block,) = code_blocks(section(DOCS["docs/attention.md"], "Sparse video attention"), "python")
     scope = {"model": str(tiny_ckpts["wan2.1"])}
