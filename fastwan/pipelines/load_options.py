@@ -286,7 +286,7 @@ class LoadOptions:
                               check=_dit_options, encode=dataclasses.asdict, decode=dit_options_of,
                               flag="--dit-block", parse=dit_options_of, metavar="{" + ",".join(BLOCKS) + "}")
     vae_tiling: Any = option(False, help="decode in spatial tiles (diffusers' VAE tiling): ~5x less decode memory, "
-                                         "~2x slower decode; a dict sets the tile sizes",
+                                         "~2x slower decode (from Python, a dict of tile sizes in pixels)",
                              schema={"anyOf": [{"type": "boolean"}, {"type": "object"}]}, check=_vae_tiling,
                              flag="--vae-tiling", action="store_true")
     vae_chunk_frames: Any = option("auto", help="latent frames per VAE decoder call after the first: auto or an int "

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--height", type=int, help="video height in pixels (with --model)")
     ap.add_argument("--width", type=int, help="video width in pixels (with --model)")
     ap.add_argument("--num-frames", type=int, help="video frames, 4k+1 (with --model)")
-    ap.add_argument("-b", "--batch", type=int, default=1)
+    ap.add_argument("-b", "--batch", type=int, default=1, help="batch size of the attention inputs (default 1)")
     ap.add_argument("-n", "--heads", type=int, help="attention heads (default: model's, else 12)")
     ap.add_argument("-d", "--head-dim", type=int, help="head dim (default: model's, else 128)")
     ap.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="denoising step passed to sparse backends (0-based, below --num-steps; default: the last)")
     ap.add_argument("--num-steps", type=int, default=50,
                     help="denoising steps passed to sparse backends (default 50)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the inputs, an int in [0, 2**64) (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (replaces an existing file whole)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
                     help="settings for one backend, e.g. 'SLIDING_TILE_ATTN={\"window\": [5, 3, 3]}' "
