@@ -213,7 +213,7 @@ def test_cli_image_to_video(tmp_path, capsys):
     args = ["generate", "--prompt", "a fox", "--model", "tiny-wan2.1-i2v", "--seed", "1", "--output", str(out)]
     assert cli.main(args) == 2  # an image-to-video checkpoint without --image: a one-line error, no video
     err = capsys.readouterr().err
-    assert "--image PATH" in err.strip().splitlines()[-1] and "Traceback" not in err and not out.exists()
+    assert "pass --image" in err.strip().splitlines()[-1] and "Traceback" not in err and not out.exists()
     image = tmp_path / "first.png"
     Image.fromarray(np.full((48, 64, 3), 200, dtype=np.uint8)).save(image)
     assert cli.main([*args, "--image", str(image)]) == 0

@@ -59,9 +59,10 @@ def _count(name: str, example: int, most: int | None = None):
         value = python_number(value)
         if not is_int(value):
             raise InvalidArgumentType(f"{name}={value!r} must be an int >= 1 (e.g. {example}).")
-        if value < 1 or most is not None and value > most:
-            upper = f" and <= {most}" if most is not None else ""
-            raise InvalidArgument(f"{name}={value!r} must be >= 1{upper} (an int, e.g. {example}).")
+        if most is not None and not 1 <= value <= most:
+            raise InvalidArgument(f"{name}={value!r} must be an int in [1, {most}] (e.g. {example}).")
+        if value < 1:
+            raise InvalidArgument(f"{name}={value!r} must be >= 1 (a positive int, e.g. {example}).")
         return int(value)
     return check
 
