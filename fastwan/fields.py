@@ -12,6 +12,12 @@ A field is declared with :func:`option` on a frozen dataclass; from the same dec
   ``name=`` as the flag a command-line user typed.
 
 Rule: every field with a ``flag`` has ``help``; a field without one is for Python and JSON callers only.
+
+Why dataclasses and not pydantic: a field's rule is fastwan's own check, which raises a
+:class:`~fastwan.errors.UserError` subclass (``InvalidArgument`` is a ``ValueError``, which pydantic would wrap
+into its own ``ValidationError`` and message); the fields hold Python objects JSON has no type for (PIL images,
+NumPy arrays, torch dtypes, step-cache configs), each with its own JSON form here; and the library needs no further
+dependency. The JSON Schema is written from the same declarations, so a server can publish it as it is.
 """
 from __future__ import annotations
 
