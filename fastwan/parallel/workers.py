@@ -12,7 +12,10 @@ the others finished), that error is raised as itself and the workers stay: no ra
 failure (a rank raising anything else, a rank silent after the others' error, a process dying) ends every worker
 -- the ranks still waiting in a collective cannot finish -- and raises :class:`ParallelError` naming the rank, so
 no call hangs on a failed rank. A call left before every rank answered (Ctrl-C) ends every worker too: a late
-answer must never be taken as the next request's. Loading failures end the workers (they exit after reporting).
+answer must never be taken as the next request's. Workers ignore Ctrl-C (SIGINT), which a terminal sends to every
+process of the group: the parent takes it and ends them (SIGTERM: a worker clears its progress bars and exits), and
+they print nothing else (no traceback, no leaked semaphore, no third-party progress bars: :mod:`fastwan.quiet`).
+Loading failures end the workers (they exit after reporting).
 
 Rule (Python's, for the spawn start method): each worker first re-imports the main module, so a script starts
 workers only under ``if __name__ == "__main__":``. A process still re-importing its main module that is asked for
@@ -21,22 +24,28 @@ workers (:func:`refuse_while_importing_main`) exits with :data:`MAIN_REIMPORT_EX
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from fastwan import envs
 from fastwan.errors import UserError
+from fastwan.quiet import quiet_libraries
 
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
+STOP_GRACE_S = 5.0  # how long workers sent SIGTERM get to exit before they are killed
 MAIN_REIMPORT_EXIT = 78  # a spawned process's exit code: its main module asked for workers while being re-imported
 
 
@@ -66,7 +75,39 @@ def refuse_while_importing_main(num_gpus: int) -> None:
         raise SystemExit(MAIN_REIMPORT_EXIT)
 
 
+def _stop(signum, frame) -> None:
+    """A worker's SIGTERM handler (how the parent ends its workers at once): clear this worker's progress bars, as
+    the line they were drawn on is the parent's next, and exit with SIGTERM's exit code."""
+    for bar in list(tqdm._instances):
+        bar.leave = False
+        bar.close()
+    os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored meanwhile: the processes started inside ignore Ctrl-C from their first instruction (an ignored
+    signal stays ignored across exec), which the parent takes and ends them for. Only the main thread may change a
+    handler; elsewhere, or when the handler was not set from Python, nothing changes (each worker ignores SIGINT
+    itself once it runs)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, device: str, conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the workers (close)
+    signal.signal(signal.SIGTERM, _stop)
+    # tqdm's default lock is a multiprocessing semaphore, which a worker that does not exit normally leaves
+    # registered (a "leaked semaphore" warning at exit); a worker's bars need a lock of this process only
+    tqdm.set_lock(threading.RLock())
+    quiet_libraries()  # N ranks' loading bars would interleave
     envs.disable_multicast()
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -121,14 +162,15 @@ class ParallelGenerator:
         store = os.path.join(self._dir.name, "store")
         self.num_gpus = num_gpus
         self._conns, self._procs = [], []
-        for rank in range(num_gpus):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=target or _worker, daemon=True, name=f"fastwan-rank{rank}",
-                            args=(rank, num_gpus, store, loader, model, kwargs, str(device), child))
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
+        with _sigint_ignored():
+            for rank in range(num_gpus):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=target or _worker, daemon=True, name=f"fastwan-rank{rank}",
+                                args=(rank, num_gpus, store, loader, model, kwargs, str(device), child))
+                p.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(p)
         info = self._collect(loading=True)
         self.checkpoint, self.preset, self.memory_plan = info["checkpoint"], info["preset"], info["memory_plan"]
 
@@ -216,17 +258,20 @@ class ParallelGenerator:
         self._call("unload_lora", (), {})
 
     def close(self, force: bool = False) -> None:
-        """End the workers (after their current request; ``force``: at once)."""
+        """End the workers: after their current request, or (``force``) at once: SIGTERM (a worker clears its
+        progress bars and exits), and a kill for one still running :data:`STOP_GRACE_S` later."""
         procs, self._procs = self._procs, []
         for c, p in zip(self._conns, procs):
-            if not force and p.is_alive():
+            if force:
+                p.terminate()
+            elif p.is_alive():
                 try:
                     c.send(None)
                 except OSError:
                     pass
+        deadline = time.monotonic() + (STOP_GRACE_S if force else 30.0)
         for p in procs:
-            if not force:
-                p.join(30)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
             p.join()
