@@ -52,6 +52,24 @@ def test_an_unreadable_cache_shows_the_syntax_with_an_example_that_parses(text, 
     assert parse_cache(examples[-1]) is not None  # the example shown is a form the parser takes
 
 
+# ---- an attention backend that cannot run here ---------------------------------------------------------------------
+@pytest.mark.parametrize("extra,env,fix", [
+    (["--attention-backend", "FLASH_ATTN"], {}, "Use TORCH_SDPA"),
+    (["--attention-backend", "SLIDING_TILE_ATTN", "--attention-config", '{"kernel": "fa4"}'], {},
+     "Drop the attention config (kernel)"),
+    ([], {"FASTVIDEO_ATTENTION_BACKEND": "SAGE_ATTN"}, "Use TORCH_SDPA"),
+])
+def test_an_attention_backend_that_cannot_run_here_is_one_short_line(extra, env, fix, capsys, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name = (extra[1:2] or list(env.values()))[0]
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", "tiny", "--prompt", "x", "--device", "cpu", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastwan: error: Attention backend {name} ") and err.count("\n") == 1, err
+    assert len(err) <= 300 and err.count(name) == 1 and fix in err, err  # the fix never names the backend refused
+
+
 # ---- what a run prints --------------------------------------------------------------------------------------------
 FASTWAN_BARS = ("denoising", "decoding")  # fastwan's own progress bars (stderr)
 ROOT = Path(__file__).resolve().parents[1]
