@@ -251,6 +251,12 @@ class ParallelGenerator:
         every rank; rank 0's result (its frames and file)."""
         return self._call("generate_video", (prompt,), kwargs)
 
+    def generate(self, request):
+        """:meth:`VideoGenerator.generate <fastwan.pipelines.generator.VideoGenerator.generate>` on every rank
+        (a request resolved in this process is sent as its GenerationRequest: each rank resolves it again, against
+        the same checkpoint); rank 0's result."""
+        return self._call("generate", (getattr(request, "request", request),), {})
+
     def load_lora(self, path, scale: float = 1.0, expert: int | None = None, *, allow_pickle: bool = False) -> None:
         self._call("load_lora", (path, scale, expert), {"allow_pickle": allow_pickle})
 

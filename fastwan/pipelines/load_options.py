@@ -56,10 +56,10 @@ def _dtype_name(value) -> str:
     return str(value).removeprefix("torch.")
 
 
-def _bool(name: str):
+def _bool(name: str, error: type[Exception] = InvalidArgumentType):
     def check(value):
         if not isinstance(value, bool):  # a truthy stand-in is refused: allow_pickle="no" must not load pickle
-            raise InvalidArgumentType(f"{name}={value!r} must be True or False.")
+            raise error(f"{name}={value!r} must be True or False.")
         return value
     return check
 
@@ -166,8 +166,8 @@ def _num_gpus(value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise (InvalidArgument if isinstance(value, int) and not isinstance(value, bool) else InvalidArgumentType)(
-            f"num_gpus={value!r} must be an int >= 1 (the processes, one GPU each), or None for one process.")
+        raise InvalidArgument(f"num_gpus={value!r} must be a whole number >= 1 (processes, one GPU each), or None "
+                              "for one process.")
     return value
 
 
@@ -321,8 +321,8 @@ class LoadOptions:
     num_gpus: int | None = option(None, help="processes (one GPU each) that make each video together",
                                   nullable=True, schema={"type": "integer", "minimum": 1}, check=_num_gpus)
     cfg_parallel: bool = option(False, help="run the two CFG passes on two groups of processes",
-                                schema={"type": "boolean"}, check=_bool("cfg_parallel"), flag="--cfg-parallel",
-                                action="store_true")
+                                schema={"type": "boolean"}, check=_bool("cfg_parallel", InvalidArgument),
+                                flag="--cfg-parallel", action="store_true")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -64,7 +64,8 @@ def test_cli_refuses_euler_on_a_scheduler_of_another_grid_before_loading(other_g
     rc = cli.main(["generate", "--prompt", PROMPT, "--model", str(other_grid[0]), "--output", str(tmp_path / "v.mp4"),
                    "--sampler", "euler", "--timesteps", "1000,750,500,250", "--flow-shift", "5"])
     assert rc == 2
-    assert_one_error_line(capsys.readouterr().err, ["--sampler 'euler'", "num_train_timesteps=500", "--sampler 'default'"],
+    assert_one_error_line(capsys.readouterr().err,
+                          ["--sampler 'euler'", "num_train_timesteps=500", "--sampler 'default'"],
                           "euler on a 500-step scheduler")
 
 
