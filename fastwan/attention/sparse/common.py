@@ -97,24 +97,27 @@ class SparseVideoBackend(AttentionBackend):
         extra = []
         if self.kernel == "fa4":
             extra += [f"kernel 'fa4': {r}" for r in fa4.fa4_reasons(dev, dtype)]
+            extra += [f"kernel 'fa4': {r}" for r in [fa4.head_dim_reason(dev, head_dim)] if r]
         if dev.type == "cuda" and self.kernel in ("auto", "flex"):
             extra += reasons_cannot_run(COMPILED_FLEX_CAPABILITIES, device=dev, dtype=dtype, head_dim=head_dim)
         return reasons + [r for r in dict.fromkeys(extra) if r not in reasons]
 
-    def _fa4_ok(self, plan: BlockPlan | None, device, dtype) -> bool:
+    def _fa4_ok(self, plan: BlockPlan | None, device, dtype, head_dim: int | None = None) -> bool:
         if plan is not None and ((plan.token_pred is not None and plan.fa4_mask is None)
                                  or plan.layout.block_size % fa4.fa4_block_multiple()):
             return False
-        return not fa4.fa4_reasons(device, dtype)
+        return not fa4.fa4_reasons(device, dtype) and fa4.head_dim_reason(device, head_dim) is None
 
-    def resolve_kernel(self, device, dtype=torch.bfloat16, plan: BlockPlan | None = None) -> str:
-        """The concrete kernel: 'flex-compiled' | 'flex-eager' | 'sdpa' | 'fa4'."""
+    def resolve_kernel(self, device, dtype=torch.bfloat16, plan: BlockPlan | None = None,
+                       head_dim: int | None = None) -> str:
+        """The concrete kernel: 'flex-compiled' | 'flex-eager' | 'sdpa' | 'fa4' (automatic: FA4 where it runs the
+        plan's block size and ``head_dim``)."""
         dev = torch.device(device)
         k = self.kernel
         if k == "auto":
             if dev.type != "cuda":
                 return "sdpa"
-            return "fa4" if self._fa4_ok(plan, dev, dtype) else "flex-compiled"
+            return "fa4" if self._fa4_ok(plan, dev, dtype, head_dim) else "flex-compiled"
         if k == "flex":
             return "flex-compiled" if dev.type == "cuda" else "flex-eager"
         if k == "fa4":
@@ -139,7 +142,7 @@ class SparseVideoBackend(AttentionBackend):
             raise ValueError(f"block plan for batch {plan.batch} / heads {plan.heads} used with "
                              f"batch {B} / heads {H}")
         scale = D ** -0.5 if scale is None else scale
-        kind = self.resolve_kernel(q.device, q.dtype, plan)
+        kind = self.resolve_kernel(q.device, q.dtype, plan, D)
         need = 16 if kind != "fa4" else fa4.fa4_block_multiple()
         if kind in ("flex-compiled", "fa4") and plan.layout.block_size % need:
             raise InvalidArgument(

@@ -38,6 +38,19 @@ def fa4_reasons(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     return list(_fa4_reasons(str(torch.device(device)), dtype))
 
 
+def head_dim_reason(device: torch.device | str, head_dim: int | None) -> str | None:
+    """Why FA4 block sparsity cannot run ``head_dim`` on CUDA ``device`` (None: it can, or unknown): the head-dim
+    rule of dense FA4 (:data:`fastwan.attention.backends.flash.VARIANTS`), which flash_attn.cute asserts."""
+    dev = torch.device(device)
+    if head_dim is None or dev.type != "cuda":
+        return None
+    from fastwan.attention.backends.flash import VARIANTS
+
+    rules = VARIANTS[4].head_dims
+    why = rules.get(torch.cuda.get_device_capability(dev)[0], rules[9]).reason(head_dim)
+    return None if why is None else f"FA4 needs a head dim {why}; got {head_dim}"
+
+
 @functools.lru_cache(maxsize=16)
 def _fa4_reasons(device: str, dtype: torch.dtype) -> tuple[str, ...]:
     reasons = reasons_cannot_run(CAPABILITIES, device=device, dtype=dtype, head_dim=None)
