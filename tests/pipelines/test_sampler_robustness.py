@@ -11,7 +11,7 @@ import torch
 
 from fastwan import VideoGenerator, cli
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from tests.test_cli import assert_one_error_line
+from tests.cli.helpers import assert_one_error_line
 
 PROMPT = "a red fox runs through snow"
 SIZE = dict(height=64, width=64, num_frames=9)

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from fastwan import VideoGenerator, cli
-from tests.test_cli import assert_one_error_line
+from tests.cli.helpers import assert_one_error_line
 
 
 class Loaded(Exception):

@@ -15,6 +15,7 @@ import numpy as np
 
 from fastwan import VideoGenerator, cli
 from fastwan.options import DiTOptions
+from tests.cli.helpers import assert_one_error_line
 
 
 def test_cli_generate_writes_mp4(tmp_path):
@@ -30,14 +31,6 @@ def test_cli_generate_writes_mp4(tmp_path):
     assert re.search(r"^seed: \d+$", r.stdout, re.M), r.stdout  # no --seed: a random one, printed
     frames = iio.imread(out)
     assert frames.shape == (9, 64, 96, 3)
-
-
-def assert_one_error_line(err: str, words, case) -> None:
-    """stderr is exactly one line, 'fastwan: error: ...', holding each of ``words``, and no traceback."""
-    assert err.endswith("\n") and err.count("\n") == 1, (case, err)
-    assert err.startswith("fastwan: error: ") and "Traceback" not in err, (case, err)
-    for w in words:
-        assert w in err, (case, w, err)
 
 
 def test_user_errors_are_one_line_and_exit_2(tiny_ckpts, tmp_path, capsys):
