@@ -127,7 +127,7 @@ def test_inconsistent_fp8_files_raise(tiny_ckpts, tmp_path):
 
 def test_lora_on_fp8_is_requantized_and_unloads_exactly(tiny_ckpts):
     from fastwan.lora import LoraState, apply_lora
-    from tests.pipelines.test_lora import random_lora
+    from tests.lora.helpers import random_lora
 
     folder = tiny_ckpts["wan2.1"] / "transformer"
     model = build(folder, quantization="fp8")

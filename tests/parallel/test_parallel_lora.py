@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from fastwan import VideoGenerator
 from fastwan.checkpoint.tiny import tiny_checkpoint
 from tests.parallel.test_parallel_pipeline import image
-from tests.pipelines.test_lora import random_lora
+from tests.lora.helpers import random_lora
 
 pytest.importorskip("peft")
 RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)

@@ -1,6 +1,8 @@
 """Checkpoint layouts beyond the plain one: diffusers weight-file variants (``*.fp16.safetensors``), a Hub
 ``revision``, and the checks ``resolve`` makes before any weight loads (component configs, the tokenizer's
-files, the scheduler class, every expert's tensor names, shapes and dtypes from the safetensors headers)."""
+files, the scheduler class, every expert's tensor names, shapes and dtypes from the safetensors headers). DiT
+folders that diffusers users have: pickle weights beside other pickles, unreadable pickle weights, an index naming
+only some shards of its set, a stray safetensors file beside the weights."""
 import json
 import shutil
 
@@ -12,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from fastwan import VideoGenerator
 from fastwan.errors import CheckpointError, InvalidArgument, MissingFileError
 from fastwan.checkpoint.resolver import resolve
-from fastwan.checkpoint.tiny import write_hub_cache, write_tiny_checkpoint
+from fastwan.checkpoint.tiny import tiny_checkpoint, write_hub_cache, write_tiny_checkpoint
+from fastwan.models.wan.loading import load_transformer
 
 GEN = dict(prompt="a kite", seed=3, height=32, width=32, num_frames=5, num_inference_steps=2, save_video=False)
 WEIGHTS = {"transformer": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model"}
@@ -130,3 +133,90 @@ def test_second_expert_is_checked_before_the_first_loads(base, tmp_path, edit, m
     _edit_tensors(root / "transformer_2", edit)
     with pytest.raises(CheckpointError, match=match):
         resolve(root)
+
+
+# -- DiT folders that diffusers users have --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folder():
+    return tiny_checkpoint("wan2.1") / "transformer"
+
+
+def ours(folder):
+    return load_transformer(folder, dtype=torch.float32, device="cpu")
+
+
+def pickle_folder(folder, tmp_path):
+    """``folder`` (a DiT) with its weights as diffusers' pickle file name, diffusion_pytorch_model.bin."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out = shutil.copytree(folder, tmp_path / "transformer")
+    torch.save(load_file(out / "diffusion_pytorch_model.safetensors"), out / "diffusion_pytorch_model.bin")
+    (out / "diffusion_pytorch_model.safetensors").unlink()
+    return out
+
+
+def test_pickle_folder_loads_its_weight_file_beside_other_pickles(folder, tmp_path):
+    """A training run's ``training_args.bin`` beside the weights (allow_pickle=True) is not a weight file: as
+    diffusers does, only the weight file loads."""
+    import argparse
+
+    out = pickle_folder(folder, tmp_path)
+    torch.save(argparse.Namespace(learning_rate=1e-4), out / "training_args.bin")
+    got = load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True).state_dict()
+    want = ours(folder).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("content", [b"not a pickle", None])
+def test_unreadable_pickle_weights_are_a_checkpoint_error(folder, tmp_path, content):
+    out = pickle_folder(folder, tmp_path)
+    if content is None:
+        torch.save([torch.zeros(2)], out / "diffusion_pytorch_model.bin")  # a pickle, not a state dict
+    else:
+        (out / "diffusion_pytorch_model.bin").write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.bin (cannot be read|holds a list)"):
+        load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True)
+
+
+def test_index_naming_only_some_shards_of_its_set_is_named(tmp_path):
+    """An index that names no tensor of shard 2 of 2 (a stale or partial download): the error names the index and
+    the shard, not a config mismatch."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from fastwan.checkpoint.resolver import resolve
+
+    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
+    folder = root / "transformer"
+    tensors = load_file(folder / "diffusion_pytorch_model.safetensors")
+    (folder / "diffusion_pytorch_model.safetensors").unlink()
+    keys = sorted(tensors)
+    shards = {f"diffusion_pytorch_model-0000{i + 1}-of-00002.safetensors": keys[i::2] for i in range(2)}
+    for name, names in shards.items():
+        save_file({k: tensors[k] for k in names}, str(folder / name))
+    first = next(iter(shards))
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: first for k in shards[first]}}))
+    with pytest.raises(CheckpointError, match=r"index\.json names no tensor of diffusion_pytorch_model-00002-of-"
+                                              r"00002\.safetensors.*index is incomplete"):
+        resolve(root)
+
+
+@pytest.mark.parametrize("stray", ["diffusion_pytorch_model_backup.safetensors", "my_lora.safetensors"])
+def test_a_stray_safetensors_file_beside_the_weights_is_not_read(tmp_path, stray):
+    """As diffusers reads only ``diffusion_pytorch_model*`` (transformers ``model*``), a backup or a LoRA file left
+    beside the weights is not read: the checkpoint resolves and the DiT loads the same tensors."""
+    import shutil
+
+    from fastwan.checkpoint.resolver import resolve
+
+    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
+    save_file({"blocks.0.lora_A.weight": torch.ones(2, 3)}, str(root / "transformer" / stray))
+    save_file({"shared.weight": torch.ones(2, 3)}, str(root / "text_encoder" / stray))
+    resolve(str(root))
+    got = ours(root / "transformer").state_dict()
+    want = ours(tiny_checkpoint("wan2.1") / "transformer").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -128,7 +128,7 @@ def test_full_lora_after_an_image_video_equals_a_fresh_generator(variant, tmp_pa
     """A LoRA on the image cross-attention (add_k_proj / add_v_proj), the image and text embedders, the time
     projection and the head, per expert, loaded after a video under the fast block (which caches each request's
     image and text keys / values): a fresh generator's frames; unloading gives the first video again."""
-    from tests.pipelines.test_lora_formats import Lora
+    from tests.lora.test_lora_formats import Lora
 
     used, fresh = (load(variant, dit_options=DiTOptions(block="fast")) for _ in range(2))
     base = run(used, variant, 3).frames
@@ -164,7 +164,7 @@ def test_dmd_caches_computing_every_step_are_no_cache():
 def test_dmd_lora_fast_block_sequential_equals_reference_block(tmp_path):
     """FastWan with a LoRA (and its VSA gates): the fast block under sequential CFG gives the reference block's
     frames within 1, with guidance 1 (the preset) and with CFG."""
-    from tests.pipelines.test_lora import random_lora
+    from tests.lora.helpers import random_lora
 
     ref = load("fastwan2.1", dit_options=DiTOptions(block="reference"), cfg_mode="batched")
     path = tmp_path / "dmd.safetensors"

@@ -136,6 +136,22 @@ def test_changed_image_is_read_again(model, tmp_path):
     assert not np.array_equal(first, want)
 
 
+def images(n: int) -> list:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("model", ["tiny-wan2.1-flf2v", "tiny-wan2.2-ti2v"])
+def test_second_image_on_one_generator_equals_a_fresh_generator(model):
+    one, two = images(2)
+    kw = (lambda a, b: dict(image=a, last_image=b)) if "flf2v" in model else (lambda a, b: dict(image=a))
+    used = load(model, dit_options=DiTOptions(block="fast"))
+    first = frames(used, **kw(one, two))
+    second = frames(used, **kw(two, one))
+    assert np.array_equal(second, frames(load(model, dit_options=DiTOptions(block="fast")), **kw(two, one)))
+    assert not np.array_equal(first, second)
+
+
 # -- LoRAs ----------------------------------------------------------------------------------------------------------
 def random_lora(model, seed: int) -> dict[str, torch.Tensor]:
     """A rank-2 diffusers-format LoRA on every block's self-attention value and output and FFN output."""

@@ -1,10 +1,10 @@
-"""LoRA inputs an audit found handled wrong, each now a user error naming the value, the rule and the fix, raised
-before any weight changes (and, for ``from_pretrained(lora=...)``, before the model loads where the check can run
-then): LoRA tensors that are not floating point (integer, bool), a bool alpha, rank 0, an empty safetensors file,
-a scale that pushes a merged weight out of its dtype's range (inf weights, black videos), one file given twice in
-``lora=`` / ``--lora``. Pickle LoRA files
-load only when ``allow_pickle=True`` says so. Scales are decided as diffusers decides them: any finite float, 0
-and negatives included (frames against ``set_adapters`` weights), and a scale of 0 changes no bit."""
+"""What a LoRA file may hold and the scales it merges at, each refused case a user error naming the value, the
+rule and the fix, raised before any weight changes (and, for ``from_pretrained(lora=...)``, before the model loads
+where the check can run then): LoRA tensors that are not floating point (integer, bool), a bool alpha, rank 0, an
+empty safetensors file, a scale that pushes a merged weight out of its dtype's range (inf weights, black videos),
+one file given twice in ``lora=`` / ``--lora``. Pickle LoRA files load only when ``allow_pickle=True`` says so.
+Scales are decided as diffusers decides them: any finite float, 0 and negatives included (frames against
+``set_adapters`` weights), and a scale of 0 changes no bit."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from fastwan import VideoGenerator, cli
 from fastwan.errors import CheckpointError, InvalidArgument, InvalidArgumentType
-from tests.pipelines.test_lora import diffusers_frames, max_diff, ours, random_lora
+from tests.lora.helpers import bits, changed, random_lora
+from tests.lora.test_lora import diffusers_frames, max_diff, ours
 
 KEY = "diffusion_model.blocks.1.self_attn.q"  # a module of the tiny DiT, original Wan names
 KEY_RE = re.escape(KEY)
@@ -25,16 +26,6 @@ KEY_RE = re.escape(KEY)
 
 def load(model="tiny", **kw) -> VideoGenerator:
     return VideoGenerator.from_pretrained(model, device="cpu", dtype=torch.float32, **kw)
-
-
-def bits(g) -> list[dict[str, torch.Tensor]]:
-    """Every DiT tensor of ``g``, FP8 ones as their bytes."""
-    return [{k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
-             for k, v in t.state_dict().items()} for t in g.transformers]
-
-
-def changed(a, b) -> list[str]:
-    return [k for x, y in zip(a, b) for k in x if not torch.equal(x[k], y[k])]
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from fastwan import VideoGenerator
 from fastwan.checkpoint.tiny import tiny_checkpoint
-from tests.pipelines.test_lora_formats import SCALE, Lora, assert_same_merge
+from tests.lora.test_lora_formats import SCALE, Lora, assert_same_merge
 
 
 def test_a14b_expert_lora_merges_as_load_into_transformer_2(tmp_path):

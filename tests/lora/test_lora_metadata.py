@@ -1,8 +1,8 @@
-"""LoRA files and DiT folders that diffusers users have: a diffusers / PEFT LoRA's alphas saved in its safetensors
-metadata merge as diffusers' ``load_lora_adapter`` + ``fuse_lora`` do (the reference: diffusers' fused weights);
-a file giving one module the same part twice, holding another adapter kind (kohya's DoRA dora_scale, LyCORIS), or a
-PEFT DoRA that diffusers / PEFT would not merge (a magnitude that does not fit, without lora_A / lora_B, with
-lora_B.bias, or contradicting the metadata's use_dora), is refused before any weight changes."""
+"""LoRA files that diffusers users have: a diffusers / PEFT LoRA's alphas saved in its safetensors metadata merge
+as diffusers' ``load_lora_adapter`` + ``fuse_lora`` do (the reference: diffusers' fused weights); a file giving one
+module the same part twice, holding another adapter kind (kohya's DoRA dora_scale, LyCORIS), or a PEFT DoRA that
+diffusers / PEFT would not merge (a magnitude that does not fit, without lora_A / lora_B, with lora_B.bias, or
+contradicting the metadata's use_dora), is refused before any weight changes; norm deltas with values are named."""
 from __future__ import annotations
 
 import json
@@ -168,83 +168,6 @@ def test_dora_that_diffusers_would_not_merge_is_refused(folder, tmp_path, extra,
     save_file({**peft_lora(ours(folder), "transformer."), **extra}, str(path),
               metadata=None if meta is None else {"lora_adapter_metadata": json.dumps(meta)})
     refused_before_any_change(folder, path, error, match)
-
-
-def pickle_folder(folder, tmp_path):
-    """``folder`` (a DiT) with its weights as diffusers' pickle file name, diffusion_pytorch_model.bin."""
-    import shutil
-
-    from safetensors.torch import load_file
-
-    out = shutil.copytree(folder, tmp_path / "transformer")
-    torch.save(load_file(out / "diffusion_pytorch_model.safetensors"), out / "diffusion_pytorch_model.bin")
-    (out / "diffusion_pytorch_model.safetensors").unlink()
-    return out
-
-
-def test_pickle_folder_loads_its_weight_file_beside_other_pickles(folder, tmp_path):
-    """A training run's ``training_args.bin`` beside the weights (allow_pickle=True) is not a weight file: as
-    diffusers does, only the weight file loads."""
-    import argparse
-
-    out = pickle_folder(folder, tmp_path)
-    torch.save(argparse.Namespace(learning_rate=1e-4), out / "training_args.bin")
-    got = load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True).state_dict()
-    want = ours(folder).state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
-
-@pytest.mark.parametrize("content", [b"not a pickle", None])
-def test_unreadable_pickle_weights_are_a_checkpoint_error(folder, tmp_path, content):
-    out = pickle_folder(folder, tmp_path)
-    if content is None:
-        torch.save([torch.zeros(2)], out / "diffusion_pytorch_model.bin")  # a pickle, not a state dict
-    else:
-        (out / "diffusion_pytorch_model.bin").write_bytes(content)
-    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.bin (cannot be read|holds a list)"):
-        load_transformer(out, dtype=torch.float32, device="cpu", allow_pickle=True)
-
-
-def test_index_naming_only_some_shards_of_its_set_is_named(tmp_path):
-    """An index that names no tensor of shard 2 of 2 (a stale or partial download): the error names the index and
-    the shard, not a config mismatch."""
-    import shutil
-
-    from safetensors.torch import load_file
-
-    from fastwan.checkpoint.resolver import resolve
-
-    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
-    folder = root / "transformer"
-    tensors = load_file(folder / "diffusion_pytorch_model.safetensors")
-    (folder / "diffusion_pytorch_model.safetensors").unlink()
-    keys = sorted(tensors)
-    shards = {f"diffusion_pytorch_model-0000{i + 1}-of-00002.safetensors": keys[i::2] for i in range(2)}
-    for name, names in shards.items():
-        save_file({k: tensors[k] for k in names}, str(folder / name))
-    first = next(iter(shards))
-    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: first for k in shards[first]}}))
-    with pytest.raises(CheckpointError, match=r"index\.json names no tensor of diffusion_pytorch_model-00002-of-"
-                                              r"00002\.safetensors.*index is incomplete"):
-        resolve(root)
-
-
-@pytest.mark.parametrize("stray", ["diffusion_pytorch_model_backup.safetensors", "my_lora.safetensors"])
-def test_a_stray_safetensors_file_beside_the_weights_is_not_read(tmp_path, stray):
-    """As diffusers reads only ``diffusion_pytorch_model*`` (transformers ``model*``), a backup or a LoRA file left
-    beside the weights is not read: the checkpoint resolves and the DiT loads the same tensors."""
-    import shutil
-
-    from fastwan.checkpoint.resolver import resolve
-
-    root = shutil.copytree(tiny_checkpoint("wan2.1"), tmp_path / "ckpt")
-    save_file({"blocks.0.lora_A.weight": torch.ones(2, 3)}, str(root / "transformer" / stray))
-    save_file({"shared.weight": torch.ones(2, 3)}, str(root / "text_encoder" / stray))
-    resolve(str(root))
-    got = ours(root / "transformer").state_dict()
-    want = ours(tiny_checkpoint("wan2.1") / "transformer").state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("value, warned", [(0.0, False), (0.01, True)])
