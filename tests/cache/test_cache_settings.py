@@ -1,7 +1,8 @@
-"""Step-cache settings that used to be accepted and then ignored or misread: the CLI form's duplicate keys and bad
-step ranges, a SkipSteps that skips nothing or names steps the request lacks, a calibrating MagCache turned off
-by its (unused) threshold, calibration output fed back as MagCache's curve; MagCache's calibration against
-diffusers' and TeaCache's coefficients against the published TeaCache4Wan2.1 tables."""
+"""Step-cache settings, each refused or honoured as written (never accepted and then ignored or misread): the CLI
+form's duplicate keys and bad step ranges, a SkipSteps that skips nothing or names steps the request lacks, a
+calibrating MagCache turned off by its (unused) threshold, calibration output fed back as MagCache's curve;
+MagCache's calibration against diffusers' and TeaCache's coefficients against the published TeaCache4Wan2.1
+tables."""
 from __future__ import annotations
 
 import numpy as np
