@@ -1,4 +1,5 @@
-"""The ``fastwan`` command: ``fastwan generate ...``, ``fastwan quantize ...`` and ``fastwan env``.
+"""The ``fastwan`` command: ``fastwan generate ...``, ``fastwan quantize ...``, ``fastwan serve ...``
+(:mod:`fastwan.serve`) and ``fastwan env``.
 
 Errors: a user error (an exception in :data:`USER_ERRORS`) prints one line, ``fastwan: error: <message>`` (a
 multi-line message joined with '; ' by :func:`fastwan.errors.one_line`), on stderr and exits 2; Ctrl-C prints
@@ -54,6 +55,25 @@ def _quantize_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an output folder a former fastwan quantize wrote (no other folder is replaced)")
     p.add_argument("--device", default=None, help="where to quantize (default: cuda if available)")
+
+
+def _serve_parser(sub) -> None:
+    from fastwan.serve.server import add_parser
+
+    add_parser(sub)
+
+
+def _run_serve(args) -> int:
+    """``fastwan serve``: a user error's ``name=`` is written as its flag."""
+    from fastwan.fields import cli_text
+    from fastwan.pipelines.load_options import LoadOptions
+    from fastwan.serve.server import run
+
+    try:
+        return run(args)
+    except UserError as exc:
+        exc.args = (cli_text(str(exc), LoadOptions),)
+        raise
 
 
 def _positive_int(text: str, what: str = "an int >= 1", note: str = "", minimum: int = 1) -> int:
@@ -305,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _quantize_parser(sub)
+    _serve_parser(sub)
     sub.add_parser("env", help="device, versions and attention backends available here")
     args = parser.parse_args(argv)
     if args.command == "generate":
@@ -314,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             _leave_job()
     if args.command == "quantize":
         return report_user_errors(lambda: _quietly(lambda: _run_quantize(args)))
+    if args.command == "serve":
+        return report_user_errors(lambda: _quietly(lambda: _run_serve(args)))
     return 0
 
 

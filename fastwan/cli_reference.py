@@ -95,10 +95,12 @@ def _commands() -> list[tuple[str, str, argparse.ArgumentParser]]:
     sub = top.add_subparsers(dest="command")
     cli._generate_parser(sub)  # the parsers the fastwan command itself builds
     cli._quantize_parser(sub)
+    cli._serve_parser(sub)
     said = {a.dest: a.help for a in sub._choices_actions}  # each subcommand's one-line help
     env, profiler = envinfo.build_parser(), profiler_cli.build_parser()
     return [("fastwan generate", said["generate"], sub.choices["generate"]),
             ("fastwan quantize", said["quantize"], sub.choices["quantize"]),
+            ("fastwan serve", said["serve"], sub.choices["serve"]),
             ("fastwan env", env.description, env),
             ("python -m fastwan.profiler", profiler.description, profiler)]
 
@@ -120,7 +122,7 @@ def render() -> str:
            "A user error prints one line, `fastwan: error: ...`, and exits with code 2.", ""]
     for command, summary, parser in _commands():
         out += [f"## `{command}`", "", " ".join(summary.split()), "",
-                *_table(parser, request_fields if command == "fastwan generate" else {}), ""]
+                *_table(parser, request_fields if command in ("fastwan generate", "fastwan serve") else {}), ""]
     out += ["## Fields without a flag", "",
             "Python (`generate_video`, `from_pretrained`) and JSON callers only:", "",
             *_without_flags(GenerationRequest, LoadOptions), "",

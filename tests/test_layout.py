@@ -116,7 +116,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fastwan.models.wan.export", "fastwan.offload.placement"),
     ("fastwan.pipelines",),
     ("fastwan.envinfo", "fastwan.profiler"),
-    ("fastwan.cli", "fastwan.__main__", "fastwan.cli_reference"),
+    ("fastwan.cli", "fastwan.__main__", "fastwan.cli_reference", "fastwan.serve"),
 )
 
 

@@ -8,6 +8,8 @@ hooks on the DiTs (:mod:`fastwan.models.wan.step_cache`) for the loop's duration
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fastwan.cache import CacheRun
@@ -16,21 +18,22 @@ from fastwan.pipelines.sampling import Schedule
 
 
 def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
-            run: CacheRun | None = None) -> tuple[torch.Tensor, int]:
+            run: CacheRun | None = None, on_step: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
     """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
     image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
-    caches -> final latents [1, C, F, H, W] fp32, and the forward count."""
+    caches; on_step: called as ``on_step(done, total)`` on the host after each step (an exception it raises ends
+    the loop and propagates) -> final latents [1, C, F, H, W] fp32, and the forward count."""
     hooks = []
     try:
         for e, t in enumerate(gen.transformers if run is not None else ()):
             hooks.append(apply_step_cache(t, run, e))
-        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks)
+        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks, on_step)
     finally:
         for t, _ in zip(gen.transformers, hooks):
             remove_step_cache(t)
 
 
-def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list):
+def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list, on_step=None):
     """:func:`denoise`'s loop; ``hooks``: the step cache on each expert's DiT (empty: none)."""
     from tqdm.auto import tqdm
 
@@ -118,6 +121,8 @@ def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, h
             pred = model(x, timestep, cond, **kw)
             forwards += 1
         latents = schedule.step(pred, i, latents)
+        if on_step is not None:
+            on_step(i + 1, n)
     if first_frame:
         latents = (1 - keep) * condition + keep * latents
     return latents, forwards

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -328,7 +328,8 @@ class VideoGenerator:
         return resolve_request(self.checkpoint, self.scheduler, self.vae_scale_factors, request, self.cache)
 
     @torch.no_grad()
-    def generate(self, request: GenerationRequest | ResolvedRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest | ResolvedRequest, *,
+                 on_step: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Make the video ``request`` describes (a :class:`~fastwan.pipelines.params.GenerationRequest`, or one
         resolved for this checkpoint by :meth:`resolve` or :func:`~fastwan.pipelines.request.resolve_request`).
 
@@ -337,7 +338,10 @@ class VideoGenerator:
         else a folder where the file gets the automatic name ``<prompt slug>_<seed>_<digest>.mp4``; no file is
         replaced unless ``overwrite``; the file appears only when complete (:mod:`fastwan.pipelines.output`). Every
         check runs before any compute. Calls on one generator from several threads run one at a time (a
-        per-instance lock)."""
+        per-instance lock).
+
+        ``on_step(done, total)``, when given, is called on the host after each denoising step (a progress report);
+        an exception it raises (e.g. to cancel) ends the call and propagates, and no file is written."""
         self._check_backend_context()
         if isinstance(request, ResolvedRequest):
             check_resolved_for(request, self.checkpoint)
@@ -362,7 +366,7 @@ class VideoGenerator:
 
         with self._lock:
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
-                                                                     (cache, plan.coefficients))
+                                                                     (cache, plan.coefficients), on_step)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -378,7 +382,7 @@ class VideoGenerator:
         )
 
     def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
-                  cache: tuple = (None, None)):
+                  cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
@@ -398,7 +402,7 @@ class VideoGenerator:
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
         with self._phase("denoising"):
-            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run)
+            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None
@@ -410,9 +414,9 @@ class VideoGenerator:
 
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
-                 run: CacheRun | None = None) -> tuple[torch.Tensor, int]:
+                 run: CacheRun | None = None, on_step=None) -> tuple[torch.Tensor, int]:
         """The denoising loop (:func:`fastwan.pipelines.denoise.denoise`)."""
-        return denoise(self, emb, s, seed, do_cfg, image_inputs, run)
+        return denoise(self, emb, s, seed, do_cfg, image_inputs, run, on_step=on_step)
 
     def _cfg_batched(self, tokens: int) -> bool:
         """Whether CFG runs as one batch of 2 (else two batch-1 passes), from ``cfg_mode``. "auto": two passes

@@ -1,0 +1,246 @@
+"""The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), ``/health`` and
+``/ready``.
+
+Rules: every route but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key (compared in
+constant time, :func:`hmac.compare_digest`); every error is OpenAI's ``{"error": {...}}`` with its status
+(:mod:`fastwan.serve.errors`), the framework's own (unknown route, bad query parameter) included; a create is
+checked completely (the request's rules and the loaded checkpoint's) and committed to the store before it is
+answered; a body over its cap is refused (413) while it is read, before it is parsed.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fastwan.serve.errors import ApiError
+from fastwan.serve.requests import Limits, accept, form_body, json_body, read_image
+from fastwan.serve.store import JobStore, new_id
+from fastwan.serve.worker import Worker, remove
+
+logger = logging.getLogger("fastwan.serve")
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the store, the worker (and its model), the served model's name, the key (None: no
+    key), the queue cap and the upload caps."""
+
+    store: JobStore
+    worker: Worker
+    model: str
+    api_key: str | None = None
+    max_queue: int = 64
+    limits: Limits = Limits()
+    admit: threading.Lock = field(default_factory=threading.Lock)  # one create checks the queue and adds at a time
+
+    @property
+    def uploads(self) -> Path:
+        return self.worker.data_dir / "uploads"
+
+
+def _authorize(state: ServerState):
+    def check(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if not given:
+            raise ApiError(401, "no API key: send the header 'Authorization: Bearer <key>' with this server's key.",
+                           code="missing_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise ApiError(401, "the API key is not this server's; send 'Authorization: Bearer <key>' with the key "
+                                "in the server's --api-key-file.", code="invalid_api_key")
+    return check
+
+
+async def _read(request: Request, cap: int, what: str) -> bytes:
+    """The body, refused with 413 once it passes ``cap`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise ApiError(413, f"the {what} is {declared} bytes, over this server's cap of {cap}.",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ApiError(413, f"the {what} is over this server's cap of {cap} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _create_body(request: Request, limits: Limits) -> tuple[dict, bytes | None]:
+    """The create body's typed fields and the uploaded ``input_reference`` bytes (None: no upload)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        data = await _read(request, limits.max_upload_bytes + limits.max_body_bytes, "multipart body")
+
+        async def replay():
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        try:
+            form = await Request(request.scope, replay).form(max_files=1, max_fields=64,
+                                                             max_part_size=limits.max_body_bytes)
+        except Exception as exc:  # noqa: BLE001 -- a malformed form is the client's
+            raise ApiError(400, f"the multipart body could not be read ({exc}).", code="invalid_body") from None
+        texts, upload = [], None
+        for key, value in form.multi_items():
+            if isinstance(value, str):
+                texts.append((key, value))
+            elif key != "input_reference":
+                raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference.",
+                               code="unknown_parameter", param=key)
+            else:
+                upload = await value.read()
+        if upload is not None and len(upload) > limits.max_upload_bytes:
+            raise ApiError(413, f"input_reference is {len(upload)} bytes, over this server's cap of "
+                                f"{limits.max_upload_bytes}.", code="upload_too_large", param="input_reference")
+        return form_body(texts), upload
+    if kind not in ("application/json", ""):
+        raise ApiError(400, f"the body's Content-Type is {kind!r}; send application/json or multipart/form-data.",
+                       code="invalid_body")
+    return json_body(await _read(request, limits.max_body_bytes, "JSON body")), None
+
+
+def _save_upload(data: bytes, path: Path) -> None:
+    """The upload at ``path``, on disk before the job that names it is committed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="fastwan", docs_url=None, redoc_url=None, openapi_url=None)
+    api = APIRouter(dependencies=[Depends(_authorize(state))])
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = first.get("loc", ("", ""))[-1]
+        return JSONResponse(ApiError(400, f"{where}: {first.get('msg', 'invalid')}.", code="invalid_value",
+                                     param=str(where)).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http"
+        body = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).body()
+        return JSONResponse(body, status_code=exc.status_code)
+
+    def model_ready():
+        if state.worker.load_error is not None:
+            raise ApiError(503, f"the model did not load: {state.worker.load_error}", code="model_not_loaded")
+        if not state.worker.ready():
+            raise ApiError(503, "the model is still loading; retry in a moment (GET /ready says when).",
+                           code="model_loading")
+        return state.worker.gen
+
+    def job_or_404(video_id: str):
+        job = state.store.get(video_id)
+        if job is None:
+            raise ApiError(404, f"no video {video_id!r} here (it was deleted or never created).", code="not_found",
+                           param="video_id")
+        return job
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    def ready():
+        model_ready()
+        return {"status": "ready", "model": state.model, "queued": state.store.count("queued")}
+
+    @api.post("/v1/videos")
+    async def create(request: Request):
+        body, upload = await _create_body(request, state.limits)
+        gen = model_ready()
+        image = None if upload is None else await run_in_threadpool(read_image, upload, state.limits)
+        video_id = new_id()
+        checked = await run_in_threadpool(accept, body, image, gen, state.model, state.worker.video_path(video_id))
+        return await run_in_threadpool(_admit, state, video_id, checked, upload)
+
+    @api.get("/v1/videos")
+    def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                    order: str = Query("desc", pattern="^(asc|desc)$")):
+        page = state.store.page(limit, after, order)
+        if page is None:
+            raise ApiError(404, f"after={after!r} names no video here.", code="not_found", param="after")
+        jobs, more = page
+        data = [j.public() for j in jobs]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+    @api.get("/v1/videos/{video_id}")
+    def retrieve(video_id: str):
+        return job_or_404(video_id).public()
+
+    @api.delete("/v1/videos/{video_id}")
+    def delete(video_id: str):
+        job = state.store.delete(video_id)
+        if job is None:
+            job_or_404(video_id)
+        if job.status in ("queued", "in_progress"):
+            state.worker.cancel(video_id)
+        if job.status != "in_progress":  # a running job's files are the worker's to remove
+            remove(job.video, job.thumbnail, job.image)
+        logger.info("video %s: deleted (was %s)", video_id, job.status)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    @api.get("/v1/videos/{video_id}/content")
+    def content(video_id: str, variant: str = Query("video", pattern="^(video|thumbnail|spritesheet)$")):
+        job = job_or_404(video_id)
+        if job.status != "completed":
+            raise ApiError(409, f"video {video_id} is {job.status}; its content exists once it is completed.",
+                           code="video_not_ready")
+        if variant == "spritesheet":
+            raise ApiError(400, "variant 'spritesheet' is not served; ask for 'video' or 'thumbnail'.",
+                           code="invalid_value", param="variant")
+        path, kind = (job.video, "video/mp4") if variant == "video" else (job.thumbnail, "image/png")
+        if not path or not Path(path).is_file():
+            raise ApiError(404, f"video {video_id}'s {variant} file is missing from the data folder.",
+                           code="not_found")
+        return FileResponse(path, media_type=kind, filename=Path(path).name)
+
+    app.include_router(api)
+    return app
+
+
+def _admit(state: ServerState, video_id: str, checked, upload: bytes | None) -> dict:
+    """Queue the checked job (429 when the queue is full): its upload written, its row committed, the worker woken;
+    the video object."""
+    with state.admit:
+        queued = state.store.count("queued")
+        if queued >= state.max_queue:
+            raise ApiError(429, f"the queue is full ({queued} videos waiting, --max-queue {state.max_queue}); retry "
+                                "once some have started.", code="queue_full")
+        image_path = None
+        if upload is not None:
+            image_path = state.uploads / f"{video_id}.img"
+            _save_upload(upload, image_path)
+        try:
+            job = state.store.add(id=video_id, model=state.model, prompt=checked.prompt, size=checked.size,
+                                  seconds=checked.seconds, fields=checked.fields,
+                                  image=None if image_path is None else str(image_path))
+        except BaseException:
+            remove(image_path)
+            raise
+    logger.info("video %s: queued (%s, %s s)", video_id, checked.size, checked.seconds)
+    state.worker.notify()
+    return job.public()

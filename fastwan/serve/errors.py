@@ -1,0 +1,37 @@
+"""The server's errors, in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+
+Statuses: 400 a request that breaks a rule (its message is the rule's, naming the value and the fix), 401 no key or a
+wrong key, 404 no such video, 409 the video is not in a state that allows it (content before completion), 413 a body
+or upload over its cap, 429 the queue is full, 503 the model is not loaded (yet, or it failed to load).
+"""
+from __future__ import annotations
+
+import re
+
+from fastwan.errors import InvalidArgumentType, UserError, one_line
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """An answer other than success: ``status`` and the body :meth:`body` writes."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def from_user_error(exc: UserError, fields: tuple[str, ...] = (), param: str | None = None) -> ApiError:
+    """A fastwan user error raised while checking a request as a 400; ``param``: the field it is about, else the
+    first of ``fields`` its message names as ``name=`` (fastwan's messages start with the value they refuse)."""
+    message = one_line(exc)
+    if param is None:
+        named = re.match(r"\W*(\w+)=", message)
+        param = named.group(1) if named and named.group(1) in fields else None
+    code = "invalid_type" if isinstance(exc, InvalidArgumentType) else "invalid_value"
+    return ApiError(400, message, code=code, param=param)

@@ -1,0 +1,222 @@
+"""An OpenAI ``POST /v1/videos`` body -> a :class:`~fastwan.GenerationRequest` checked against the loaded checkpoint.
+
+The body is OpenAI's fields (``prompt``, ``model``, ``size``, ``seconds``, ``input_reference``) and, beside them,
+fastwan's own :class:`~fastwan.GenerationRequest` fields (``negative_prompt``, ``seed``, ``num_inference_steps``,
+``guidance_scale``, ``sampler``, ...), as JSON or as multipart form fields (the official client sends multipart,
+whose values are text: each is read as its field's command-line text is, e.g. ``"2"`` -> 2). Rules:
+
+- ``size`` "WxH" sets ``width`` and ``height``; ``seconds`` (a positive number, as text or a number) sets
+  ``num_frames``: the frame count ``4k+1`` (the VAE's temporal factor times k, plus one) nearest to ``seconds``
+  times the video's fps (the request's ``fps``, else the checkpoint's), halves rounded up. Giving ``size`` with
+  ``width`` / ``height``, or ``seconds`` with ``num_frames``, is refused.
+- An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
+  ``output_path``, ``image``, ``last_image``, ``save_video``, ``return_frames`` and ``overwrite`` are refused; the
+  first frame of image-to-video comes only as the uploaded file ``input_reference``.
+- Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
+  (``gen.resolve``), checked before the job is accepted.
+- ``seed``, when not given, is drawn here and stored with the job, so a job run again after a crash makes the
+  same video.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastwan.errors import UserError
+from fastwan.fields import from_json, options
+from fastwan.pipelines.inputs import random_seed
+from fastwan.pipelines.params import GenerationRequest
+from fastwan.serve.errors import ApiError, from_user_error
+
+OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
+SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "upload it as input_reference",
+               "last_image": "first-last-frame uploads are not served yet",
+               "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
+               "overwrite": "the server chooses where videos go"}
+REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
+SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what a client sends: a JSON body's bytes, an upload's bytes, an image's decoded pixels."""
+
+    max_body_bytes: int = 1 << 20
+    max_upload_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A checked create: ``fields`` (the request's JSON form as the store keeps it), what the video object shows
+    (``prompt``, ``size``, ``seconds``) and the decoded first frame (or None)."""
+
+    fields: dict
+    prompt: str
+    size: str
+    seconds: str
+    image: Any
+
+
+def _unique(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ApiError(400, f"the JSON body gives {key!r} twice; give each key once.", code="invalid_json",
+                           param=key)
+        seen[key] = value
+    return seen
+
+
+def json_body(data: bytes) -> dict:
+    """A JSON create body -> its object (400 when it is not one JSON object)."""
+    try:
+        body = json.loads(data, object_pairs_hook=_unique)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc}); send one JSON object, e.g. "
+                            '{"prompt": "a cat surfing", "size": "832x480", "seconds": "4"}.',
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body is a JSON {type(body).__name__}, not an object; send e.g. "
+                            '{"prompt": "a cat surfing"}.', code="invalid_json")
+    return body
+
+
+def form_body(items: list[tuple[str, str]]) -> dict:
+    """Multipart text fields -> typed values: a request field's text is read as its command-line text is
+    (``parse``: "2" -> 2), a boolean's as "true" / "false", ``name[]`` items as one list; other text stays text."""
+    grouped: dict[str, list[str]] = {}
+    for key, value in items:
+        grouped.setdefault(key, []).append(value)
+    body = {}
+    for key, values in grouped.items():
+        name = key[:-2] if key.endswith("[]") else key
+        if len(values) > 1 and not key.endswith("[]"):
+            raise ApiError(400, f"the form gives {key!r} {len(values)} times; give it once.", code="invalid_value",
+                           param=key)
+        text = ",".join(values)
+        opt = REQUEST_FIELDS.get(name)
+        if opt is None or name in SERVER_ONLY or name == "prompt":
+            body[name] = text
+        elif opt.parse is not None:
+            try:
+                body[name] = opt.parse(text)
+            except (ValueError, TypeError) as exc:
+                raise ApiError(400, f"{name}={text!r}: {exc}.", code="invalid_type", param=name) from None
+        elif opt.schema.get("type") == "boolean":
+            if text.lower() not in ("true", "false"):
+                raise ApiError(400, f"{name}={text!r} must be true or false.", code="invalid_type", param=name)
+            body[name] = text.lower() == "true"
+        elif text.startswith("{"):
+            body[name] = json_body(text.encode())
+        else:
+            body[name] = text
+    return body
+
+
+def read_image(data: bytes, limits: Limits):
+    """An uploaded first frame -> an RGB PIL image; 413 over the pixel cap (checked from the header, before
+    decoding), 400 when it is not an image."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+    except Image.DecompressionBombError:
+        raise ApiError(413, f"input_reference has more than {limits.max_image_pixels} pixels; send a smaller image.",
+                       code="image_too_large", param="input_reference") from None
+    except Exception as exc:  # noqa: BLE001 -- whatever PIL cannot read is the client's file
+        raise ApiError(400, f"input_reference is not an image this server reads ({type(exc).__name__}); upload a "
+                            "PNG, JPEG or WebP file.", code="invalid_image", param="input_reference") from None
+    if width * height > limits.max_image_pixels:
+        raise ApiError(413, f"input_reference is {width}x{height} ({width * height} pixels), over this server's cap "
+                            f"of {limits.max_image_pixels}; send a smaller image.", code="image_too_large",
+                       param="input_reference")
+    try:
+        return image.convert("RGB")
+    except Exception as exc:  # noqa: BLE001
+        raise ApiError(400, f"input_reference could not be decoded ({type(exc).__name__}: {exc}); upload a "
+                            "complete PNG, JPEG or WebP file.", code="invalid_image", param="input_reference") from None
+
+
+def frames_for(seconds: float, fps: int, temporal: int) -> int:
+    """The frame count ``temporal * k + 1`` (k >= 0) nearest to ``seconds * fps``, halves rounded up."""
+    k = math.floor((seconds * fps - 1) / temporal + 0.5)
+    return temporal * max(k, 0) + 1
+
+
+def _seconds(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ApiError(400, f"seconds={value!r} must be a number of seconds such as \"4\".", code="invalid_type",
+                       param="seconds")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ApiError(400, f"seconds={value!r} is not a number; send e.g. \"4\".", code="invalid_type",
+                       param="seconds") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ApiError(400, f"seconds={value!r} must be a positive number of seconds, e.g. \"4\".",
+                       code="invalid_value", param="seconds")
+    return number
+
+
+def _size(value) -> tuple[int, int]:
+    match = SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ApiError(400, f"size={value!r} must be 'WIDTHxHEIGHT' in pixels, e.g. \"832x480\".",
+                       code="invalid_value" if isinstance(value, str) else "invalid_type", param="size")
+    return int(match.group(1)), int(match.group(2))
+
+
+def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
+    """Check a create ``body`` (typed values; ``image``: the uploaded first frame or None) against ``gen`` (the
+    loaded generator, serving ``model``); ``output``: where the server writes videos (the request is checked with
+    it). Raises an :class:`ApiError` (400) naming the first broken rule."""
+    for key in body:
+        if key in SERVER_ONLY:
+            raise ApiError(400, f"{key!r} cannot be set by a client: {SERVER_ONLY[key]}.", code="unsupported_parameter",
+                           param=key)
+        if key not in REQUEST_FIELDS and key not in OPENAI_FIELDS:
+            known = OPENAI_FIELDS + tuple(k for k in REQUEST_FIELDS if k not in SERVER_ONLY)
+            raise ApiError(400, f"{key!r} is not a field of this API; the fields are: {', '.join(known)}.",
+                           code="unknown_parameter", param=key)
+    if "input_reference" in body:
+        raise ApiError(400, "input_reference must be an uploaded image file (multipart/form-data), not a reference "
+                            "object or text.", code="invalid_value", param="input_reference")
+    if "model" in body and body["model"] != model:
+        raise ApiError(400, f"model={body['model']!r}: this server serves {model!r}; leave model out or send "
+                            f"{model!r}.", code="model_not_found", param="model")
+    fields = {k: v for k, v in body.items() if k in REQUEST_FIELDS}
+    if "size" in body:
+        for name in ("width", "height"):
+            if name in fields:
+                raise ApiError(400, f"give size or {name}, not both.", code="invalid_value", param=name)
+        fields["width"], fields["height"] = _size(body["size"])
+    if "seconds" in body:
+        if "num_frames" in fields:
+            raise ApiError(400, "give seconds or num_frames, not both.", code="invalid_value", param="num_frames")
+        fps = fields.get("fps")
+        fps = fps if isinstance(fps, int) and not isinstance(fps, bool) and fps > 0 else gen.checkpoint.preset.fps
+        fields["num_frames"] = frames_for(_seconds(body["seconds"]), fps, gen.vae_scale_factors[0])
+    if fields.get("seed") is None:
+        fields["seed"] = random_seed()
+    try:
+        request = build(fields, output, image)
+        resolved = gen.resolve(request)
+    except UserError as exc:
+        raise from_user_error(exc, tuple(REQUEST_FIELDS)) from None
+    s = resolved.settings
+    seconds = str(body["seconds"]) if "seconds" in body else f"{s.num_frames / s.fps:g}"
+    return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)
+
+
+def build(fields: dict, output: Path, image) -> GenerationRequest:
+    """The request of a job: its stored ``fields``, the server's ``output`` (a .mp4 path, replaced if a former run
+    of the job left it) and the first frame ``image`` (a PIL image or None)."""
+    request = from_json(GenerationRequest, {**fields, "output_path": str(output), "overwrite": True})
+    return request if image is None else request.replace(image=image)

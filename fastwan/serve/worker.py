@@ -1,0 +1,146 @@
+"""The server's one worker thread: it loads the model once, then runs the store's queued jobs one at a time, oldest
+first.
+
+Rules: progress (0-99 while running, 100 when complete) is written after every denoising step; a job deleted while
+it runs stops at its next step (:meth:`Worker.cancel`: the step callback raises :class:`Cancelled`), and since the
+video and its thumbnail appear only whole (written to a hidden name, then moved), a stopped or deleted job leaves no
+file; a job deleted just as it completes has its files removed. A job that fails keeps its error as OpenAI's
+``{"code", "message"}``. One log line per change of a job's state.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from fastwan.errors import UserError, one_line
+from fastwan.serve.requests import build
+from fastwan.serve.store import Job, JobStore
+
+logger = logging.getLogger("fastwan.serve")
+
+
+class Cancelled(Exception):
+    """Raised from the step callback of a job that was deleted while it ran."""
+
+
+def write_png(frame, path: Path) -> None:
+    """``frame`` (uint8 [H, W, 3]) as a PNG at ``path``, written under a hidden name and moved into place."""
+    from PIL import Image
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        Image.fromarray(frame).save(f, format="PNG")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove(*paths: str | Path | None) -> None:
+    for path in paths:
+        if path:
+            Path(path).unlink(missing_ok=True)
+
+
+class Worker:
+    """Loads ``options`` (a LoadOptions) on its thread, then runs ``store``'s jobs; files go under ``data_dir``."""
+
+    def __init__(self, options, store: JobStore, data_dir: Path):
+        self.options, self.store, self.data_dir = options, store, Path(data_dir)
+        self.gen = None
+        self.load_error: str | None = None
+        self._wake = threading.Condition()
+        self._cancelled: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastwan-serve-worker", daemon=True)
+
+    @property
+    def videos(self) -> Path:
+        return self.data_dir / "videos"
+
+    def video_path(self, id: str) -> Path:
+        return self.videos / f"{id}.mp4"
+
+    def start(self) -> None:
+        self.videos.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self.notify()
+        self._thread.join(timeout)
+
+    def ready(self) -> bool:
+        """The model is loaded and the worker thread is alive."""
+        return self.gen is not None and self._thread.is_alive()
+
+    def notify(self) -> None:
+        """A job was queued: wake the worker."""
+        with self._wake:
+            self._wake.notify()
+
+    def cancel(self, id: str) -> None:
+        """Stop the job ``id`` at its next step if it runs (its row is already deleted)."""
+        self._cancelled.add(id)
+
+    def _run(self) -> None:
+        from fastwan.pipelines.generator import VideoGenerator
+
+        try:
+            self.gen = VideoGenerator.load(self.options)
+        except Exception as exc:  # noqa: BLE001 -- reported by /ready and every create, not raised into a thread
+            self.load_error = one_line(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+            logger.error("the model did not load: %s", self.load_error)
+            return
+        logger.info("model %s loaded; serving", self.options.model)
+        while not self._stop.is_set():
+            job = self.store.claim()
+            if job is None:
+                with self._wake:
+                    self._wake.wait(timeout=1.0)
+                continue
+            self.run(job)
+
+    def run(self, job: Job) -> None:
+        """Make ``job``'s video (the job is ``in_progress``)."""
+        logger.info("video %s: in_progress", job.id)
+        target = self.video_path(job.id)
+        thumbnail = target.with_suffix(".png")
+
+        def on_step(done: int, total: int) -> None:
+            if job.id in self._cancelled:
+                raise Cancelled(job.id)
+            self.store.progress(job.id, min(99, 100 * done // total))
+
+        try:
+            image = None
+            if job.image is not None:
+                from PIL import Image
+
+                with Image.open(job.image) as im:
+                    image = im.convert("RGB")
+            result = self.gen.generate(build(job.fields, target, image), on_step=on_step)
+            write_png(result.frames[0], thumbnail)
+        except Cancelled:
+            logger.info("video %s: cancelled (deleted while in progress)", job.id)
+            remove(target, thumbnail, job.image)
+            return
+        except Exception as exc:  # noqa: BLE001 -- a job's failure is its status, the worker goes on
+            if isinstance(exc, UserError):
+                error = {"code": "invalid_request", "message": one_line(exc)}
+            else:
+                logger.exception("video %s failed", job.id)
+                error = {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}
+            remove(target, thumbnail)
+            if self.store.finish(job.id, error=error):
+                logger.info("video %s: failed (%s)", job.id, error["message"])
+            remove(job.image)
+            return
+        finally:
+            self._cancelled.discard(job.id)
+        if self.store.finish(job.id, video=str(target), thumbnail=str(thumbnail)):
+            logger.info("video %s: completed", job.id)
+        else:  # deleted as it completed
+            remove(target, thumbnail)
+        remove(job.image)
