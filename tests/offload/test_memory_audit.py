@@ -7,19 +7,15 @@ lies beside it."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
-import shutil
 
 import pytest
 import torch
 
-from fastwan.cli import main
-from fastwan.errors import InvalidArgument, OutputPathError
+from fastwan.errors import InvalidArgument
 from fastwan.models import load_transformer
 from fastwan.offload import Footprint, parse_memory, plan_offload
 from fastwan.offload.plan import GiB
-from fastwan.models.wan import export
 from fastwan.checkpoint.resolver import resolve
 from fastwan.models.wan.export import export_fp8
 from fastwan.offload.placement import job_footprint, usable, weight_bytes
@@ -73,94 +69,6 @@ def test_an_fp8_folder_is_planned_at_the_bytes_it_loads_to(tiny_ckpts, tmp_path,
     fp8 = job_footprint(src, weight_bytes(src, dtype=dtype, vae_dtype=torch.float32, quantization="fp8"),
                         src.preset, dtype, "fp8", lambda tokens: True, "auto")
     assert job_footprint(ckpt, weights, ckpt.preset, dtype, None, lambda tokens: True, "auto") == fp8
-
-
-def tree(folder) -> dict[str, str]:
-    """Every file under ``folder`` -> its sha256 (links followed)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("a weight was read before the checks finished")
-
-    monkeypatch.setattr("fastwan.models.load_transformer", boom)
-
-
-@pytest.mark.parametrize("where", ["source", "parent"])
-def test_export_never_replaces_the_source(tiny_ckpts, tmp_path, where, no_loading):
-    src = tmp_path / "ckpt" / "wan"
-    shutil.copytree(tiny_ckpts["wan2.1"], src)
-    (tmp_path / "ckpt" / "model_index.json").write_text("{}")  # the parent looks like a pipeline folder too
-    before = tree(tmp_path / "ckpt")
-    with pytest.raises(OutputPathError, match="part of the source checkpoint"):
-        export_fp8(src, src if where == "source" else src.parent, overwrite=True, device="cpu")
-    assert tree(tmp_path / "ckpt") == before and not list(tmp_path.rglob(".*.tmp"))
-
-
-def test_export_never_replaces_what_the_source_links_to(tiny_ckpts, tmp_path, monkeypatch):
-    """An FP8 folder re-exported onto the checkpoint its text encoder and VAE link to; a former export that a
-    source's component links into."""
-    orig = tmp_path / "orig"
-    shutil.copytree(tiny_ckpts["wan2.1"], orig)
-    first = export_fp8(orig, tmp_path / "fp8", device="cpu")
-    linking = tmp_path / "linking"
-    shutil.copytree(orig, linking, ignore=shutil.ignore_patterns("transformer"))
-    (linking / "transformer").symlink_to(first / "transformer", target_is_directory=True)
-    before, before_first = tree(orig), tree(first)
-    monkeypatch.setattr("fastwan.models.load_transformer", lambda *a, **k: pytest.fail("a weight was read"))
-    with pytest.raises(OutputPathError, match=re.escape(f"output={str(orig)!r} is not a folder fastwan quantize")):
-        export_fp8(first, orig, overwrite=True, device="cpu")
-    with pytest.raises(OutputPathError, match=f"is or holds {first}/transformer, part of the source checkpoint"):
-        export_fp8(linking, first, overwrite=True, device="cpu")
-    assert tree(orig) == before and tree(first) == before_first
-
-
-def test_export_overwrites_only_a_former_export(tiny_ckpts, tmp_path, no_loading):
-    out = tmp_path / "mine"
-    out.mkdir()
-    (out / "notes.txt").write_text("keep me")
-    with pytest.raises(OutputPathError, match=r"is not a folder fastwan quantize wrote \(it holds no pipeline's "
-                                              r"model_index.json\); overwrite \(--overwrite\) replaces only a former"):
-        export_fp8(tiny_ckpts["wan2.1"], out, overwrite=True, device="cpu")
-    assert (out / "notes.txt").read_text() == "keep me"
-
-
-def test_export_checks_device_and_destination_first(tiny_ckpts, tmp_path, monkeypatch, no_loading, capsys):
-    monkeypatch.setattr("fastwan.checkpoint.resolver.resolve",
-                        lambda *a, **k: pytest.fail("the checkpoint was read first"))
-    for device in ("gpu", "meta", 3):
-        with pytest.raises(InvalidArgument, match=re.escape(f"device={device!r}")):
-            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device=device)
-    if not torch.cuda.is_available():
-        with pytest.raises(InvalidArgument, match="device='cuda' is not available here"):
-            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device="cuda")
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(OutputPathError, match="does not exist or is not a folder"):
-        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "file" / "out", device="cpu")
-    monkeypatch.setattr(export.os, "access", lambda path, mode: str(path) != str(tmp_path / "ro"))
-    (tmp_path / "ro").mkdir()
-    with pytest.raises(OutputPathError, match="is not writable"):
-        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "ro" / "out", device="cpu")
-    assert main(["quantize", "--model", str(tiny_ckpts["wan2.1"]), "--output", str(tmp_path / "b"),
-                 "--device", "gpu"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("fastwan: error: device='gpu' is not a torch device") and err.count("\n") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]
-
-
-def test_export_expands_home_and_replaces_a_former_export(tiny_ckpts, tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    out = export_fp8(tiny_ckpts["wan2.1"], "~/fp8", device="cpu")
-    assert out == tmp_path / "fp8" and (out / "transformer").is_dir()
-    first = tree(out)
-    (tmp_path / ".fp8.old").mkdir()  # something of the user's where a former export's folder could be parked
-    (tmp_path / ".fp8.old" / "keep").write_text("k")
-    again = export_fp8(tiny_ckpts["wan2.1"], tmp_path / "fp8", overwrite=True, device="cpu")
-    assert tree(again) == first and (tmp_path / ".fp8.old" / "keep").read_text() == "k"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".fp8.old", "fp8"]
 
 
 @pytest.mark.parametrize("num_frames, chunk, calls", [(9, "auto", 2), (5, "auto", 1), (17, 2, 2), (81, 3, 3),

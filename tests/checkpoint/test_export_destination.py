@@ -1,8 +1,9 @@
 """Where ``export_fp8`` / ``fastwan quantize`` may write, and with which modes: an empty output, the current folder
-and the folders above it, a symbolic link and the source checkpoint are refused; ``overwrite`` replaces only a
-former export (a model_index.json, FP8 transformer folders as fastwan writes them and links to the source's
-components, nothing else), checked before any weight is read and again just before the swap, and deletes only
-what that rule listed; the folders and files written get 0o777 / 0o666 less the umask."""
+and the folders above it, a symbolic link and the source checkpoint (or what its components link to) are refused;
+``overwrite`` replaces only a former export (a model_index.json, FP8 transformer folders as fastwan writes them and
+links to the source's components, nothing else), whatever lies beside it, checked before any weight is read and
+again just before the swap, and deletes only what that rule listed; the device and the destination are checked
+before the checkpoint is read; the folders and files written get 0o777 / 0o666 less the umask."""
 from __future__ import annotations
 
 import hashlib
@@ -290,3 +291,84 @@ def test_the_tiny_checkpoint_cache_has_the_modes_of_the_umask(tmp_path, monkeypa
     files = [p for p in root.rglob("*") if p.is_file()]
     assert files and all(mode(f) == 0o666 & ~umask for f in files), {str(f): oct(mode(f)) for f in files}
     assert all(mode(d) == 0o777 & ~umask for d in folders), {str(d): oct(mode(d)) for d in folders}
+
+
+# ---- the source checkpoint and former exports ---------------------------------------------------------------------
+def tree(folder) -> dict[str, str]:
+    """Every file under ``folder`` -> its sha256 (links followed)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["source", "parent"])
+def test_export_never_replaces_the_source(tiny_ckpts, tmp_path, where, no_loading):
+    src = tmp_path / "ckpt" / "wan"
+    shutil.copytree(tiny_ckpts["wan2.1"], src)
+    (tmp_path / "ckpt" / "model_index.json").write_text("{}")  # the parent looks like a pipeline folder too
+    before = tree(tmp_path / "ckpt")
+    with pytest.raises(OutputPathError, match="part of the source checkpoint"):
+        export_fp8(src, src if where == "source" else src.parent, overwrite=True, device="cpu")
+    assert tree(tmp_path / "ckpt") == before and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_export_never_replaces_what_the_source_links_to(tiny_ckpts, tmp_path, monkeypatch):
+    """An FP8 folder re-exported onto the checkpoint its text encoder and VAE link to; a former export that a
+    source's component links into."""
+    orig = tmp_path / "orig"
+    shutil.copytree(tiny_ckpts["wan2.1"], orig)
+    first = export_fp8(orig, tmp_path / "fp8", device="cpu")
+    linking = tmp_path / "linking"
+    shutil.copytree(orig, linking, ignore=shutil.ignore_patterns("transformer"))
+    (linking / "transformer").symlink_to(first / "transformer", target_is_directory=True)
+    before, before_first = tree(orig), tree(first)
+    monkeypatch.setattr("fastwan.models.load_transformer", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(OutputPathError, match=re.escape(f"output={str(orig)!r} is not a folder fastwan quantize")):
+        export_fp8(first, orig, overwrite=True, device="cpu")
+    with pytest.raises(OutputPathError, match=f"is or holds {first}/transformer, part of the source checkpoint"):
+        export_fp8(linking, first, overwrite=True, device="cpu")
+    assert tree(orig) == before and tree(first) == before_first
+
+
+def test_export_overwrites_only_a_former_export(tiny_ckpts, tmp_path, no_loading):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match=r"is not a folder fastwan quantize wrote \(it holds no pipeline's "
+                                              r"model_index.json\); overwrite \(--overwrite\) replaces only a former"):
+        export_fp8(tiny_ckpts["wan2.1"], out, overwrite=True, device="cpu")
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_export_checks_device_and_destination_first(tiny_ckpts, tmp_path, monkeypatch, no_loading, capsys):
+    monkeypatch.setattr("fastwan.checkpoint.resolver.resolve",
+                        lambda *a, **k: pytest.fail("the checkpoint was read first"))
+    for device in ("gpu", "meta", 3):
+        with pytest.raises(InvalidArgument, match=re.escape(f"device={device!r}")):
+            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="device='cuda' is not available here"):
+            export_fp8(tiny_ckpts["wan2.1"], tmp_path / "a", device="cuda")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputPathError, match="does not exist or is not a folder"):
+        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "file" / "out", device="cpu")
+    monkeypatch.setattr(export.os, "access", lambda path, mode: str(path) != str(tmp_path / "ro"))
+    (tmp_path / "ro").mkdir()
+    with pytest.raises(OutputPathError, match="is not writable"):
+        export_fp8(tiny_ckpts["wan2.1"], tmp_path / "ro" / "out", device="cpu")
+    assert main(["quantize", "--model", str(tiny_ckpts["wan2.1"]), "--output", str(tmp_path / "b"),
+                 "--device", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastwan: error: device='gpu' is not a torch device") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]
+
+
+def test_export_expands_home_and_replaces_a_former_export(tiny_ckpts, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = export_fp8(tiny_ckpts["wan2.1"], "~/fp8", device="cpu")
+    assert out == tmp_path / "fp8" and (out / "transformer").is_dir()
+    first = tree(out)
+    (tmp_path / ".fp8.old").mkdir()  # something of the user's where a former export's folder could be parked
+    (tmp_path / ".fp8.old" / "keep").write_text("k")
+    again = export_fp8(tiny_ckpts["wan2.1"], tmp_path / "fp8", overwrite=True, device="cpu")
+    assert tree(again) == first and (tmp_path / ".fp8.old" / "keep").read_text() == "k"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fp8.old", "fp8"]
