@@ -1,5 +1,7 @@
 """The offload planner: phase peaks against hand-computed numbers, the lever ladder as the budget shrinks, the
-too-small error, and parse_memory."""
+too-small error (the budget as the user gave it, with the budget the job needs, checked against the planner
+itself; a budget the allocator's reserve eats is refused by that rule), and parse_memory (unit-less sizes that are
+no size at all)."""
 import dataclasses
 import math
 import re
@@ -8,6 +10,7 @@ import pytest
 
 from fastwan.errors import InvalidArgument
 from fastwan.offload import Footprint, OffloadPlan, parse_memory, plan_offload
+from fastwan.offload.placement import usable
 from fastwan.offload.plan import GiB, gib, phase_peaks
 
 MiB = 2**20
@@ -153,4 +156,32 @@ def test_parse_memory(value, want):
                                           ("0.1B", "less than one byte"), ("", "not a number")])
 def test_parse_memory_rejects(value, match):
     with pytest.raises(InvalidArgument, match=match):
+        parse_memory(value)
+
+
+# ---- budgets at their edges ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("given, fp", [(3 * GiB, FP), (8000 * MiB, FP),
+                                       (24 * GiB, dataclasses.replace(FP, dit_activations=30000 * MiB))],
+                         ids=["3GiB", "8000MiB", "24GiB-reserve-1/16"])
+def test_too_small_names_the_budget_given_and_the_budget_needed(given, fp):
+    with pytest.raises(InvalidArgument) as err:
+        plan_offload(fp, usable(given))  # as from_pretrained plans
+    msg = str(err.value)
+    assert f"max_gpu_memory={given / GiB:.2f} GiB is too small" in msg
+    need = float(re.search(r"need max_gpu_memory of at least (\d+\.\d\d) GiB", msg).group(1))
+    plan_offload(fp, usable(int(need * GiB)))  # the budget named fits ...
+    with pytest.raises(InvalidArgument):  # ... and is the smallest, to the hundredth of a GiB shown
+        plan_offload(fp, usable(int((need - 0.01) * GiB)))
+
+
+@pytest.mark.parametrize("given", [512 * MiB, GiB, 1])
+def test_a_budget_the_allocator_reserve_takes_whole_is_refused_by_that_rule(given):
+    with pytest.raises(InvalidArgument, match=rf"max_gpu_memory={given / GiB:.2f} GiB leaves nothing to plan with: "
+                                              r"1\.00 GiB of a budget stays free .*at least 1 GiB"):
+        usable(given)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "-inf", "0.0"])
+def test_unitless_non_sizes_are_refused_as_non_sizes(value):
+    with pytest.raises(InvalidArgument, match=re.escape(f"max_gpu_memory={value!r} must be a finite positive size")):
         parse_memory(value)

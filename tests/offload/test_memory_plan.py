@@ -2,7 +2,8 @@
 frames of the generator without one, bit for bit in fp32 (text encoder offloaded or streamed layer by layer, A14B
 experts swapped at the boundary, the DiT offloaded outside denoising, DiT blocks streamed); the planner's choices
 at the real Wan2.1-14B / A14B shapes for given budgets (bf16 and FP8); budgets that cannot fit raise before any
-loading, and so does a budget off CUDA."""
+loading, and so does a budget off CUDA. What a job is planned at: an FP8 folder loaded without ``quantization=`` at
+its FP8 size (the bytes its loaded DiT holds), a decode at the frames a decoder call can hold."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ from fastwan.errors import InvalidArgument
 from fastwan.hooks import HookRegistry
 from fastwan.offload import OffloadPlan, plan_offload
 from fastwan.offload.plan import GiB
-from fastwan.offload.placement import Placement, estimate_footprint, weight_bytes
+from fastwan.checkpoint.resolver import resolve
+from fastwan.models import load_transformer
+from fastwan.models.wan.export import export_fp8
+from fastwan.offload.placement import Placement, estimate_footprint, job_footprint, usable, weight_bytes
 
+MiB = 2**20
 RUN = dict(height=64, width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0, seed=3, save_video=False)
 
 
@@ -151,3 +156,37 @@ def test_each_video_gets_the_planners_plan_before_compute(tiny_ckpts, monkeypatc
     gen._denoise = lambda *a, **k: pytest.fail("compute started before the plan was settled")
     with pytest.raises(InvalidArgument, match="nothing fits"):
         gen.generate_video("a cat", **RUN)
+
+
+# ---- what a job is planned at -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant, dtype", [("wan2.1", torch.bfloat16), ("wan2.2-a14b", torch.float32)])
+def test_an_fp8_folder_is_planned_at_the_bytes_it_loads_to(tiny_ckpts, tmp_path, variant, dtype):
+    out = export_fp8(tiny_ckpts[variant], tmp_path / "fp8", device="cpu")
+    ckpt = resolve(out)
+    loaded = []
+    for e in ckpt.experts:
+        dit = load_transformer(out / e, dtype=dtype, device="cpu")  # FP8 whatever quantization says
+        loaded.append(sum(t.numel() * t.element_size()
+                          for t in {id(t): t for t in [*dit.parameters(), *dit.buffers()]}.values()))
+    weights = weight_bytes(ckpt, dtype=dtype, vae_dtype=torch.float32, quantization=None)
+    assert list(weights["dit"]) == loaded
+    src = resolve(tiny_ckpts[variant])
+    fp8 = job_footprint(src, weight_bytes(src, dtype=dtype, vae_dtype=torch.float32, quantization="fp8"),
+                        src.preset, dtype, "fp8", lambda tokens: True, "auto")
+    assert job_footprint(ckpt, weights, ckpt.preset, dtype, None, lambda tokens: True, "auto") == fp8
+
+
+@pytest.mark.parametrize("num_frames, chunk, calls", [(9, "auto", 2), (5, "auto", 1), (17, 2, 2), (81, 3, 3),
+                                                      (1, 4, 1)])
+def test_decode_is_sized_by_the_frames_a_call_can_hold(tiny_ckpts, num_frames, chunk, calls):
+    """A decoder call after the first holds at most the video's remaining latent frames: a short video is not sized
+    as a chunk the auto rule would give a long one (``calls``: latent frames of the largest call)."""
+    from types import SimpleNamespace
+
+    ckpt = resolve(tiny_ckpts["wan2.2-a14b"])
+    weights = weight_bytes(ckpt, dtype=torch.float32, vae_dtype=torch.float32, quantization=None)
+    s = SimpleNamespace(height=64, width=64, num_frames=num_frames, guidance_scale=5.0, guidance_scale_2=None)
+    fp = job_footprint(ckpt, weights, s, torch.float32, None, lambda tokens: True, chunk)
+    assert fp.vae_decode == 2800 * 64 * 64 * 4 * calls
+    if num_frames == 9:  # the tiny model's video fits a 2100 MiB budget (it was refused as needing 9.34 GiB)
+        assert plan_offload(fp, usable(2100 * MiB)).peak < 2100 * MiB

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fastwan import VideoGenerator
 from fastwan.options import DiTOptions
 from tests.lora.helpers import random_lora
-from tests.pipelines.test_memory_plan import RUN, placed, plan
+from tests.offload.test_memory_plan import RUN, placed, plan
 
 ALL = plan("offload", "swap", True, False, 1)  # every DiT lever at once: swap, offload, one streamed block
 
