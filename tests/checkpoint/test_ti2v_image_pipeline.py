@@ -17,7 +17,7 @@ from fastwan.checkpoint.resolver import resolve
 from fastwan.checkpoint.tiny import write_tiny_checkpoint
 from fastwan.errors import InvalidArgument
 from tests.pipelines.latents import generate_with_latents
-from tests.pipelines.test_image_shapes_parity import diffusers_video, picture
+from tests.image.test_image_shapes_parity import diffusers_video, picture
 
 
 def write_ti2v_image_pipeline(path):

@@ -1,4 +1,4 @@
-"""Feature pairs on the image-to-video checkpoints (tiny, fp32, CPU), each against an independent reference:
+"""Image to video with the other options (tiny checkpoints, fp32, CPU), each against an independent reference:
 step caches against diffusers' hooks on ``WanImageToVideoPipeline`` (the same computed steps per pass, frames
 within 1; TI2V's image mode and FLF2V's last frame included), tiled VAE against diffusers' ``enable_tiling`` (which
 tiles the image's encoding too), LoRAs on every layer (image cross-attention and the layers outside the blocks)
@@ -17,7 +17,7 @@ from fastwan import VideoGenerator
 from fastwan.cache import FirstBlockCache, MagCache, TeaCache
 from fastwan.options import DiTOptions
 from fastwan.checkpoint.tiny import tiny_checkpoint
-from tests.pipelines.test_image_shapes_parity import picture
+from tests.image.test_image_shapes_parity import picture
 
 pytest.importorskip("peft")
 PROMPT, NEG, SIZE = "a fox in the snow", "blurry", dict(height=64, width=64, num_frames=9)
