@@ -1,5 +1,6 @@
 """Where generate_video writes: never over an existing file unless asked, never a partial file, clear errors for a
-destination that cannot be written -- and those before any compute.
+destination that cannot be written (a NUL in the path, a file name too long for the file system) -- and those
+before any compute.
 
 Assertions use builtin exception types (OSError, FileExistsError, ValueError) and the file system itself.
 """
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.errors import OutputExistsError
+from fastwan.errors import InvalidArgument, OutputExistsError, OutputPathError
+from fastwan.pipelines import output
 from fastwan.pipelines.output import check_output_path, prepare_output, save_video
 
 SMALL = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
@@ -276,3 +278,22 @@ def test_a_file_that_appeared_during_the_run_is_kept_and_so_is_the_video(tmp_pat
         save_video(target, "ignored.mp4", np.zeros((5, 16, 16, 3), np.uint8), 8)
     assert out.read_bytes() == b"the user's file"
     assert files(tmp_path) == ["clip-unsaved.mp4", "clip.mp4"] and (tmp_path / "clip-unsaved.mp4").stat().st_size > 0
+
+
+# ---- paths the file system refuses --------------------------------------------------------------------------------
+def test_nul_in_output_path_is_refused_before_compute(no_compute, tmp_path):
+    for path in (tmp_path / "a\0b.mp4", f"{tmp_path}/sub\0dir/"):
+        with pytest.raises(InvalidArgument, match="NUL"):
+            no_compute.generate_video("a cat", seed=0, output_path=path, num_inference_steps=1)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["a" * 300 + ".mp4", "视" * 90 + ".mp4"], ids=["ascii", "cjk"])  # 304, 274 bytes
+def test_too_long_file_name_is_a_user_error_before_compute(no_compute, tmp_path, name):
+    with pytest.raises(OutputPathError, match="cannot be written") as e:
+        no_compute.generate_video("a cat", seed=0, output_path=tmp_path / name, num_inference_steps=1)
+    assert str(tmp_path) in str(e.value)
+    assert os.listdir(tmp_path) == []
+    target = output.check_output_path(tmp_path / ("b" * 251 + ".mp4"), False)  # 255 bytes: allowed
+    output.prepare_output(target)
+    assert os.listdir(tmp_path) == []
