@@ -1,10 +1,10 @@
-"""Parallel generators on the CPU (gloo), the cases the other parallel tests leave out: a call interrupted before
-every rank answered ends the workers (a late answer is never taken as the next request's); rank 0's user error
-after the other ranks finished is raised as itself and the workers stay; a CUDA device index that is not the
-rank's own is refused before any process starts or joins; a stale WORLD_SIZE without a launcher is a user error;
-the video equals the one-process video under CFG parallelism with a step cache, and with one DiT token over two
-sequence ranks (one rank's shard empty); NVLink multicast is off in spawned workers unless the user set it; a
-script that asks for workers without ``if __name__ == "__main__":`` gets a user error that says to add it."""
+"""Parallel generators' worker processes on the CPU (gloo): a call interrupted before every rank answered ends the
+workers (a late answer is never taken as the next request's); rank 0's user error after the other ranks finished
+is raised as itself and the workers stay; a CUDA device index that is not the rank's own is refused before any
+process starts or joins; a stale WORLD_SIZE without a launcher is a user error; the video equals the one-process
+video under CFG parallelism with a step cache, and with one DiT token over two sequence ranks (one rank's shard
+empty); NVLink multicast is off in spawned workers unless the user set it; a script that asks for workers without
+``if __name__ == "__main__":`` gets a user error that says to add it."""
 from __future__ import annotations
 
 import _thread
