@@ -1,4 +1,6 @@
-"""Sparse backends == dense attention with an independently built token mask (raster order, fp64 reference).
+"""Sparse backends == dense attention with an independently built token mask (raster order, fp64 reference), also
+at grid shapes their tiles and windows do not divide, batch 2 and one head, and STA's per-head windows on a call
+that holds only some of the layer's heads (sequence parallelism).
 
 The references below are written from the definitions (token coordinates in raster order, explicit window
 rules), never from the backends' block tables or layouts. Backend outputs are brought back to raster order
@@ -365,3 +367,71 @@ def test_tile_larger_than_the_whole_grid_needs_no_padding():
     assert layout.tile == grid and layout.padded_tokens == math.prod(grid)  # was 16384 slots for 320 tokens
     q, k, v = qkv(grid, heads=2, batch=1, seed=8)
     close(run(b, grid, q, k, v), ref_attention(q, k, v, torch.ones(1, dtype=torch.bool)))
+
+
+# ------------------------------------------------------------------------------------------ odd grids and head slices
+GRIDS = [(3, 5, 7), (1, 4, 6), (2, 1, 1), (1, 1, 1)]  # odd sizes, a single frame, fewer tokens than one tile
+
+
+def clamp(tile, grid):
+    return tuple(min(t, g) for t, g in zip(tile, grid))
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("tile,window", [((2, 3, 4), (3, 1, 5)), ((4, 4, 4), (9, 9, 9))])
+def test_sta_at_odd_grids(grid, tile, window):
+    q, k, v = qkv(grid, heads=1, dim=8, batch=2)
+    b = create_backend("SLIDING_TILE_ATTN", {"tile": list(tile), "window": list(window), "kernel": "sdpa"})
+    close(run(b, grid, q, k, v), ref_attention(q, k, v, sta_ref_mask(grid, clamp(tile, grid), window)))
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("conf", [dict(kernel_size=[1, 1, 1]), dict(kernel_size=[-1, 1, 1], is_causal=True),
+                                  dict(tile=[2, 3, 4]), dict(stride=[1, 1, 1], is_causal=[True, False, False])])
+def test_na_at_odd_grids(grid, conf):
+    q, k, v = qkv(grid, heads=1, dim=8, batch=2)
+    b = create_backend("NEIGHBORHOOD_ATTN", {**conf, "kernel": "sdpa"})
+    spec = b.spec(grid)  # the default kernel size fitted to the grid, or the explicit one (-1: whole axis)
+    want = ref_attention(q, k, v, na_ref_mask(grid, spec.kernel_size, spec.stride, spec.dilation, spec.is_causal))
+    close(run(b, grid, q, k, v), want)
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("tile,sparsity", [((4, 4, 4), 0.0), ((1, 2, 2), 0.5), ((2, 3, 4), 0.999)])
+def test_vsa_at_odd_grids(grid, tile, sparsity):
+    q, k, v = qkv(grid, heads=1, dim=8, batch=2)
+    gate = torch.randn_like(q)
+    b = create_backend("VIDEO_SPARSE_ATTN", {"tile": list(tile), "sparsity": sparsity, "kernel": "sdpa"})
+    close(run(b, grid, q, k, v, gate=gate), vsa_reference(q, k, v, grid, clamp(tile, grid), sparsity, gate))
+
+
+PER_HEAD = [  # four heads, each its own window; the flat form leaves heads 0 and 2 at "window"
+    ({"*": {"*": [[1, 1, 1], [3, 3, 3], [1, 3, 1], [3, 1, 3]]}}, [(1, 1, 1), (3, 3, 3), (1, 3, 1), (3, 1, 3)]),
+    ({"0_0_1": [3, 3, 3], "0_0_3": [1, 3, 1]}, [(1, 1, 1), (3, 3, 3), (1, 1, 1), (1, 3, 1)]),
+]
+
+
+@pytest.mark.parametrize("strategy,windows", PER_HEAD)
+def test_sta_per_head_windows_on_a_slice_of_the_heads(strategy, windows):
+    """A call that holds heads first .. first + H - 1 of the layer (meta.extra["head_range"], as Ulysses sequence
+    parallelism splits them) applies those heads' windows; without it, the call's heads are the layer's."""
+    grid, tile = (3, 5, 7), (1, 2, 2)
+    b = create_backend("SLIDING_TILE_ATTN", {"tile": list(tile), "window": 1, "strategy": strategy, "kernel": "sdpa"})
+    q, k, v = qkv(grid, heads=4, dim=8, batch=2)
+    want = torch.cat([ref_attention(q[:, :, h:h + 1], k[:, :, h:h + 1], v[:, :, h:h + 1],
+                                    sta_ref_mask(grid, tile, windows[h])) for h in range(4)], dim=2)
+    layout = b.layout(grid, "cpu")
+    for first, n in [(0, 4), (0, 2), (2, 2), (1, 1), (3, 1)]:
+        qp, kp, vp = (layout.permute(t[:, :, first:first + n], dim=1) for t in (q, k, v))
+        extra = {} if n == 4 else {"head_range": (first, 4)}
+        meta = AttentionMetadata(grid=grid, step_index=0, layer_index=0, layout=layout, extra=extra)
+        close(layout.unpermute(b(qp, kp, vp, meta=meta), dim=1), want[:, :, first:first + n])
+
+
+def test_sta_head_range_that_does_not_hold_the_call_is_refused():
+    b = create_backend("SLIDING_TILE_ATTN", {"tile": [1, 2, 2], "strategy": {"*": {"*": [[1, 1, 1]] * 4}}})
+    layout = b.layout((2, 4, 4), "cpu")
+    q = torch.zeros(1, layout.padded_tokens, 2, 8)
+    meta = AttentionMetadata(grid=(2, 4, 4), layout=layout, extra={"head_range": (3, 4)})
+    with pytest.raises(ValueError, match=r"head_range.*\(3, 4\).*2 heads"):
+        b(q, q, q, meta=meta)

@@ -1,4 +1,6 @@
-"""Config loading and validation: every bad value is a ValueError naming the value, the rule and a fix."""
+"""Config loading and validation: every bad value is a ValueError naming the value, the rule and a fix; STA's
+strategy is checked against a DiT's shape (heads, layers) before any call, and before from_pretrained loads
+weights."""
 import json
 
 import pytest
@@ -7,6 +9,7 @@ import torch
 from fastwan.attention.base import AttentionMetadata
 from fastwan.attention.registry import create_backend
 from fastwan.attention.sparse import load_attention_config
+from fastwan.errors import InvalidArgument
 
 
 def test_load_from_dict_file_and_string(tmp_path):
@@ -112,3 +115,50 @@ def test_inline_json_that_is_not_an_object_is_named_as_such(text, kind, tmp_path
         load_attention_config(text, given_by="--config X")
     (tmp_path / text).write_text('{"sparsity": 0.5}')
     assert load_attention_config(text) == {"sparsity": 0.5}
+
+
+# ---- the strategy against the DiT ---------------------------------------------------------------------------------
+CHECK_MODEL = [  # strategy, (heads, layers) that fit, (heads, layers) that do not, message
+    ({"5": {"*": [[1, 1, 1]] * 4}}, (4, 2), (3, 2), r"strategy\['5'\]\['\*'\] lists 4 per-head windows.*3 heads"),
+    ({"0_1_3": [1, 1, 1]}, (4, 2), (3, 2), r"'0_1_3' names head 3 but the layer has 3 heads"),
+    ({"0_1_3": [1, 1, 1]}, (4, 2), (4, 1), r"'0_1_\.\.\.' names layer 1 but the DiT has 1 layers"),
+    ({"*": {"7": 3}}, (1, 8), (1, 7), r"strategy \['\*'\]\['7'\] names layer 7 but the DiT has 7 layers"),
+]
+
+
+@pytest.mark.parametrize("strategy,fits,misfits,msg", CHECK_MODEL)
+def test_sta_strategy_is_checked_against_the_dit_before_any_call(strategy, fits, misfits, msg):
+    """Every entry at once, whatever step it is for (a step-5 entry would otherwise fail at step 5)."""
+    b = create_backend("SLIDING_TILE_ATTN", {"strategy": strategy})
+    b.check_model(*fits)
+    with pytest.raises(InvalidArgument, match=msg):
+        b.check_model(*misfits)
+    for other in ("NEIGHBORHOOD_ATTN", "VIDEO_SPARSE_ATTN"):
+        create_backend(other, {}).check_model(*misfits)  # nothing per head or layer to check
+
+
+@pytest.mark.parametrize("strategy,msg", [
+    ({"00_1_2": 3, "0_1_2": 5}, r"strategy\['0_1_2'\] names the same entry.*'0_1_2'"),
+    ({"0": {"1": 3}, "00": {"1": 5}}, r"strategy\['00'\]\['1'\] names the same entry.*\['0'\]\['1'\]"),
+    ({"*": {"1": 3, "01": 5}}, r"strategy\['\*'\]\['01'\] names the same entry"),
+])
+def test_sta_strategy_keys_naming_one_entry_twice_raise(strategy, msg):
+    with pytest.raises(InvalidArgument, match=msg):
+        create_backend("SLIDING_TILE_ATTN", {"strategy": strategy})
+
+
+def test_from_pretrained_checks_the_strategy_against_the_dit_before_weights_load(tmp_path, monkeypatch):
+    """Five per-head windows for a DiT with fewer heads: refused by from_pretrained, before any weight loads."""
+    import fastwan.pipelines.generator as generator
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "wan2.1", "wan2.1", seed=0)
+
+    def loaded(*a, **k):
+        raise AssertionError("weights loaded before the attention config was checked against the DiT")
+
+    monkeypatch.setattr(generator, "load_transformer", loaded)
+    conf = {"tile": [1, 2, 2], "strategy": {"*": {"*": [[1, 1, 1]] * 5}}}
+    with pytest.raises(InvalidArgument, match="5 per-head windows"):
+        generator.VideoGenerator.from_pretrained(ckpt, device="cpu", dtype=torch.float32,
+                                                 attention_backend="SLIDING_TILE_ATTN", attention_config=conf)
