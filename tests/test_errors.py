@@ -1,4 +1,4 @@
-"""Bad input raises a clear error before any compute or file write."""
+"""Bad input raises a clear error before any compute or file write; a multi-line error reads as one line."""
 import json
 import re
 import shutil
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
+from fastwan.errors import InvalidArgument, one_line
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +228,8 @@ def test_vae_tiling_factor_follows_the_checkpoint(tiny_ckpts):
     with pytest.raises(ValueError, match="spatial factor 16"):
         VideoGenerator.from_pretrained(tiny_ckpts["wan2.2-ti2v"], device="cpu",
                                        vae_tiling={"tile_sample_min_width": 40})
+
+
+def test_one_line_drops_bullets_but_keeps_flags_and_negative_numbers():
+    exc = InvalidArgument("cannot run:\n  - --step-index -1 is negative\n  - -0.5 is below 0\n--sp 3 needs 3 GPUs")
+    assert one_line(exc) == "cannot run: --step-index -1 is negative; -0.5 is below 0; --sp 3 needs 3 GPUs"

@@ -1,5 +1,6 @@
-"""`python -m fastwan.profiler` as a user runs it: flag values, --model names, the reference every backend is
-compared with, and which results count as exact. CPU only, tiny problems."""
+"""`python -m fastwan.profiler` and `fastwan env` as a user runs them: flag values, --model names, the reference every
+backend is compared with, and which results count as exact; bad arguments are user errors printed as one line with
+exit code 2 before any work, and a JSON report is written whole or not at all. CPU only, tiny problems."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,12 @@ import json
 import pytest
 import torch
 
+from fastwan import cli as fastwan_cli
+from fastwan import envinfo
 from fastwan.attention.variants import backend_specs
-from fastwan.errors import OutputPathError
+from fastwan.errors import InvalidArgument, OutputPathError
 from fastwan.profiler import cli, problem, runner
+from fastwan.profiler import cli as profiler_cli
 
 SMALL = ["-n", "2", "-d", "16", "--dtype", "fp32", "--device", "cpu", "--warmup", "0", "--iters", "1"]
 
@@ -160,3 +164,107 @@ def test_nvfp4_from_the_environment_is_not_exact(monkeypatch):
     monkeypatch.setenv("FASTVIDEO_NVFP4_FA4", "1")
     (nvfp4,), _ = runner.plan(prob, backend_specs(["FLASH_ATTN"]))
     assert nvfp4.approximate and not nvfp4.error
+
+
+# ---- fastwan env ---------------------------------------------------------------------------------------------
+
+
+def _one_line_exit_2(capsys, run, *needles):
+    code = run()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def _exit_code(fn):
+    def run():
+        try:
+            return fn()
+        except SystemExit as e:
+            return e.code
+    return run
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--head-dim", "0"], "--head-dim 0"),
+    (["--head-dim", "-5"], "--head-dim -5"),
+    (["--dtype", "int4"], "'int4'"),
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--device", "bogus"], "'bogus'"),
+])
+def test_env_command_user_errors_are_one_line(argv, needle, capsys):
+    _one_line_exit_2(capsys, _exit_code(lambda: fastwan_cli.main(["env", *argv])), needle)
+
+
+def test_env_command_reports_bad_variables_and_the_requested_backend(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("FASTVIDEO_ATTENTION_BACKEND", "FLASH_ATTN")
+    monkeypatch.setenv("FASTVIDEO_CFG_GATE_STEP", "1.5")
+    assert envinfo.main(["--json", "--device", "cpu"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["env_problems"]) == 1 and "FASTVIDEO_CFG_GATE_STEP='1.5'" in info["env_problems"][0]
+    assert "FLASH_ATTN" in info["requested_backend"] and "'cpu' is not supported" in info["requested_backend"]
+    monkeypatch.setenv("FASTVIDEO_ATTENTION_BACKEND", "torch_sdpa")
+    monkeypatch.delenv("FASTVIDEO_CFG_GATE_STEP")
+    assert envinfo.main(["--json", "--device", "cpu"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["env_problems"] == [] and info["requested_backend"].startswith("TORCH_SDPA (")
+
+
+def test_parse_device_rejects_a_cuda_index_this_machine_lacks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert envinfo.parse_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(InvalidArgument, match=r"'cuda:2' .*has 2, cuda:0 to cuda:1"):
+        envinfo.parse_device("cuda:2")
+    with pytest.raises(InvalidArgument, match="'gpu0' .*not a torch device"):
+        envinfo.parse_device("gpu0")
+
+
+# ---- profiler command line -----------------------------------------------------------------------------------
+
+GRID = ["-i", "2", "4", "4", "-n", "2", "-d", "16", "--dtype", "fp32", "--warmup", "0", "--iters", "1"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--device", "bogus"], "'bogus'"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--step-index", "-1"], "--step-index -1"),
+    (["--step-index", "50", "--num-steps", "50"], "--step-index 50"),
+    (["--num-steps", "0", "--step-index", "0"], "--num-steps 0"),
+    (["--backend", "TORCH_SDPA", "--config", 'SLIDING_TILE_ATTN={"window": [5, 3, 3]}'], "not profiled"),
+    (["--backend", "SLIDING_TILE_ATTN", "--config", 'SLIDING_TILE_ATTN={"windw": [5, 3, 3]}'], "'windw'"),
+    (["--backend", "TORCH_SDPA", "--config", 'TORCH_SDPA={"kernel": "math"}'], "fixes kernel='auto'"),
+    (["--optimize", "--backend", "FLASH_ATTN", "--config", 'FLASH_ATTN={"version": 3}'], "FLASH_ATTN[FA4]"),
+])
+def test_profiler_argument_errors_are_one_line_before_work(extra, needle, capsys, monkeypatch, no_profiling):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _one_line_exit_2(capsys, _exit_code(lambda: profiler_cli.main([*GRID, *extra])), needle)
+
+
+def test_profiler_json_path_is_checked_before_work(tmp_path, capsys, no_profiling):
+    missing = tmp_path / "no-such-folder" / "p.json"
+    _one_line_exit_2(capsys, _exit_code(lambda: profiler_cli.main([*GRID, "--json", str(missing)])),
+                     "does not exist")
+    _one_line_exit_2(capsys, _exit_code(lambda: profiler_cli.main([*GRID, "--json", str(tmp_path)])), "is a folder")
+
+
+def test_profiler_json_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "p.json"
+    path.write_text('{"previous": "report"}')
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("cannot be written")
+
+    monkeypatch.setattr(profiler_cli, "report", lambda *a, **k: {"mode": "dry-run", "x": Unprintable()})
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        profiler_cli.main([*GRID, "--backend", "TORCH_SDPA", "--dry-run", "--json", str(path)])
+    assert path.read_text() == '{"previous": "report"}'  # the old report is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # and no temporary file is left
+    monkeypatch.undo()
+    assert profiler_cli.main([*GRID, "--backend", "TORCH_SDPA", "--dry-run", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["mode"] == "dry-run" and [r["label"] for r in data["results"]] == ["TORCH_SDPA[auto]"]
