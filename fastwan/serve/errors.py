@@ -10,6 +10,7 @@ import re
 
 from fastwan.errors import InvalidArgumentType, UserError, one_line
 
+CLI_REMARK = r"\s*\(CLI:? --[a-z0-9-]+(?: [A-Z]+)?\)"  # a message's note for command-line users, not for HTTP
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
@@ -29,7 +30,7 @@ class ApiError(Exception):
 def from_user_error(exc: UserError, fields: tuple[str, ...] = (), param: str | None = None) -> ApiError:
     """A fastwan user error raised while checking a request as a 400; ``param``: the field it is about, else the
     first of ``fields`` its message names as ``name=`` (fastwan's messages start with the value they refuse)."""
-    message = one_line(exc)
+    message = re.sub(CLI_REMARK, "", one_line(exc))
     if param is None:
         named = re.match(r"\W*(\w+)=", message)
         param = named.group(1) if named and named.group(1) in fields else None

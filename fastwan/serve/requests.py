@@ -31,6 +31,7 @@ from fastwan.errors import UserError
 from fastwan.fields import from_json, options
 from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.params import GenerationRequest
+from fastwan.pipelines.text import MAX_SEQUENCE_LENGTH
 from fastwan.serve.errors import ApiError, from_user_error
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
@@ -39,6 +40,7 @@ SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "up
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
+MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt is a mistake or an attack
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -182,9 +184,17 @@ def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
             raise ApiError(400, f"{key!r} cannot be set by a client: {SERVER_ONLY[key]}.", code="unsupported_parameter",
                            param=key)
         if key not in REQUEST_FIELDS and key not in OPENAI_FIELDS:
-            known = OPENAI_FIELDS + tuple(k for k in REQUEST_FIELDS if k not in SERVER_ONLY)
+            known = OPENAI_FIELDS + tuple(k for k in REQUEST_FIELDS if k not in SERVER_ONLY and k != "prompt")
             raise ApiError(400, f"{key!r} is not a field of this API; the fields are: {', '.join(known)}.",
                            code="unknown_parameter", param=key)
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required: what the video shows, e.g. \"a cat surfing a wave\".",
+                       code="missing_required_parameter", param="prompt")
+    for name in ("prompt", "negative_prompt"):
+        if isinstance(body.get(name), str) and len(body[name]) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"{name} is {len(body[name])} characters, over {MAX_PROMPT_CHARS}: the text encoder "
+                                f"reads {MAX_SEQUENCE_LENGTH} tokens at most; shorten it.",
+                           code="invalid_value", param=name)
     if "input_reference" in body:
         raise ApiError(400, "input_reference must be an uploaded image file (multipart/form-data), not a reference "
                             "object or text.", code="invalid_value", param="input_reference")
@@ -209,7 +219,13 @@ def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
         request = build(fields, output, image)
         resolved = gen.resolve(request)
     except UserError as exc:
-        raise from_user_error(exc, tuple(REQUEST_FIELDS)) from None
+        error = from_user_error(exc, tuple(REQUEST_FIELDS))
+        if error.param in ("width", "height") and "size" in body:  # the field the client sent
+            error.param, error.message = "size", f"{error.message} (size={body['size']!r} sets width and height)"
+        elif error.param == "num_frames" and "seconds" in body:
+            error.param, error.message = "seconds", (f"{error.message} (seconds={body['seconds']!r} sets num_frames="
+                                                     f"{fields['num_frames']}: the 4k+1 count nearest seconds x fps)")
+        raise error from None
     s = resolved.settings
     seconds = str(body["seconds"]) if "seconds" in body else f"{s.num_frames / s.fps:g}"
     return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)

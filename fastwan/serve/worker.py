@@ -63,7 +63,12 @@ class Worker:
         return self.videos / f"{id}.mp4"
 
     def start(self) -> None:
+        """Start the thread; the hidden temporary files a killed process left in the server's folders go first
+        (nothing else writes there)."""
         self.videos.mkdir(parents=True, exist_ok=True)
+        for folder in (self.videos, self.data_dir / "uploads"):
+            if folder.is_dir():
+                remove(*folder.glob(".*"))
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:

@@ -1,0 +1,86 @@
+"""``fastwan serve``'s command line and its parts that need no running server: the flags documented in
+docs/cli.md, start-up errors as one line, the loopback rule, the seconds rule, and the job store's rules."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fastwan.serve.requests import frames_for
+from fastwan.serve.server import is_loopback
+from fastwan.serve.store import JobStore, new_id
+from tests.serve.helpers import nearest_4k_plus_1
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_the_flags_docs_cli_md_documents(capsys):
+    from fastwan import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(
+        ln.strip().split("  ")[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith("  -")))) - {"--help"}
+    text = (ROOT / "docs" / "cli.md").read_text()
+    start = text.index("## `fastwan serve`")
+    section = text[start:text.index("\n## ", start + 1)]
+    documented = {f for line in section.splitlines() if line.startswith("| `-")
+                  for f in re.findall(r"--[a-z][a-z0-9-]*", line.split(" | ")[0])}
+    assert shown == documented
+    assert {"--model", "--host", "--port", "--data-dir", "--api-key-file", "--max-queue", "--device",
+            "--compile", "--max-gpu-memory"} <= shown
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--api-key-file", "no-such-file"], "--api-key-file no-such-file: no such file"),
+    (["--api-key-file", "empty-key"], "--api-key-file empty-key is empty"),
+    (["--port", "70000"], "--port 70000 must be in [0, 65535]"),
+    (["--max-queue", "0"], "--max-queue 0 must be >= 1"),
+])
+def test_start_up_errors_are_one_line_before_anything_starts(tmp_path, monkeypatch, capsys, argv, says):
+    from fastwan import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty-key").write_text("  \n")
+    assert cli.main(["serve", "--data-dir", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastwan: error: ") and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "d").exists()  # refused before the store was opened
+
+
+def test_loopback_rule():
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.4", "example.org"]))
+
+
+@pytest.mark.parametrize("fps", [8, 16, 24])
+def test_seconds_give_the_nearest_4k_plus_1_frames(fps):
+    for tenths in range(1, 80):
+        seconds = tenths / 10
+        assert frames_for(seconds, fps, 4) == nearest_4k_plus_1(seconds * fps), (seconds, fps)
+
+
+def test_store_rules(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    ids = [new_id() for _ in range(3)]
+    assert len(set(ids)) == 3 and all(re.fullmatch(r"video_[0-9a-f]{32}", i) for i in ids)
+    for i in ids:
+        store.add(id=i, model="tiny", prompt="p", size="32x32", seconds="1", fields={"seed": 1}, image=None)
+    first = store.claim()
+    assert first.id == ids[0] and first.status == "in_progress"
+    assert store.get(ids[1]).status == "queued"
+    store.close()
+
+    store = JobStore(tmp_path / "jobs.sqlite3")  # a restart: the running job is queued again, first in line
+    assert store.requeue() == [ids[0]]
+    assert store.claim().id == ids[0]
+    assert store.finish(ids[0], video="v.mp4", thumbnail="t.png")
+    assert not store.finish(ids[0], video="v.mp4", thumbnail="t.png")  # a job completes once
+    assert store.get(ids[0]).public()["status"] == "completed"
+    assert store.delete(ids[1]).id == ids[1] and store.get(ids[1]) is None
+    assert store.claim().id == ids[2]  # the deleted queued job is never claimed
+    assert store.claim() is None
+    jobs, more = store.page(10, None, "asc")
+    assert [j.id for j in jobs] == [ids[0], ids[2]] and not more
+    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -1,0 +1,54 @@
+"""Durability: ``kill -9`` of ``fastwan serve`` while a job runs, then a restart on the same data folder: the job is
+queued again and completes, the videos made before are still listed and downloadable, and a job queued behind the
+killed one runs too."""
+from __future__ import annotations
+
+import io
+import signal
+import time
+
+import imageio.v3 as iio
+import pytest
+
+from tests.serve.helpers import Server, wait
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_a_job_killed_mid_run_completes_after_a_restart(tmp_path):
+    server = Server(tmp_path).start()
+    try:
+        client = server.client()
+        earlier = client.videos.create(prompt="made before the crash", size="32x32", seconds="0.5",
+                                       extra_body={"num_inference_steps": 1})
+        assert wait(client, earlier.id).status == "completed"
+        killed = client.videos.create(prompt="running at the crash", size="64x64", seconds="1",
+                                      extra_body={"num_inference_steps": 30, "seed": 3})
+        behind = client.videos.create(prompt="queued at the crash", size="32x32", seconds="0.5",
+                                      extra_body={"num_inference_steps": 1})
+        deadline = time.monotonic() + 60
+        while client.videos.retrieve(killed.id).progress < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.videos.retrieve(killed.id).status == "in_progress"
+    finally:
+        server.stop(signal.SIGKILL)
+    videos = server.data_dir / "videos"
+    assert sorted(p.name for p in videos.iterdir() if not p.name.startswith(".")) == [
+        f"{earlier.id}.mp4", f"{earlier.id}.png"]  # nothing of the killed job is visible
+
+    server = Server(tmp_path, data_dir=server.data_dir).start()
+    try:
+        client = server.client()
+        statuses = {v.id: v.status for v in client.videos.list(limit=100).data}
+        assert statuses[earlier.id] == "completed" and set(statuses) == {earlier.id, killed.id, behind.id}
+        for video_id in (killed.id, behind.id):
+            done = wait(client, video_id)
+            assert done.status == "completed" and done.progress == 100, done.error
+        frames = iio.imread(io.BytesIO(client.videos.download_content(killed.id).read()), extension=".mp4")
+        assert frames.shape == (9, 64, 64, 3)
+        again = iio.imread(io.BytesIO(client.videos.download_content(earlier.id).read()), extension=".mp4")
+        assert again.shape[1:] == (32, 32, 3)
+        assert "queued again after a restart: " + killed.id in server.log.read_text()
+        assert not [p for p in videos.iterdir() if p.name.startswith(".")]  # the killed run's temporaries swept
+    finally:
+        server.stop()

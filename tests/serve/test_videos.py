@@ -1,0 +1,89 @@
+"""The official ``openai`` client against ``fastwan serve --model tiny`` on a loopback port: create and poll,
+retrieve, list (limit / after / order), delete (queued, running, finished) and the content (the mp4 and its
+thumbnail), each answer checked against what the request asked."""
+from __future__ import annotations
+
+import io
+import time
+
+import imageio.v3 as iio
+import pytest
+
+from tests.serve.helpers import Server, call, nearest_4k_plus_1, wait
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its Videos API deprecated
+TINY_FPS = 8  # the tiny checkpoints' preset fps (docs/models.md)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve-t2v")).start()
+    yield srv
+    srv.stop()
+
+
+def test_create_poll_download_list_delete(server):
+    client = server.client()
+    created = client.videos.create(prompt="a red ball bouncing", size="64x48", seconds="1",
+                                   extra_body={"num_inference_steps": 2, "seed": 5, "negative_prompt": "blur"})
+    assert created.object == "video" and created.status == "queued" and created.progress == 0
+    assert created.id.startswith("video_") and len(created.id) == len("video_") + 32
+    assert (created.size, created.seconds, created.model, created.prompt) == ("64x48", "1", "tiny",
+                                                                            "a red ball bouncing")
+    done = wait(client, created.id)
+    assert done.status == "completed", done.error
+    assert done.progress == 100 and done.completed_at >= done.created_at and done.error is None
+
+    frames = iio.imread(io.BytesIO(client.videos.download_content(created.id).read()), extension=".mp4")
+    assert frames.shape == (nearest_4k_plus_1(1 * TINY_FPS), 48, 64, 3)
+    thumb = iio.imread(io.BytesIO(client.videos.download_content(created.id, variant="thumbnail").read()),
+                       extension=".png")
+    assert thumb.shape == (48, 64, 3)
+    assert abs(thumb.astype(float) - frames[0].astype(float)).mean() < 20  # the first frame (the mp4 is lossy)
+
+    assert created.id in [v.id for v in client.videos.list(limit=100).data]
+    assert client.videos.retrieve(created.id).status == "completed"
+    deleted = client.videos.delete(created.id)
+    assert (deleted.id, deleted.deleted, deleted.object) == (created.id, True, "video.deleted")
+    assert call("GET", f"{server.url}/v1/videos/{created.id}")[0] == 404
+    assert not list((server.data_dir / "videos").glob(f"{created.id}*"))  # its files went with it
+
+
+def test_list_pages_in_both_orders(server):
+    client = server.client()
+    ids = [client.videos.create(prompt=f"clip {i}", size="32x32", seconds="0.5",
+                                extra_body={"num_inference_steps": 1}).id for i in range(3)]
+    for video_id in ids:
+        wait(client, video_id)
+    first = client.videos.list(limit=2, order="asc")
+    rest = client.videos.list(limit=2, order="asc", after=first.last_id)
+    ascending = [v.id for v in first.data + rest.data]
+    assert first.has_more and len(first.data) == 2
+    assert [i for i in ascending if i in ids] == ids
+    newest = client.videos.list(limit=3)  # desc by default: newest first
+    assert [v.id for v in newest.data] == ids[::-1]
+    status, body = call("GET", f"{server.url}/v1/videos?after=video_{'0' * 32}")
+    assert status == 404 and body["error"]["param"] == "after"
+
+
+def test_delete_queued_and_running_jobs(server):
+    client = server.client()
+    running = client.videos.create(prompt="a long one", size="64x64", seconds="1",
+                                   extra_body={"num_inference_steps": 200})
+    queued = client.videos.create(prompt="waits behind it", size="32x32", seconds="0.5",
+                                  extra_body={"num_inference_steps": 1})
+    assert wait(client, running.id, until=("in_progress",)).status == "in_progress"
+    status, body = call("GET", f"{server.url}/v1/videos/{queued.id}/content")
+    assert status == 409 and body["error"]["code"] == "video_not_ready"
+    assert client.videos.delete(queued.id).deleted
+    deadline = time.monotonic() + 60
+    while client.videos.retrieve(running.id).progress < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.videos.delete(running.id).deleted
+    after = client.videos.create(prompt="still serving", size="32x32", seconds="0.5",
+                                 extra_body={"num_inference_steps": 1})
+    assert wait(client, after.id).status == "completed"  # the worker stopped the deleted job and went on
+    for gone in (queued.id, running.id):
+        assert call("GET", f"{server.url}/v1/videos/{gone}")[0] == 404
+        assert not list((server.data_dir / "videos").glob(f"*{gone}*"))  # no file, partial or whole
+    assert f"video {running.id}: cancelled" in server.log.read_text()
