@@ -2,8 +2,8 @@
 here: README.md (short, its Python block runs, the test command CI runs, a link to every guide), docs/cli.md (exactly
 what ``python -m fastwan.cli_reference`` renders from the commands' parsers and the request's fields),
 docs/environment.md (every variable fastwan/envs.py reads, with the values it accepts), docs/architecture.md (every
-folder and module of the package named), and every relative link and named path of README.md and docs/*.md. Each
-guide's own facts: tests/test_guides.py."""
+folder and module of the package and every test folder named), and every relative link and named path of
+README.md and docs/*.md. Each guide's own facts: tests/test_guides.py."""
 from __future__ import annotations
 
 import ast
@@ -127,7 +127,7 @@ def test_documented_paths_and_names_exist(doc):
     import importlib
 
     text = DOCS[doc]
-    for path in set(re.findall(r"\b(?:fastwan|benchmarks|examples|docs)/[\w/.-]*\w", text)):
+    for path in set(re.findall(r"\b(?:fastwan|benchmarks|examples|docs|tests)/[\w/.-]*\w", text)):
         assert (ROOT / path).exists(), f"{doc} names {path}, which does not exist"
     for dotted in set(re.findall(r"`(fastwan(?:\.\w+)+)`", text)):
         parts = dotted.split(".")
@@ -147,7 +147,8 @@ def test_architecture_names_every_folder_and_module():
     package = ROOT / "fastwan"
     folders = [p.parent.relative_to(ROOT).as_posix() + "/" for p in package.rglob("__init__.py") if p.parent != package]
     modules = [p.relative_to(ROOT).as_posix() for p in package.glob("*.py") if p.name != "__init__.py"]
-    missing = [name for name in folders + modules if f"`{name}`" not in text]
+    tests = [f"tests/{p.parent.name}/" for p in (ROOT / "tests").glob("*/__init__.py")]
+    missing = [name for name in folders + modules + tests if f"`{name}`" not in text]
     assert not missing, f"docs/architecture.md does not name {missing}"
     for name in ("GenerationRequest", "resolve_request", "gen.generate", "LoadOptions", "VideoGenerator.load"):
         assert name in text  # where the options enter

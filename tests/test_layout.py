@@ -1,6 +1,7 @@
 """Rules of the source tree: imports run down the declared layers (:data:`LAYERS`) and form no cycle inside
 fastwan, environment variables read only in fastwan/envs.py, no ``global`` statements, no source file over 500
-lines, no ``sys.path`` edits, and the library never imports the test suite."""
+lines, no ``sys.path`` edits, the library never imports the test suite, and test files are named for what they
+test and sit in its folder."""
 from __future__ import annotations
 
 import ast
@@ -203,3 +204,48 @@ def test_no_global_statements_no_path_edits_no_long_files(folder):
 def test_library_does_not_import_tests():
     graph_text = "\n".join(p.read_text() for p in sources("fastwan"))
     assert not re.search(r"^\s*(from|import) tests\b", graph_text, re.M)
+
+
+# Rule: a test file is named for the capability it tests, never for an activity, and a capability with its own
+# folder under tests/ keeps its test files there, not in tests/ or tests/pipelines/.
+ACTIVITY_WORDS = ("audit", "robustness", "combos", "combinations", "misc")
+
+
+def misnamed_tests(files: list[str], folders: set[str]) -> list[str]:
+    """The paths (relative to tests/) among ``files`` that are named for an activity, or that sit in tests/ or
+    tests/pipelines/ under the name of another folder of ``folders`` (its name or its singular first)."""
+    problems = []
+    for rel in files:
+        parts = rel.split("/")
+        words = parts[-1].removesuffix(".py").split("_")
+        if words[0] != "test":
+            continue
+        problems += [f"{rel}: named for an activity ({w!r})" for w in words if w in ACTIVITY_WORDS]
+        if len(parts) == 1 or parts[:-1] == ["pipelines"]:
+            owner = next((f for f in sorted(folders) if len(words) > 1 and words[1] in (f, f.removesuffix("s"))
+                          and f != parts[0]), None)
+            if owner:
+                problems.append(f"{rel}: belongs in tests/{owner}/")
+    return problems
+
+
+def test_test_files_are_named_for_a_capability_and_sit_in_its_folder():
+    tests = ROOT / "tests"
+    folders = {p.parent.name for p in tests.glob("*/__init__.py")}
+    files = sorted(str(p.relative_to(tests)) for p in tests.rglob("test_*.py"))
+    assert misnamed_tests(files, folders) == []
+
+
+def test_test_name_rule_finds_activities_and_misplaced_files():
+    folders = {"lora", "cli", "samplers", "pipelines"}
+    files = ["test_cli.py", "test_envs_audit.py", "pipelines/test_lora_inputs.py", "pipelines/test_sampler_x.py",
+             "pipelines/test_cfg.py", "lora/test_lora_robustness_combos.py", "lora/test_lora.py", "test_docs.py",
+             "cli/helpers.py", "pipelines/test_pipelines_parity.py"]
+    assert misnamed_tests(files, folders) == [
+        "test_cli.py: belongs in tests/cli/",
+        "test_envs_audit.py: named for an activity ('audit')",
+        "pipelines/test_lora_inputs.py: belongs in tests/lora/",
+        "pipelines/test_sampler_x.py: belongs in tests/samplers/",
+        "lora/test_lora_robustness_combos.py: named for an activity ('robustness')",
+        "lora/test_lora_robustness_combos.py: named for an activity ('combos')",
+    ]
