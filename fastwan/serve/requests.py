@@ -10,8 +10,9 @@ whose values are text: each is read as its field's command-line text is, e.g. ``
   times the video's fps (the request's ``fps``, else the checkpoint's), halves rounded up. Giving ``size`` with
   ``width`` / ``height``, or ``seconds`` with ``num_frames``, is refused.
 - An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
-  ``output_path``, ``image``, ``last_image``, ``save_video``, ``return_frames`` and ``overwrite`` are refused; the
-  first frame of image-to-video comes only as the uploaded file ``input_reference``.
+  ``output_path``, ``image``, ``last_image``, ``save_video``, ``return_frames`` and ``overwrite`` are refused, and so
+  is a ``cache`` that reads a file (the CLI's ``@FILE``); the first frame of image-to-video comes only as the
+  uploaded file ``input_reference``. ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
 - Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
   (``gen.resolve``), checked before the job is accepted.
 - ``seed``, when not given, is drawn here and stored with the job, so a job run again after a crash makes the
@@ -195,6 +196,9 @@ def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
             raise ApiError(400, f"{name} is {len(body[name])} characters, over {MAX_PROMPT_CHARS}: the text encoder "
                                 f"reads {MAX_SEQUENCE_LENGTH} tokens at most; shorten it.",
                            code="invalid_value", param=name)
+    if "@" in json.dumps(body.get("cache")):  # the CLI's 'mag_ratios=@FILE' reads a file of the server
+        raise ApiError(400, "cache names a file ('@...'); a request never names a server path: send the list inline, "
+                            "e.g. 'magcache:mag_ratios=1.0/0.98/...'.", code="unsupported_parameter", param="cache")
     if "input_reference" in body:
         raise ApiError(400, "input_reference must be an uploaded image file (multipart/form-data), not a reference "
                             "object or text.", code="invalid_value", param="input_reference")

@@ -2,7 +2,8 @@
 
 Start: the load options are checked, the store opened and the jobs a former process left running queued again,
 then the server binds at once (``/health`` answers) while the worker thread loads the model (``/ready`` and creates
-answer 503 until it has). With no flag it serves the tiny model on 127.0.0.1:8000 with its data in
+answer 503 until it has); a model that fails to load stops the server, and the command reports why (one line for
+a user error, exit code 2). With no flag it serves the tiny model on 127.0.0.1:8000 with its data in
 ``./fastwan-serve``. Bound to an address other than the loopback without ``--api-key-file``, it warns: anyone who
 reaches the port can use the GPU.
 """
@@ -77,6 +78,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """What to warn of when the server is reachable from other machines without a key (None: nothing)."""
+    if key is not None or is_loopback(host):
+        return None
+    return (f"bound to {host} without --api-key-file: anyone who reaches this port can make videos on this machine; "
+            "give --api-key-file or bind 127.0.0.1.")
+
+
 def run(args) -> int:
     """Serve until interrupted (SIGINT / SIGTERM end the server; a job that was running is queued again at the next
     start)."""
@@ -98,9 +107,9 @@ def run(args) -> int:
     from fastwan.serve.worker import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    if key is None and not is_loopback(args.host):
-        logger.warning("bound to %s without --api-key-file: anyone who reaches this port can make videos on this "
-                       "machine; give --api-key-file or bind 127.0.0.1.", args.host)
+    warning = exposure_warning(args.host, key)
+    if warning is not None:
+        logger.warning(warning)
     data = Path(args.data_dir).expanduser()
     store = JobStore(data / "jobs.sqlite3")
     requeued = store.requeue()
@@ -109,9 +118,13 @@ def run(args) -> int:
     worker = Worker(options, store, data)
     state = ServerState(store, worker, args.model, key, args.max_queue,
                         Limits(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info"))
+    worker.on_load_failure = lambda: setattr(server, "should_exit", True)  # uvicorn's documented way to stop
     worker.start()
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+        server.run()
     finally:  # a job still running is queued again at the next start
         worker.stop(timeout=0)
+    if worker.load_failure is not None:  # a user error is the command's one line; anything else a bug
+        raise worker.load_failure
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fastwan.errors import UserError, one_line
@@ -46,9 +47,11 @@ def remove(*paths: str | Path | None) -> None:
 class Worker:
     """Loads ``options`` (a LoadOptions) on its thread, then runs ``store``'s jobs; files go under ``data_dir``."""
 
-    def __init__(self, options, store: JobStore, data_dir: Path):
+    def __init__(self, options, store: JobStore, data_dir: Path, on_load_failure: Callable[[], None] | None = None):
         self.options, self.store, self.data_dir = options, store, Path(data_dir)
+        self.on_load_failure = on_load_failure  # called (on the worker thread) when the model fails to load
         self.gen = None
+        self.load_failure: BaseException | None = None
         self.load_error: str | None = None
         self._wake = threading.Condition()
         self._cancelled: set[str] = set()
@@ -94,9 +97,12 @@ class Worker:
 
         try:
             self.gen = VideoGenerator.load(self.options)
-        except Exception as exc:  # noqa: BLE001 -- reported by /ready and every create, not raised into a thread
+        except Exception as exc:  # noqa: BLE001 -- reported by /ready, every create and on_load_failure
+            self.load_failure = exc
             self.load_error = one_line(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             logger.error("the model did not load: %s", self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
             return
         logger.info("model %s loaded; serving", self.options.model)
         while not self._stop.is_set():

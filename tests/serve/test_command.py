@@ -3,6 +3,8 @@ docs/cli.md, start-up errors as one line, the loopback rule, the seconds rule, a
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from fastwan.serve.requests import frames_for
 from fastwan.serve.server import is_loopback
 from fastwan.serve.store import JobStore, new_id
-from tests.serve.helpers import nearest_4k_plus_1
+from tests.serve.helpers import free_port, nearest_4k_plus_1
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +86,12 @@ def test_store_rules(tmp_path):
     jobs, more = store.page(10, None, "asc")
     assert [j.id for j in jobs] == [ids[0], ids[2]] and not more
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "fastwan", "serve", "--model", str(tmp_path / "no-model"), "--port",
+                          str(free_port()), "--data-dir", str(tmp_path / "d")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastwan: error: model ") and "is not a folder that exists" in last

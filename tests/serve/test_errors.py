@@ -54,6 +54,9 @@ def videos(server) -> list:
     ({"prompt": "a cat " * 5000}, "prompt", "invalid_value"),  # far past the 512 tokens the text encoder reads
     ({"prompt": "a cat", "negative_prompt": "x" * 10000}, "negative_prompt", "invalid_value"),
     ({"prompt": "a cat", "cache": "bogus"}, "cache", "invalid_value"),
+    ({"prompt": "a cat", "cache": "magcache:mag_ratios=@/etc/passwd"}, "cache", "unsupported_parameter"),
+    ({"prompt": "a cat", "cache": {"type": "magcache", "mag_ratios": "@/etc/passwd"}}, "cache",
+     "unsupported_parameter"),
 ])
 def test_bad_json_bodies_are_400_and_nothing_is_queued(server, body, param, code):
     before = videos(server)
