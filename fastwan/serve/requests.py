@@ -90,33 +90,45 @@ def json_body(data: bytes) -> dict:
     return body
 
 
+def _scalar(text: str):
+    """A form value inside an object (``cache[threshold]``): a JSON number, true, false or null as such, else text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if value is None or isinstance(value, (bool, int, float)) else text
+
+
 def form_body(items: list[tuple[str, str]]) -> dict:
-    """Multipart text fields -> typed values: a request field's text is read as its command-line text is
-    (``parse``: "2" -> 2), a boolean's as "true" / "false", ``name[]`` items as one list; other text stays text."""
+    """Multipart text fields -> typed values. The ``openai`` client spells a list as repeated ``name[]`` items and
+    an object as ``name[key]`` items (a list in it: ``name[key][]``); a request field's text is read as its
+    command-line text is (``parse``: "2" -> 2, "1000,500" -> [1000.0, 500.0]), an object's values as JSON scalars;
+    other text stays text."""
     grouped: dict[str, list[str]] = {}
     for key, value in items:
         grouped.setdefault(key, []).append(value)
-    body = {}
+    body: dict = {}
     for key, values in grouped.items():
-        name = key[:-2] if key.endswith("[]") else key
+        member = re.fullmatch(r"(\w+)\[(\w+)\](\[\])?", key)  # name[key] or name[key][]
+        name = member.group(1) if member else key[:-2] if key.endswith("[]") else key
         if len(values) > 1 and not key.endswith("[]"):
             raise ApiError(400, f"the form gives {key!r} {len(values)} times; give it once.", code="invalid_value",
-                           param=key)
+                           param=name)
         text = ",".join(values)
         opt = REQUEST_FIELDS.get(name)
-        if opt is None or name in SERVER_ONLY or name == "prompt":
-            body[name] = text
-        elif opt.parse is not None:
+        if member is not None:
+            if not isinstance(body.setdefault(name, {}), dict):
+                raise ApiError(400, f"the form gives {name!r} both as text and as an object.", code="invalid_value",
+                               param=name)
+            values = [_scalar(v) for v in values]
+            body[name][member.group(2)] = values if member.group(3) else values[0]
+        elif name in body:
+            raise ApiError(400, f"the form gives {name!r} twice.", code="invalid_value", param=name)
+        elif opt is not None and opt.parse is not None and name not in SERVER_ONLY:
             try:
                 body[name] = opt.parse(text)
             except (ValueError, TypeError) as exc:
                 raise ApiError(400, f"{name}={text!r}: {exc}.", code="invalid_type", param=name) from None
-        elif opt.schema.get("type") == "boolean":
-            if text.lower() not in ("true", "false"):
-                raise ApiError(400, f"{name}={text!r} must be true or false.", code="invalid_type", param=name)
-            body[name] = text.lower() == "true"
-        elif text.startswith("{"):
-            body[name] = json_body(text.encode())
         else:
             body[name] = text
     return body

@@ -87,3 +87,18 @@ def test_delete_queued_and_running_jobs(server):
         assert call("GET", f"{server.url}/v1/videos/{gone}")[0] == 404
         assert not list((server.data_dir / "videos").glob(f"*{gone}*"))  # no file, partial or whole
     assert f"video {running.id}: cancelled" in server.log.read_text()
+
+
+def test_fastwan_fields_of_every_json_type_through_the_client(server):
+    """The client sends extra_body as multipart text (lists as name[], objects as name[key]); each arrives typed."""
+    client = server.client()
+    created = client.videos.create(
+        prompt="a kite", size="32x32", seconds="0.5",
+        extra_body={"sampler": "euler", "timesteps": [1000, 500.5], "guidance_scale": 1.0, "flow_shift": 3,
+                    "cache": {"type": "skip_steps", "steps": [1]}, "fps": 16, "seed": 2**63})
+    assert created.seconds == "0.5"
+    assert wait(client, created.id).status == "completed"
+    frames = iio.imread(io.BytesIO(client.videos.download_content(created.id).read()), extension=".mp4")
+    assert frames.shape == (nearest_4k_plus_1(0.5 * 16), 32, 32, 3)  # seconds at the request's own fps
+    status, body = call("POST", f"{server.url}/v1/videos", {"prompt": "a kite", "timesteps": [1000, 1200]})
+    assert status == 400 and body["error"]["param"] == "timesteps"
