@@ -196,9 +196,9 @@ def create_app(state: ServerState) -> FastAPI:
         job = state.store.delete(video_id)
         if job is None:
             job_or_404(video_id)
-        if job.status in ("queued", "in_progress"):
+        if job.status == "in_progress":  # stopped at its next step; its files are the worker's to remove
             state.worker.cancel(video_id)
-        if job.status != "in_progress":  # a running job's files are the worker's to remove
+        else:  # a queued job is never claimed now (the row went in one transaction)
             remove(job.video, job.thumbnail, job.image)
         logger.info("video %s: deleted (was %s)", video_id, job.status)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
