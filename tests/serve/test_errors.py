@@ -1,6 +1,7 @@
 """Bad requests to ``fastwan serve`` get their documented status and OpenAI's error shape, are refused before a job
 exists, and leave the server serving: malformed JSON, wrong types, unknown fields, sizes and durations out of range,
-paths in fields, no key, a wrong key, an unknown video, a full queue."""
+paths in fields, no key, a wrong key, an unknown video, a full queue (the server of tests/serve/conftest.py queues
+one video at most)."""
 from __future__ import annotations
 
 import json
@@ -9,16 +10,9 @@ import socket
 import openai
 import pytest
 
-from tests.serve.helpers import KEY, Server, call, wait
+from tests.serve.helpers import KEY, call, wait
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-errors"), "--max-queue", "1").start()
-    yield srv
-    srv.stop()
 
 
 def error_of(answer, status: int) -> dict:

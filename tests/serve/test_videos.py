@@ -1,6 +1,6 @@
 """The official ``openai`` client against ``fastwan serve --model tiny`` on a loopback port: create and poll,
 retrieve, list (limit / after / order), delete (queued, running, finished) and the content (the mp4 and its
-thumbnail), each answer checked against what the request asked."""
+thumbnail), each answer checked against what the request asked. The server: tests/serve/conftest.py."""
 from __future__ import annotations
 
 import io
@@ -9,17 +9,10 @@ import time
 import imageio.v3 as iio
 import pytest
 
-from tests.serve.helpers import Server, call, nearest_4k_plus_1, wait
+from tests.serve.helpers import call, nearest_4k_plus_1, wait
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its Videos API deprecated
 TINY_FPS = 8  # the tiny checkpoints' preset fps (docs/models.md)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-t2v")).start()
-    yield srv
-    srv.stop()
 
 
 def test_create_poll_download_list_delete(server):
@@ -51,10 +44,11 @@ def test_create_poll_download_list_delete(server):
 
 def test_list_pages_in_both_orders(server):
     client = server.client()
-    ids = [client.videos.create(prompt=f"clip {i}", size="32x32", seconds="0.5",
-                                extra_body={"num_inference_steps": 1}).id for i in range(3)]
-    for video_id in ids:
-        wait(client, video_id)
+    ids = []
+    for i in range(3):  # one at a time: the server queues one video at most (--max-queue 1)
+        ids.append(client.videos.create(prompt=f"clip {i}", size="32x32", seconds="0.5",
+                                        extra_body={"num_inference_steps": 1}).id)
+        wait(client, ids[-1])
     first = client.videos.list(limit=2, order="asc")
     rest = client.videos.list(limit=2, order="asc", after=first.last_id)
     ascending = [v.id for v in first.data + rest.data]
@@ -102,3 +96,18 @@ def test_fastwan_fields_of_every_json_type_through_the_client(server):
     assert frames.shape == (nearest_4k_plus_1(0.5 * 16), 32, 32, 3)  # seconds at the request's own fps
     status, body = call("POST", f"{server.url}/v1/videos", {"prompt": "a kite", "timesteps": [1000, 1200]})
     assert status == 400 and body["error"]["param"] == "timesteps"
+
+
+def test_the_server_makes_the_video_the_python_api_makes(server, tmp_path):
+    """The same request through the server and through ``generate_video`` on the same checkpoint: equal frames."""
+    from fastwan import VideoGenerator
+
+    client = server.client()
+    created = client.videos.create(prompt="a green tree", size="48x32", seconds="0.5",
+                                   extra_body={"num_inference_steps": 3, "seed": 11, "guidance_scale": 4.0})
+    assert wait(client, created.id).status == "completed"
+    served = iio.imread(io.BytesIO(client.videos.download_content(created.id).read()), extension=".mp4")
+    gen = VideoGenerator.from_pretrained("tiny", device="cpu")
+    local = gen.generate_video("a green tree", width=48, height=32, num_frames=nearest_4k_plus_1(0.5 * TINY_FPS),
+                               num_inference_steps=3, seed=11, guidance_scale=4.0, output_path=str(tmp_path / "v.mp4"))
+    assert (served == iio.imread(local.video_path)).all()
