@@ -9,6 +9,7 @@ answered; a body over its cap is refused (413) while it is read, before it is pa
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -33,7 +34,7 @@ logger = logging.getLogger("fastwan.serve")
 @dataclass
 class ServerState:
     """What the routes share: the store, the worker (and its model), the served model's name, the key (None: no
-    key), the queue cap and the upload caps."""
+    key), the queue cap, the upload caps and the wait for the running job at shutdown."""
 
     store: JobStore
     worker: Worker
@@ -41,6 +42,7 @@ class ServerState:
     api_key: str | None = None
     max_queue: int = 64
     limits: Limits = Limits()
+    stop_wait_s: float = 60.0  # at shutdown, how long the running job has to reach its next step
     admit: threading.Lock = field(default_factory=threading.Lock)  # one create checks the queue and adds at a time
 
     @property
@@ -123,7 +125,16 @@ def _save_upload(data: bytes, path: Path) -> None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="fastwan", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # shutting down (SIGINT / SIGTERM; requests finished): the running job stops at its next step and is queued
+        # again, before uvicorn hands the signal back to the process
+        if not await run_in_threadpool(state.worker.stop, state.stop_wait_s):
+            logger.warning("the running job did not reach its next step in %g s; it is queued again at the next "
+                           "start", state.stop_wait_s)
+
+    app = FastAPI(title="fastwan", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api = APIRouter(dependencies=[Depends(_authorize(state))])
 
     @app.exception_handler(ApiError)

@@ -87,8 +87,8 @@ def exposure_warning(host: str, key: str | None) -> str | None:
 
 
 def run(args) -> int:
-    """Serve until interrupted (SIGINT / SIGTERM end the server; a job that was running is queued again at the next
-    start)."""
+    """Serve until SIGINT / SIGTERM: then stop accepting, stop the running job at its next step and queue it again
+    (a job past its last step completes), exit."""
     from fastwan.fields import flag_values
     from fastwan.pipelines.load_options import LoadOptions
 
@@ -121,9 +121,9 @@ def run(args) -> int:
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info"))
     worker.on_load_failure = lambda: setattr(server, "should_exit", True)  # uvicorn's documented way to stop
     worker.start()
-    try:
+    try:  # until SIGINT / SIGTERM: stop accepting, finish the requests, stop the worker (the app's lifespan)
         server.run()
-    finally:  # a job still running is queued again at the next start
+    finally:
         worker.stop(timeout=0)
     if worker.load_failure is not None:  # a user error is the command's one line; anything else a bug
         raise worker.load_failure

@@ -166,6 +166,13 @@ class JobStore:
                  None if error is None else json.dumps(error), id))
             return cur.rowcount == 1
 
+    def release(self, id: str) -> bool:
+        """An ``in_progress`` job back to ``queued`` (the server stops before it completes); False when none runs."""
+        with self._lock:
+            cur = self._db.execute("UPDATE jobs SET status = 'queued', progress = 0 WHERE id = ? AND "
+                                   "status = 'in_progress'", (id,))
+            return cur.rowcount == 1
+
     def delete(self, id: str) -> Job | None:
         """Remove the job ``id``; the row as it was, or None when there was none."""
         with self._lock:

@@ -2,7 +2,8 @@
 first.
 
 Rules: progress (0-99 while running, 100 when complete) is written after every denoising step; a job deleted while
-it runs stops at its next step (:meth:`Worker.cancel`: the step callback raises :class:`Cancelled`), and since the
+it runs stops at its next step (:meth:`Worker.cancel`: the step callback raises :class:`Cancelled`), and so does
+the running job when the server stops (:meth:`Worker.stop`), which goes back to the queue; since the
 video and its thumbnail appear only whole (written to a hidden name, then moved), a stopped or deleted job leaves no
 file; a job deleted just as it completes has its files removed. A job that fails keeps its error as OpenAI's
 ``{"code", "message"}``. One log line per change of a job's state.
@@ -24,6 +25,10 @@ logger = logging.getLogger("fastwan.serve")
 
 class Cancelled(Exception):
     """Raised from the step callback of a job that was deleted while it ran."""
+
+
+class Stopping(Exception):
+    """Raised from the step callback when the server stops: the job goes back to the queue."""
 
 
 def write_png(frame, path: Path) -> None:
@@ -74,10 +79,14 @@ class Worker:
                 remove(*folder.glob(".*"))
         self._thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop taking jobs; a running job stops at its next step and is queued again (one past its last step
+        completes). Waits up to ``timeout`` seconds; False when the thread still runs then."""
         self._stop.set()
         self.notify()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def ready(self) -> bool:
         """The model is loaded and the worker thread is alive."""
@@ -122,6 +131,8 @@ class Worker:
         def on_step(done: int, total: int) -> None:
             if job.id in self._cancelled:
                 raise Cancelled(job.id)
+            if self._stop.is_set():
+                raise Stopping(job.id)
             self.store.progress(job.id, min(99, 100 * done // total))
 
         try:
@@ -136,6 +147,10 @@ class Worker:
         except Cancelled:
             logger.info("video %s: cancelled (deleted while in progress)", job.id)
             remove(target, thumbnail, job.image)
+            return
+        except Stopping:
+            if self.store.release(job.id):
+                logger.info("video %s: queued again (the server is stopping)", job.id)
             return
         except Exception as exc:  # noqa: BLE001 -- a job's failure is its status, the worker goes on
             if isinstance(exc, UserError):

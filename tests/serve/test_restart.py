@@ -1,6 +1,6 @@
 """Durability: ``kill -9`` of ``fastwan serve`` while a job runs, then a restart on the same data folder: the job is
 queued again and completes, the videos made before are still listed and downloadable, and a job queued behind the
-killed one runs too."""
+killed one runs too; SIGTERM stops the running job at its next step and queues it again."""
 from __future__ import annotations
 
 import io
@@ -10,6 +10,7 @@ import time
 import imageio.v3 as iio
 import pytest
 
+from fastwan.serve.store import JobStore
 from tests.serve.helpers import Server, wait
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -52,3 +53,20 @@ def test_a_job_killed_mid_run_completes_after_a_restart(tmp_path):
         assert not [p for p in videos.iterdir() if p.name.startswith(".")]  # the killed run's temporaries swept
     finally:
         server.stop()
+
+
+def test_sigterm_queues_the_running_job_again_and_exits(tmp_path):
+    server = Server(tmp_path).start()
+    client = server.client()
+    running = client.videos.create(prompt="running at the stop", size="64x64", seconds="1",
+                                   extra_body={"num_inference_steps": 200})
+    deadline = time.monotonic() + 60
+    while client.videos.retrieve(running.id).progress < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
+    store = JobStore(server.data_dir / "jobs.sqlite3")
+    job = store.get(running.id)
+    assert (job.status, job.progress) == ("queued", 0)
+    assert f"video {running.id}: queued again (the server is stopping)" in server.log.read_text()
+    assert not list((server.data_dir / "videos").iterdir())
