@@ -141,6 +141,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception):  # a bug: logged with its traceback, answered in OpenAI's shape
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        body = ApiError(500, f"the server failed on this request ({type(exc).__name__}); its log has the details.",
+                        code="internal_error").body()
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}

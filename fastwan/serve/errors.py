@@ -12,7 +12,8 @@ from fastwan.errors import InvalidArgumentType, UserError, one_line
 
 CLI_REMARK = r"\s*\(CLI:? --[a-z0-9-]+(?: [A-Z]+)?\)"  # a message's note for command-line users, not for HTTP
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+         503: "server_error"}
 
 
 class ApiError(Exception):

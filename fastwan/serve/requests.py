@@ -42,6 +42,7 @@ SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "up
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
 MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt is a mistake or an attack
+MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -174,9 +175,9 @@ def _seconds(value) -> float:
     except ValueError:
         raise ApiError(400, f"seconds={value!r} is not a number; send e.g. \"4\".", code="invalid_type",
                        param="seconds") from None
-    if not math.isfinite(number) or number <= 0:
-        raise ApiError(400, f"seconds={value!r} must be a positive number of seconds, e.g. \"4\".",
-                       code="invalid_value", param="seconds")
+    if not math.isfinite(number) or not 0 < number <= MAX_SECONDS:
+        raise ApiError(400, f"seconds={value!r} must be a positive number of seconds up to {MAX_SECONDS}, e.g. \"4\" "
+                            "(the checkpoint's own limit is checked next).", code="invalid_value", param="seconds")
     return number
 
 

@@ -39,6 +39,7 @@ def videos(server) -> list:
     ({"prompt": "a cat", "size": "36x32"}, "size", "invalid_value"),  # not a multiple of 16
     ({"prompt": "a cat", "seconds": "-1"}, "seconds", "invalid_value"),
     ({"prompt": "a cat", "seconds": "soon"}, "seconds", "invalid_type"),
+    ({"prompt": "a cat", "seconds": 1e308}, "seconds", "invalid_value"),  # no frame count is computed from it
     ({"prompt": "a cat", "seconds": "1", "num_frames": 9}, "num_frames", "invalid_value"),
     ({"prompt": "a cat", "output_path": "/etc/cron.d/x.mp4"}, "output_path", "unsupported_parameter"),
     ({"prompt": "a cat", "image": "/etc/passwd"}, "image", "unsupported_parameter"),

@@ -51,3 +51,12 @@ def test_exposure_warning():
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("0.0.0.0", "k") is None
     assert "without --api-key-file" in exposure_warning("0.0.0.0", None)
     assert "without --api-key-file" in exposure_warning("192.168.1.4", None)
+
+
+def test_a_bug_is_a_500_in_openai_shape_and_the_server_goes_on(app_server, monkeypatch):
+    url, worker = app_server
+    monkeypatch.setattr(worker, "ready", lambda: True)  # "loaded", but its generator is None: resolving fails
+    status, answer = call("POST", url + "/v1/videos", {"prompt": "a cat"})
+    assert status == 500 and answer["error"]["type"] == "server_error" and answer["error"]["code"] == "internal_error"
+    assert "AttributeError" in answer["error"]["message"]
+    assert call("GET", url + "/health", key=None)[0] == 200
