@@ -4,12 +4,14 @@ thumbnail), each answer checked against what the request asked. The server: test
 from __future__ import annotations
 
 import io
+import re
 import time
+from pathlib import Path
 
 import imageio.v3 as iio
 import pytest
 
-from tests.serve.helpers import call, nearest_4k_plus_1, wait
+from tests.serve.helpers import KEY, call, nearest_4k_plus_1, wait
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its Videos API deprecated
 TINY_FPS = 8  # the tiny checkpoints' preset fps (docs/models.md)
@@ -116,3 +118,17 @@ def test_the_server_makes_the_video_the_python_api_makes(server, tmp_path):
     local = gen.generate_video("a green tree", width=48, height=32, num_frames=nearest_4k_plus_1(0.5 * TINY_FPS),
                                num_inference_steps=3, seed=11, guidance_scale=4.0, output_path=str(tmp_path / "v.mp4"))
     assert (served == iio.imread(local.video_path)).all()
+
+
+def test_the_serving_guide_example_runs_as_written(server, tmp_path, monkeypatch):
+    """docs/serving.md's Python block against this server, at a tiny size: it writes cat.mp4."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    block = re.search(r"^```python\n(.*?)^```$", text, re.S | re.M).group(1)
+    for old, new in (('"http://127.0.0.1:8000/v1"', repr(server.url + "/v1")), ('"the key in key.txt"', repr(KEY)),
+                     ('size="832x480", seconds="5"', 'size="32x32", seconds="0.5"'),
+                     ('"num_inference_steps": 50', '"num_inference_steps": 1'), ("time.sleep(2)", "time.sleep(0.1)")):
+        assert old in block, old
+        block = block.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/serving.md", "exec"), {})
+    assert iio.imread(tmp_path / "cat.mp4").shape == (nearest_4k_plus_1(0.5 * TINY_FPS), 32, 32, 3)
