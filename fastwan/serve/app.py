@@ -1,5 +1,5 @@
-"""The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), ``/health`` and
-``/ready``.
+"""The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), a progress stream per
+video (``/v1/videos/{id}/events``, Server-Sent Events), ``/health`` and ``/ready``.
 
 Rules: every route but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key (compared in
 constant time, :func:`hmac.compare_digest`); every error is OpenAI's ``{"error": {...}}`` with its status
@@ -9,8 +9,10 @@ answered; a body over its cap is refused (413) while it is read, before it is pa
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import threading
@@ -20,7 +22,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastwan.serve.errors import ApiError
@@ -29,6 +31,7 @@ from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.worker import Worker, remove
 
 logger = logging.getLogger("fastwan.serve")
+EVENT_POLL_S = 0.2  # how often an event stream looks at its video
 
 
 @dataclass
@@ -220,6 +223,29 @@ def create_app(state: ServerState) -> FastAPI:
             remove(job.video, job.thumbnail, job.image)
         logger.info("video %s: deleted (was %s)", video_id, job.status)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    @api.get("/v1/videos/{video_id}/events")
+    async def events(video_id: str):
+        """Server-Sent Events: the video object each time its status or progress changes, until it is completed or
+        failed (an ``event: deleted`` ends the stream of a video deleted meanwhile)."""
+        job_or_404(video_id)
+
+        async def stream():
+            last = None
+            while True:
+                job = await run_in_threadpool(state.store.get, video_id)
+                if job is None:
+                    yield f"event: deleted\ndata: {json.dumps({'id': video_id, 'deleted': True})}\n\n"
+                    return
+                video = job.public()
+                if (video["status"], video["progress"]) != last:
+                    last = video["status"], video["progress"]
+                    yield f"data: {json.dumps(video)}\n\n"
+                if video["status"] in ("completed", "failed"):
+                    return
+                await asyncio.sleep(EVENT_POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @api.get("/v1/videos/{video_id}/content")
     def content(video_id: str, variant: str = Query("video", pattern="^(video|thumbnail|spritesheet)$")):

@@ -4,8 +4,10 @@ thumbnail), each answer checked against what the request asked. The server: test
 from __future__ import annotations
 
 import io
+import json
 import re
 import time
+import urllib.request
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -132,3 +134,22 @@ def test_the_serving_guide_example_runs_as_written(server, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "docs/serving.md", "exec"), {})
     assert iio.imread(tmp_path / "cat.mp4").shape == (nearest_4k_plus_1(0.5 * TINY_FPS), 32, 32, 3)
+
+
+def test_progress_events_stream_until_completed(server):
+    """GET /v1/videos/{id}/events: one event per change of status or progress, progress never going back, the last
+    one the completed video."""
+    client = server.client()
+    created = client.videos.create(prompt="a slow dawn", size="32x32", seconds="0.5",
+                                   extra_body={"num_inference_steps": 20})
+    request = urllib.request.Request(f"{server.url}/v1/videos/{created.id}/events",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in answer if line.startswith(b"data: ")]
+    states = [(e["status"], e["progress"]) for e in events]
+    assert states[-1] == ("completed", 100) and len(set(states)) == len(states)
+    progress = [p for _, p in states]
+    assert progress == sorted(progress) and len(progress) >= 3  # it moved through the steps
+    assert all(e["id"] == created.id and e["object"] == "video" for e in events)
+    assert call("GET", f"{server.url}/v1/videos/video_{'0' * 32}/events")[0] == 404
