@@ -1,5 +1,6 @@
 """The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), a progress stream per
-video (``/v1/videos/{id}/events``, Server-Sent Events), ``/health`` and ``/ready``.
+video (``/v1/videos/{id}/events``, Server-Sent Events), ``/health``, ``/ready`` and ``/metrics``
+(:mod:`fastwan.serve.metrics`).
 
 Rules: every route but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key (compared in
 constant time, :func:`hmac.compare_digest`); every error is OpenAI's ``{"error": {...}}`` with its status
@@ -22,10 +23,12 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastwan.serve.errors import ApiError
+from fastwan.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from fastwan.serve.metrics import render as render_metrics
 from fastwan.serve.requests import Limits, accept, form_body, json_body, read_image
 from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.worker import Worker, remove
@@ -187,6 +190,10 @@ def create_app(state: ServerState) -> FastAPI:
     def ready():
         model_ready()
         return {"status": "ready", "model": state.model, "queued": state.store.count("queued")}
+
+    @api.get("/metrics")
+    def metrics():
+        return PlainTextResponse(render_metrics(state.store.counts(), state.worker), media_type=METRICS_TYPE)
 
     @api.post("/v1/videos")
     async def create(request: Request):

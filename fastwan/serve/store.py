@@ -120,6 +120,11 @@ class JobStore:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ?", (status,)).fetchone()[0]
 
+    def counts(self) -> dict[str, int]:
+        """Jobs by status."""
+        with self._lock:
+            return dict(self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
+
     def page(self, limit: int, after: str | None, order: str) -> tuple[list[Job], bool] | None:
         """Up to ``limit`` jobs in creation order (``order`` "asc" or "desc"), after the job ``after``, and whether
         more follow; None when ``after`` names no job."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class Worker:
         self.gen = None
         self.load_failure: BaseException | None = None
         self.load_error: str | None = None
+        self.steps_total = 0  # denoising steps run since the start (/metrics)
+        self.step_seconds: float | None = None  # the last step's duration, between two steps of one video
         self._wake = threading.Condition()
         self._cancelled: set[str] = set()
         self._stop = threading.Event()
@@ -128,7 +131,15 @@ class Worker:
         target = self.video_path(job.id)
         thumbnail = target.with_suffix(".png")
 
+        last_step = None
+
         def on_step(done: int, total: int) -> None:
+            nonlocal last_step
+            now = time.perf_counter()
+            if last_step is not None:
+                self.step_seconds = now - last_step
+            last_step = now
+            self.steps_total += 1
             if job.id in self._cancelled:
                 raise Cancelled(job.id)
             if self._stop.is_set():

@@ -153,3 +153,23 @@ def test_progress_events_stream_until_completed(server):
     assert progress == sorted(progress) and len(progress) >= 3  # it moved through the steps
     assert all(e["id"] == created.id and e["object"] == "video" for e in events)
     assert call("GET", f"{server.url}/v1/videos/video_{'0' * 32}/events")[0] == 404
+
+
+def test_metrics_in_prometheus_text(server):
+    client = server.client()
+    video = client.videos.create(prompt="counted", size="32x32", seconds="0.5", extra_body={"num_inference_steps": 3})
+    assert wait(client, video.id).status == "completed"
+    status, text = call("GET", f"{server.url}/metrics")
+    assert status == 200
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    listed = [v.status for v in client.videos.list(limit=100).data]
+    for state in ("queued", "in_progress", "completed", "failed"):
+        assert samples[f'fastwan_videos{{status="{state}"}}'] == listed.count(state)
+    assert samples["fastwan_queue_depth"] == listed.count("queued")
+    assert samples["fastwan_steps_total"] >= 3 and samples["fastwan_step_seconds"] > 0
+    assert samples["fastwan_model_ready"] == 1
+    assert call("GET", f"{server.url}/metrics", key=None)[0] == 401
