@@ -57,14 +57,17 @@ def test_a_job_killed_mid_run_completes_after_a_restart(tmp_path):
 
 def test_sigterm_queues_the_running_job_again_and_exits(tmp_path):
     server = Server(tmp_path).start()
-    client = server.client()
-    running = client.videos.create(prompt="running at the stop", size="64x64", seconds="1",
-                                   extra_body={"num_inference_steps": 200})
-    deadline = time.monotonic() + 60
-    while client.videos.retrieve(running.id).progress < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
+    try:
+        client = server.client()
+        running = client.videos.create(prompt="running at the stop", size="64x64", seconds="1",
+                                       extra_body={"num_inference_steps": 200})
+        deadline = time.monotonic() + 60
+        while client.videos.retrieve(running.id).progress < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
+    finally:
+        server.stop(signal.SIGKILL)  # nothing when it has exited
     store = JobStore(server.data_dir / "jobs.sqlite3")
     job = store.get(running.id)
     assert (job.status, job.progress) == ("queued", 0)
