@@ -49,6 +49,11 @@ class ServerState:
     max_queue: int = 64
     limits: Limits = Limits()
     stop_wait_s: float = 60.0  # at shutdown, how long the running job has to reach its next step
+
+    @property
+    def keep_s(self) -> float | None:
+        """How long a finished video is kept (None: always): the worker's retention."""
+        return self.worker.keep_s
     admit: threading.Lock = field(default_factory=threading.Lock)  # one create checks the queue and adds at a time
 
     @property
@@ -211,13 +216,13 @@ def create_app(state: ServerState) -> FastAPI:
         if page is None:
             raise ApiError(404, f"after={after!r} names no video here.", code="not_found", param="after")
         jobs, more = page
-        data = [j.public() for j in jobs]
+        data = [j.public(state.keep_s) for j in jobs]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     @api.get("/v1/videos/{video_id}")
     def retrieve(video_id: str):
-        return job_or_404(video_id).public()
+        return job_or_404(video_id).public(state.keep_s)
 
     @api.delete("/v1/videos/{video_id}")
     def delete(video_id: str):
@@ -244,7 +249,7 @@ def create_app(state: ServerState) -> FastAPI:
                 if job is None:
                     yield f"event: deleted\ndata: {json.dumps({'id': video_id, 'deleted': True})}\n\n"
                     return
-                video = job.public()
+                video = job.public(state.keep_s)
                 if (video["status"], video["progress"]) != last:
                     last = video["status"], video["progress"]
                     yield f"data: {json.dumps(video)}\n\n"
@@ -294,4 +299,4 @@ def _admit(state: ServerState, video_id: str, checked, upload: bytes | None) -> 
             raise
     logger.info("video %s: queued (%s, %s s)", video_id, checked.size, checked.seconds)
     state.worker.notify()
-    return job.public()
+    return job.public(state.keep_s)

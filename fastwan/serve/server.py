@@ -25,6 +25,8 @@ def _check_numbers(args) -> None:
     """The server's numeric flags in range (before anything starts)."""
     if not 0 <= args.port <= 65535:
         raise InvalidArgument(f"--port {args.port} must be in [0, 65535], e.g. 8000.")
+    if args.keep_days is not None and not 0 < args.keep_days < float("inf"):
+        raise InvalidArgument(f"--keep-days {args.keep_days} must be a positive number of days, e.g. 7.")
     for flag in ("max_queue", "max_upload_bytes", "max_image_pixels"):
         if getattr(args, flag) < 1:
             raise InvalidArgument(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
@@ -52,6 +54,9 @@ def add_parser(sub) -> None:
                    help="the largest input_reference upload accepted (413 beyond)")
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="PIXELS",
                    help="the most pixels (width x height) an uploaded image may decode to (413 beyond)")
+    p.add_argument("--keep-days", type=float, default=None, metavar="DAYS",
+                   help="delete finished videos (and their files) this many days after they finish; sets each "
+                        "video's expires_at (default: keep them)")
     add_flags(p, LoadOptions, skip=SKIPPED_LOAD_FLAGS)
 
 
@@ -115,7 +120,7 @@ def run(args) -> int:
     requeued = store.requeue()
     if requeued:
         logger.info("queued again after a restart: %s", ", ".join(requeued))
-    worker = Worker(options, store, data)
+    worker = Worker(options, store, data, keep_s=None if args.keep_days is None else args.keep_days * 86400)
     state = ServerState(store, worker, args.model, key, args.max_queue,
                         Limits(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels))
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info"))

@@ -3,12 +3,14 @@
 Rules: a job is committed before its creation is answered; jobs run in the order they were created (``seq``); at
 start, a job left ``in_progress`` by a process that died is queued again (:meth:`JobStore.requeue`), so no accepted
 job is lost; a job completes once (:meth:`JobStore.finish` changes only an ``in_progress`` row); a deleted job's
-row is gone, and its files are removed by the caller. Each method is one transaction on the store's connection,
+row is gone, and its files are removed by the caller; so are a finished job's past the retention
+(:meth:`JobStore.expire`). Each method is one transaction on the store's connection,
 under its lock (the routes' threads and the worker share it).
 """
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sqlite3
 import threading
@@ -67,11 +69,13 @@ class Job:
     thumbnail: str | None
     error: dict | None
 
-    def public(self) -> dict[str, Any]:
-        """The OpenAI ``video`` object of this job."""
+    def public(self, keep_s: float | None = None) -> dict[str, Any]:
+        """The OpenAI ``video`` object of this job; ``keep_s``: how long a finished video is kept (None: always),
+        which sets ``expires_at``."""
+        expires = None if keep_s is None or self.completed_at is None else self.completed_at + math.ceil(keep_s)
         return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
-                "expires_at": None, "prompt": self.prompt, "size": self.size, "seconds": self.seconds,
+                "expires_at": expires, "prompt": self.prompt, "size": self.size, "seconds": self.seconds,
                 "remixed_from_video_id": None, "error": self.error}
 
 
@@ -185,6 +189,16 @@ class JobStore:
             if job is not None:
                 self._db.execute("DELETE FROM jobs WHERE id = ?", (id,))
             return job
+
+    def expire(self, before: float) -> list[Job]:
+        """Remove the completed and failed jobs that finished before the time ``before``; the rows removed (their
+        files are the caller's to delete)."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM jobs WHERE status IN ('completed', 'failed') "
+                                    "AND completed_at < ?", (before,)).fetchall()
+            self._db.execute("DELETE FROM jobs WHERE status IN ('completed', 'failed') AND completed_at < ?",
+                             (before,))
+        return [_job(r) for r in rows]
 
     def requeue(self) -> list[str]:
         """At start: the jobs a former process left ``in_progress`` queued again, in their order; their ids."""

@@ -53,8 +53,10 @@ def remove(*paths: str | Path | None) -> None:
 class Worker:
     """Loads ``options`` (a LoadOptions) on its thread, then runs ``store``'s jobs; files go under ``data_dir``."""
 
-    def __init__(self, options, store: JobStore, data_dir: Path, on_load_failure: Callable[[], None] | None = None):
+    def __init__(self, options, store: JobStore, data_dir: Path, on_load_failure: Callable[[], None] | None = None,
+                 keep_s: float | None = None):
         self.options, self.store, self.data_dir = options, store, Path(data_dir)
+        self.keep_s = keep_s  # finished videos older than this (seconds) are deleted with their files; None: never
         self.on_load_failure = on_load_failure  # called (on the worker thread) when the model fails to load
         self.gen = None
         self.load_failure: BaseException | None = None
@@ -120,10 +122,19 @@ class Worker:
         while not self._stop.is_set():
             job = self.store.claim()
             if job is None:
+                self.expire()
                 with self._wake:
                     self._wake.wait(timeout=1.0)
                 continue
             self.run(job)
+
+    def expire(self) -> None:
+        """Delete the finished videos past the retention, with their files (checked while the queue is empty)."""
+        if self.keep_s is None:
+            return
+        for job in self.store.expire(time.time() - self.keep_s):
+            remove(job.video, job.thumbnail, job.image)
+            logger.info("video %s: deleted (kept %g s after it finished)", job.id, self.keep_s)
 
     def run(self, job: Job) -> None:
         """Make ``job``'s video (the job is ``in_progress``)."""

@@ -39,6 +39,8 @@ def test_help_lists_the_flags_docs_cli_md_documents(capsys):
     (["--api-key-file", "empty-key"], "--api-key-file empty-key is empty"),
     (["--port", "70000"], "--port 70000 must be in [0, 65535]"),
     (["--max-queue", "0"], "--max-queue 0 must be >= 1"),
+    (["--keep-days", "0"], "--keep-days 0.0 must be a positive number of days"),
+    (["--keep-days", "nan"], "--keep-days nan must be a positive number of days"),
 ])
 def test_start_up_errors_are_one_line_before_anything_starts(tmp_path, monkeypatch, capsys, argv, says):
     from fastwan import cli
