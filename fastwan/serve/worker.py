@@ -6,7 +6,8 @@ it runs stops at its next step (:meth:`Worker.cancel`: the step callback raises 
 the running job when the server stops (:meth:`Worker.stop`), which goes back to the queue; since the
 video and its thumbnail appear only whole (written to a hidden name, then moved), a stopped or deleted job leaves no
 file; a job deleted just as it completes has its files removed. A job that fails keeps its error as OpenAI's
-``{"code", "message"}``. One log line per change of a job's state.
+``{"code", "message"}``. With a retention (``keep_s``), finished videos past it are deleted with their files while
+the queue is empty. One log line per change of a job's state.
 """
 from __future__ import annotations
 
