@@ -87,14 +87,18 @@ def to_json(obj) -> dict[str, Any]:
     return out
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    seen: dict = {}
-    for key, value in pairs:
-        if key in seen:
-            raise InvalidArgument(f"the JSON object gives {key!r} twice ({seen[key]!r} and {value!r}); give each "
-                                  "key once.")
-        seen[key] = value
-    return seen
+def unique_keys(where: str, noun: str = "key") -> Callable[[list[tuple[str, Any]]], dict]:
+    """A ``json.loads`` ``object_pairs_hook``: an object's (key, value) pairs as a dict, a key given twice refused
+    (json keeps the last one silently), the error naming ``where`` the object came from and each ``noun``."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        seen: dict = {}
+        for key, value in pairs:
+            if key in seen:
+                raise InvalidArgument(f"{where} gives {key!r} twice ({seen[key]!r} and {value!r}); give each {noun} "
+                                      "once.")
+            seen[key] = value
+        return seen
+    return hook
 
 
 def from_json(cls, data: str | bytes | Mapping[str, Any]):
@@ -104,7 +108,7 @@ def from_json(cls, data: str | bytes | Mapping[str, Any]):
     name = cls.__name__
     if isinstance(data, (str, bytes, bytearray)):
         try:
-            data = json.loads(data, object_pairs_hook=_unique_keys)
+            data = json.loads(data, object_pairs_hook=unique_keys("the JSON object"))
         except json.JSONDecodeError as exc:
             raise InvalidArgument(f"the {name} text is not valid JSON ({exc}); send one JSON object, e.g. "
                                   f"{example(cls)}.") from None
@@ -217,6 +221,16 @@ def cli_text(message: str, *classes) -> str:
             elif opt.flag is not None:
                 message = re.sub(rf"(?<![\w.-]){f.name}=(True|False)", opt.flag, message)
     return message
+
+
+def boolean(name: str, error: type[Exception] = InvalidArgumentType) -> Callable[[Any], bool]:
+    """The rule of a True / False field: a truthy stand-in is refused, not read as a yes (``allow_pickle="no"``
+    must not let pickle files, which can run code, load); ``error``: the exception it raises."""
+    def check(value):
+        if not isinstance(value, bool):
+            raise error(f"{name}={value!r} must be True or False.")
+        return value
+    return check
 
 
 def integer_text(text: str) -> int:

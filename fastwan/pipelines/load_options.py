@@ -18,7 +18,7 @@ import torch
 
 from fastwan import envs
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.fields import REQUIRED, check_fields, number_text, option
+from fastwan.fields import REQUIRED, boolean, check_fields, number_text, option
 from fastwan.lora.merge import check_repeats, parse_lora_spec
 from fastwan.models.wan.quantize import QUANTIZATIONS, check_quantization
 from fastwan.offload.plan import parse_memory
@@ -54,14 +54,6 @@ def dtype_of(name):
 
 def _dtype_name(value) -> str:
     return str(value).removeprefix("torch.")
-
-
-def _bool(name: str, error: type[Exception] = InvalidArgumentType):
-    def check(value):
-        if not isinstance(value, bool):  # a truthy stand-in is refused: allow_pickle="no" must not load pickle
-            raise error(f"{name}={value!r} must be True or False.")
-        return value
-    return check
 
 
 def _optional_str(name: str, example: str):
@@ -264,7 +256,7 @@ class LoadOptions:
                                               "'{\"sparsity\": 0.9}'", nullable=True, schema={"type": "object"},
                                    check=_attention_config, flag="--attention-config")
     enable_torch_compile: bool = option(False, help="torch.compile the DiT blocks", schema={"type": "boolean"},
-                                        check=_bool("enable_torch_compile"), flag="--compile", action="store_true")
+                                        check=boolean("enable_torch_compile"), flag="--compile", action="store_true")
     torch_compile_kwargs: Any = option(None, help="torch.compile's keyword arguments (default: fullgraph unless the "
                                                   "attention is sparse)", nullable=True, schema={"type": "object"},
                                        check=_compile_kwargs)
@@ -313,7 +305,7 @@ class LoadOptions:
                                  check=_memory, flag="--max-gpu-memory", metavar="SIZE")
     allow_pickle: bool = option(False, help="also read PyTorch pickle weights (.bin, .pt, ...) of the checkpoint and "
                                             "LoRA files, for sources you trust (unpickling can run code)",
-                                schema={"type": "boolean"}, check=_bool("allow_pickle"), flag="--allow-pickle",
+                                schema={"type": "boolean"}, check=boolean("allow_pickle"), flag="--allow-pickle",
                                 action="store_true")
     revision: str | None = option(None, help="Hub branch, tag or commit of the model (Hub ids only)", nullable=True,
                                   schema={"type": "string"}, check=_optional_str("revision", "'main'"),
@@ -321,7 +313,7 @@ class LoadOptions:
     num_gpus: int | None = option(None, help="processes (one GPU each) that make each video together",
                                   nullable=True, schema={"type": "integer", "minimum": 1}, check=_num_gpus)
     cfg_parallel: bool = option(False, help="run the two CFG passes on two groups of processes",
-                                schema={"type": "boolean"}, check=_bool("cfg_parallel", InvalidArgument),
+                                schema={"type": "boolean"}, check=boolean("cfg_parallel", InvalidArgument),
                                 flag="--cfg-parallel", action="store_true")
 
     def __post_init__(self) -> None:

@@ -24,10 +24,10 @@ import numpy as np
 
 from fastwan.cache import CACHES, check_cache
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.fields import REQUIRED, check_fields, integer_text, number_text, option
+from fastwan.fields import REQUIRED, boolean, check_fields, integer_text, number_text, option
 from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
 from fastwan.pipelines.output import check_output_path
-from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps
+from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps, check_flow_shift, check_sampler
 from fastwan.pipelines.text import clean_prompt
 from fastwan.values import python_number
 
@@ -93,37 +93,11 @@ def _seed(value):
     return int(value)
 
 
-def _flag(name: str):
+def _optional(rule):
+    """``rule`` for a field whose None means "the preset's / the sampler's own"."""
     def check(value):
-        if not isinstance(value, bool):
-            raise InvalidArgumentType(f"{name}={value!r} must be True or False.")
-        return value
+        return None if value is None else rule(value)
     return check
-
-
-def _sampler(value):
-    if value is None:
-        return None
-    if not isinstance(value, str) or value not in SAMPLERS:
-        raise (InvalidArgument if isinstance(value, str) else InvalidArgumentType)(
-            f"sampler={value!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
-            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
-    return value
-
-
-def _timesteps(value):
-    return None if value is None else _check_timesteps(value)
-
-
-def _flow_shift(value):
-    if value is None:
-        return None
-    value = python_number(value)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or (finite_float(value) or 0) <= 0:
-        raise (InvalidArgument if number else InvalidArgumentType)(
-            f"flow_shift={value!r} must be > 0 (a finite number, e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
-    return float(value)
 
 
 def _output_path(value):
@@ -263,24 +237,25 @@ class GenerationRequest:
                              check=_count("fps", 16, MAX_FPS), flag="--fps", parse=integer_text)
     output_path: str = option("outputs/", help="a folder (the file gets an automatic name), or a path ending in .mp4",
                               schema={"type": "string"}, check=_output_path, encode=os.fspath, flag="--output")
-    save_video: bool = option(True, help="write the mp4", schema={"type": "boolean"}, check=_flag("save_video"))
+    save_video: bool = option(True, help="write the mp4", schema={"type": "boolean"}, check=boolean("save_video"))
     return_frames: bool = option(True, help="return the frames as an array", schema={"type": "boolean"},
-                                 check=_flag("return_frames"))
+                                 check=boolean("return_frames"))
     overwrite: bool = option(False, help="replace an existing video at the output path", schema={"type": "boolean"},
-                             check=_flag("overwrite"), flag="--overwrite", action="store_true")
+                             check=boolean("overwrite"), flag="--overwrite", action="store_true")
     cache: Any = option(None, help="this video's step cache (fastwan.cache; 'none': off; default: the generator's)",
                         nullable=True, schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=_cache,
                         encode=_encode_cache, decode=_decode_cache)
     sampler: str | None = option(None, help="default (the checkpoint's scheduler), euler (step-distilled LoRAs) or "
                                             "dmd (FastWan); default: the checkpoint's", nullable=True,
-                                 schema={"enum": list(SAMPLERS)}, check=_sampler, flag="--sampler", choices=SAMPLERS)
+                                 schema={"enum": list(SAMPLERS)}, check=_optional(check_sampler), flag="--sampler",
+                                 choices=SAMPLERS)
     timesteps: tuple[float, ...] | None = option(
         None, help="euler / dmd timesteps in (0, 1000], decreasing, e.g. 1000,757,522 (sets the step count)",
-        nullable=True, schema={"type": "array", "items": {"type": "number"}, "minItems": 1}, check=_timesteps,
-        encode=list, flag="--timesteps", parse=timesteps_text, metavar="T1,T2,...")
+        nullable=True, schema={"type": "array", "items": {"type": "number"}, "minItems": 1},
+        check=_optional(_check_timesteps), encode=list, flag="--timesteps", parse=timesteps_text, metavar="T1,T2,...")
     flow_shift: float | None = option(None, help="the sampler's flow shift, > 0 (default: the preset's, else 8 for "
                                                  "dmd and the checkpoint scheduler's otherwise)", nullable=True,
-                                      schema={"type": "number", "exclusiveMinimum": 0}, check=_flow_shift,
+                                      schema={"type": "number", "exclusiveMinimum": 0}, check=check_flow_shift,
                                       flag="--flow-shift", parse=number_text)
 
     def __post_init__(self) -> None:

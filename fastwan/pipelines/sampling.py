@@ -56,11 +56,7 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
     converted), so the settings, their digest and every size computed from them are plain ints and floats."""
     preset = replace(preset, **{k: python_number(getattr(preset, k)) for k in NUMBER_FIELDS})
     num_inference_steps, flow_shift = python_number(num_inference_steps), python_number(flow_shift)
-    name = preset.sampler if sampler is None else sampler
-    if not isinstance(name, str) or name not in SAMPLERS:
-        raise (InvalidArgument if isinstance(name, str) else InvalidArgumentType)(
-            f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
-            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+    name = check_sampler(preset.sampler if sampler is None else sampler)
     steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
     integral = isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
     if not integral or steps < 1:  # a type error for a non-int, a value error for an int out of range
@@ -79,14 +75,30 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
         ts = None  # the sampler's own schedule
     else:  # the preset's timesteps hold for the preset's step count only
         ts = preset.timesteps if preset.timesteps is not None and len(preset.timesteps) == steps else None
-    shift = preset.flow_shift if flow_shift is None else flow_shift
-    if shift is not None:
-        number = isinstance(shift, numbers.Real) and not isinstance(shift, bool)
-        if not number or (finite_float(shift) or 0) <= 0:
-            raise (InvalidArgument if number else InvalidArgumentType)(
-                f"flow_shift={shift!r} must be a positive number (e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
-        shift = float(shift)
+    shift = check_flow_shift(preset.flow_shift if flow_shift is None else flow_shift)
     return replace(preset, sampler=name, num_inference_steps=int(steps), timesteps=ts, flow_shift=shift)
+
+
+def check_sampler(name) -> str:
+    """Rule: a sampler is one of :data:`SAMPLERS`."""
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise (InvalidArgument if isinstance(name, str) else InvalidArgumentType)(
+            f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
+            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+    return name
+
+
+def check_flow_shift(value) -> float | None:
+    """Rule: a flow shift is None (the sampler's own) or a finite number > 0 (a NumPy / torch scalar as its
+    number); returned as a float."""
+    value = python_number(value)
+    if value is None:
+        return None
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or (finite_float(value) or 0) <= 0:
+        raise (InvalidArgument if number else InvalidArgumentType)(
+            f"flow_shift={value!r} must be > 0 (a finite number, e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
+    return float(value)
 
 
 def _check_timesteps(timesteps) -> tuple[float, ...]:

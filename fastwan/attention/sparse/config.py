@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastwan.errors import InvalidArgument
+from fastwan.fields import unique_keys
 from fastwan.values import json_type
 
 Triple = tuple[int, int, int]
@@ -57,7 +58,8 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
             text = f.read()
         origin = f"file {path!r}"
     try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, origin, given_by))
+        data = json.loads(text, object_pairs_hook=unique_keys(f"attention config {origin} (from {given_by})",
+                                                              "setting"))
     except json.JSONDecodeError as exc:
         raise InvalidArgument(
             f"attention config {origin} (from {given_by}) is not valid JSON: {exc.msg} at line {exc.lineno}, "
@@ -69,19 +71,6 @@ def load_attention_config(source: str | os.PathLike | Mapping[str, Any] | None, 
             f"got a JSON {json_type(data)}."
         )
     return data
-
-
-def _unique_keys(pairs: list[tuple[str, Any]], origin: str, given_by: str) -> dict:
-    """A JSON object's (key, value) pairs as a dict; a key given twice raises (json keeps the last one silently)."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise InvalidArgument(
-                f"attention config {origin} (from {given_by}) gives {key!r} twice ({out[key]!r} and {value!r}); "
-                "give each setting once."
-            )
-        out[key] = value
-    return out
 
 
 def _json_value(text: str) -> str | None:
