@@ -102,6 +102,13 @@ def wait(client, video_id: str, timeout: float = 90.0, until=("completed", "fail
         time.sleep(0.1)
 
 
+def wait_started(client, video_id: str, timeout: float = 60.0) -> None:
+    """Return once the video has run a denoising step (its progress at least 1), or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while client.videos.retrieve(video_id).progress < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def nearest_4k_plus_1(target: float) -> int:
     """The reference of the seconds rule: of the frame counts 1, 5, 9, ..., the one nearest ``target`` (the larger
     on a tie), by search."""

@@ -99,17 +99,23 @@ def test_unknown_video_and_route(server):
     assert error_of(call("GET", f"{server.url}/v1/videos?limit=0"), 400)["param"] == "limit"
 
 
+def _answer(sock) -> bytes:
+    """What the server sent on ``sock``, read up to the end of its JSON error object (or the connection's end)."""
+    answer = b""
+    while b"}}" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
 def test_a_body_over_the_cap_is_413_before_it_is_read(server):
     """A declared length over the cap is answered at once: the client sends none of the 3 MB."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                      "Content-Type: application/json\r\nContent-Length: 3000000\r\n\r\n".encode())
-        answer = b""
-        while b"}}" not in answer:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
+        answer = _answer(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), answer
     assert json.loads(body)["error"]["code"] == "request_too_large"
@@ -121,14 +127,9 @@ def test_a_streamed_body_over_the_cap_is_413(server):
         sock.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                      "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
         chunk = b"a" * 65536
-        answer = b""
         for _ in range(17):  # just over the 1 MiB cap of a JSON body, then nothing: the server has read it all
             sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-        while b"}}" not in answer:
-            got = sock.recv(65536)
-            if not got:
-                break
-            answer += got
+        answer = _answer(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b'"request_too_large"' in body

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import io
 import signal
-import time
 
 import imageio.v3 as iio
 import pytest
 
 from fastwan.serve.store import JobStore
-from tests.serve.helpers import Server, wait
+from tests.serve.helpers import Server, wait, wait_started
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -27,9 +26,7 @@ def test_a_job_killed_mid_run_completes_after_a_restart(tmp_path):
                                       extra_body={"num_inference_steps": 30, "seed": 3})
         behind = client.videos.create(prompt="queued at the crash", size="32x32", seconds="0.5",
                                       extra_body={"num_inference_steps": 1})
-        deadline = time.monotonic() + 60
-        while client.videos.retrieve(killed.id).progress < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_started(client, killed.id)
         assert client.videos.retrieve(killed.id).status == "in_progress"
     finally:
         server.stop(signal.SIGKILL)
@@ -61,9 +58,7 @@ def test_sigterm_queues_the_running_job_again_and_exits(tmp_path):
         client = server.client()
         running = client.videos.create(prompt="running at the stop", size="64x64", seconds="1",
                                        extra_body={"num_inference_steps": 200})
-        deadline = time.monotonic() + 60
-        while client.videos.retrieve(running.id).progress < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_started(client, running.id)
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
     finally:
