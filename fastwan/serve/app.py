@@ -34,7 +34,7 @@ from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.worker import Worker, remove
 
 logger = logging.getLogger("fastwan.serve")
-EVENT_POLL_S = 0.2  # how often an event stream looks at its video
+EVENT_POLL_S = 0.5  # how often an event stream reads its video when this process changed nothing
 
 
 @dataclass
@@ -122,6 +122,36 @@ async def _create_body(request: Request, limits: Limits) -> tuple[dict, bytes | 
         raise ApiError(400, f"the body's Content-Type is {kind!r}; send application/json or multipart/form-data.",
                        code="invalid_body")
     return json_body(await _read(request, limits.max_body_bytes, "JSON body")), None
+
+
+async def _event_stream(state: ServerState, video_id: str):
+    """The events of :func:`create_app`'s ``events`` route, as SSE text."""
+    loop = asyncio.get_running_loop()
+    changes: asyncio.Queue = asyncio.Queue()
+
+    def watcher(job) -> None:  # on the thread that committed the change, under the store's lock
+        with contextlib.suppress(RuntimeError):  # the loop closed: the stream is gone
+            loop.call_soon_threadsafe(changes.put_nowait, job)
+
+    job = await run_in_threadpool(state.store.watch, video_id, watcher)
+    last = None
+    try:
+        while True:
+            if job is None:
+                yield f"event: deleted\ndata: {json.dumps({'id': video_id, 'deleted': True})}\n\n"
+                return
+            video = job.public(state.keep_s)
+            if (video["status"], video["progress"]) != last:
+                last = video["status"], video["progress"]
+                yield f"data: {json.dumps(video)}\n\n"
+            if video["status"] in ("completed", "failed"):
+                return
+            try:
+                job = await asyncio.wait_for(changes.get(), EVENT_POLL_S)
+            except asyncio.TimeoutError:  # nothing changed here; another host may have changed the row
+                await run_in_threadpool(state.store.refresh, video_id)  # the row now joins the queue in order
+    finally:  # no await here: a stream the client left is closed by the loop, which awaits nothing more
+        state.store.unwatch(video_id, watcher)
 
 
 def _save_upload(data: bytes, path: Path) -> None:
@@ -238,26 +268,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @api.get("/v1/videos/{video_id}/events")
     async def events(video_id: str):
-        """Server-Sent Events: the video object each time its status or progress changes, until it is completed or
-        failed (an ``event: deleted`` ends the stream of a video deleted meanwhile)."""
+        """Server-Sent Events: the video object at once and after each change of its status or progress, until it
+        is completed or failed (an ``event: deleted`` ends the stream of a video deleted meanwhile). Changes this
+        process makes arrive as they commit, every step included; those of other hosts sharing the store are
+        read every ``EVENT_POLL_S``."""
         job_or_404(video_id)
-
-        async def stream():
-            last = None
-            while True:
-                job = await run_in_threadpool(state.store.get, video_id)
-                if job is None:
-                    yield f"event: deleted\ndata: {json.dumps({'id': video_id, 'deleted': True})}\n\n"
-                    return
-                video = job.public(state.keep_s)
-                if (video["status"], video["progress"]) != last:
-                    last = video["status"], video["progress"]
-                    yield f"data: {json.dumps(video)}\n\n"
-                if video["status"] in ("completed", "failed"):
-                    return
-                await asyncio.sleep(EVENT_POLL_S)
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_event_stream(state, video_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @api.get("/v1/videos/{video_id}/content")
     def content(video_id: str, variant: str = Query("video", pattern="^(video|thumbnail|spritesheet)$")):

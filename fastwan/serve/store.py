@@ -5,7 +5,9 @@ start, a job left ``in_progress`` by a process that died is queued again (:meth:
 job is lost; a job completes once (:meth:`JobStore.finish` changes only an ``in_progress`` row); a deleted job's
 row is gone, and its files are removed by the caller; so are a finished job's past the retention
 (:meth:`JobStore.expire`). Each method is one transaction on the store's connection,
-under its lock (the routes' threads and the worker share it).
+under its lock (the routes' threads and the worker share it). A watcher (:meth:`JobStore.watch`) is called with
+the job's row after each change this store commits to it (None once it is deleted), in commit order, starting
+after the row :meth:`JobStore.watch` returns.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,7 @@ class JobStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._watchers: dict[str, list[Callable[[Job | None], None]]] = {}
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a committed job survives power loss too, not only a kill
@@ -105,6 +109,34 @@ class JobStore:
     def _one(self, sql: str, args: tuple = ()) -> Job | None:
         row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM jobs {sql}", args).fetchone()
         return None if row is None else _job(row)
+
+    def watch(self, id: str, watcher: Callable[[Job | None], None]) -> Job | None:
+        """Call ``watcher`` with the row after each change of the job ``id`` from now on; the row now (None: no
+        such job). ``watcher`` runs under the store's lock: it must only hand the row on."""
+        with self._lock:
+            self._watchers.setdefault(id, []).append(watcher)
+            return self._one("WHERE id = ?", (id,))
+
+    def unwatch(self, id: str, watcher: Callable[[Job | None], None]) -> None:
+        with self._lock:
+            watchers = self._watchers.get(id, [])
+            if watcher in watchers:
+                watchers.remove(watcher)
+            if not watchers:
+                self._watchers.pop(id, None)
+
+    def refresh(self, id: str) -> None:
+        """Hand the job's row as it is now to its watchers (a change another process committed)."""
+        with self._lock:
+            self._changed(id)
+
+    def _changed(self, id: str, job: Job | None = ...) -> None:
+        """Hand the job's row (read now unless given) to its watchers; under the lock, after the commit."""
+        watchers = self._watchers.get(id)
+        if watchers:
+            row = self._one("WHERE id = ?", (id,)) if job is ... else job
+            for watcher in list(watchers):
+                watcher(row)
 
     def add(self, *, id: str, model: str, prompt: str, size: str, seconds: str, fields: dict,
             image: str | None) -> Job:
@@ -156,11 +188,18 @@ class JobStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return None if job is None else self.get(job.id)
+            if job is None:
+                return None
+            job = self._one("WHERE id = ?", (job.id,))
+            self._changed(job.id, job)
+            return job
 
     def progress(self, id: str, percent: int) -> None:
         with self._lock:
-            self._db.execute("UPDATE jobs SET progress = ? WHERE id = ? AND status = 'in_progress'", (percent, id))
+            cur = self._db.execute("UPDATE jobs SET progress = ? WHERE id = ? AND status = 'in_progress'",
+                                   (percent, id))
+            if cur.rowcount:
+                self._changed(id)
 
     def finish(self, id: str, *, video: str | None = None, thumbnail: str | None = None,
                error: dict | None = None) -> bool:
@@ -173,6 +212,8 @@ class JobStore:
                 "WHERE id = ? AND status = 'in_progress'",
                 (status, 100 if error is None else 0, int(time.time()), video, thumbnail,
                  None if error is None else json.dumps(error), id))
+            if cur.rowcount:
+                self._changed(id)
             return cur.rowcount == 1
 
     def release(self, id: str) -> bool:
@@ -180,6 +221,8 @@ class JobStore:
         with self._lock:
             cur = self._db.execute("UPDATE jobs SET status = 'queued', progress = 0 WHERE id = ? AND "
                                    "status = 'in_progress'", (id,))
+            if cur.rowcount:
+                self._changed(id)
             return cur.rowcount == 1
 
     def delete(self, id: str) -> Job | None:
@@ -188,6 +231,7 @@ class JobStore:
             job = self._one("WHERE id = ?", (id,))
             if job is not None:
                 self._db.execute("DELETE FROM jobs WHERE id = ?", (id,))
+                self._changed(id, None)
             return job
 
     def expire(self, before: float) -> list[Job]:
@@ -198,7 +242,10 @@ class JobStore:
                                     "AND completed_at < ?", (before,)).fetchall()
             self._db.execute("DELETE FROM jobs WHERE status IN ('completed', 'failed') AND completed_at < ?",
                              (before,))
-        return [_job(r) for r in rows]
+            jobs = [_job(r) for r in rows]
+            for job in jobs:
+                self._changed(job.id, None)
+        return jobs
 
     def requeue(self) -> list[str]:
         """At start: the jobs a former process left ``in_progress`` queued again, in their order; their ids."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 
-from tests.serve.helpers import KEY, call, nearest_4k_plus_1, wait
+from tests.serve.helpers import KEY, call, nearest_4k_plus_1, wait, wait_started
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its Videos API deprecated
 TINY_FPS = 8  # the tiny checkpoints' preset fps (docs/models.md)
@@ -136,21 +136,26 @@ def test_the_serving_guide_example_runs_as_written(server, tmp_path, monkeypatch
     assert iio.imread(tmp_path / "cat.mp4").shape == (nearest_4k_plus_1(0.5 * TINY_FPS), 32, 32, 3)
 
 
-def test_progress_events_stream_until_completed(server):
-    """GET /v1/videos/{id}/events: one event per change of status or progress, progress never going back, the last
-    one the completed video."""
+def test_progress_events_stream_every_step_until_completed(server):
+    """GET /v1/videos/{id}/events, opened while the video waits behind another: the video as it is, then one event
+    per change, every denoising step included (progress 100*k//steps, at most 99, after step k), the last one the
+    completed video."""
     client = server.client()
+    steps = 20
+    blocker = client.videos.create(prompt="a long night", size="32x32", seconds="0.5",
+                                   extra_body={"num_inference_steps": 300})
+    wait_started(client, blocker.id)
     created = client.videos.create(prompt="a slow dawn", size="32x32", seconds="0.5",
-                                   extra_body={"num_inference_steps": 20})
+                                   extra_body={"num_inference_steps": steps})
     request = urllib.request.Request(f"{server.url}/v1/videos/{created.id}/events",
                                      headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         assert answer.headers["content-type"].startswith("text/event-stream")
+        client.videos.delete(blocker.id)  # the stream is open: the video starts now
         events = [json.loads(line[len(b"data: "):]) for line in answer if line.startswith(b"data: ")]
     states = [(e["status"], e["progress"]) for e in events]
-    assert states[-1] == ("completed", 100) and len(set(states)) == len(states)
-    progress = [p for _, p in states]
-    assert progress == sorted(progress) and len(progress) >= 3  # it moved through the steps
+    running = [min(99, 100 * k // steps) for k in range(1, steps + 1)]
+    assert states == [("queued", 0), ("in_progress", 0), *(("in_progress", p) for p in running), ("completed", 100)]
     assert all(e["id"] == created.id and e["object"] == "video" for e in events)
     assert call("GET", f"{server.url}/v1/videos/video_{'0' * 32}/events")[0] == 404
 
