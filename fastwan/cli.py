@@ -138,10 +138,9 @@ def _resolve_early(args, request, options):
 
 def _resolve(ckpt, request, options):
     """``request`` resolved from ``ckpt``'s files (its scheduler config and VAE factors; no weight loaded)."""
-    from fastwan.pipelines.request import checkpoint_vae_factors, resolve_request
-    from fastwan.pipelines.setup import load_scheduler
+    from fastwan.pipelines.rules import CheckpointRules
 
-    return resolve_request(ckpt, load_scheduler(ckpt), checkpoint_vae_factors(ckpt), request, options.cache)
+    return CheckpointRules.of(ckpt, options.cache).resolve(request)
 
 
 def _run_generate(args) -> int:

@@ -1,6 +1,6 @@
 """The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), a progress stream per
 video (``/v1/videos/{id}/events``, Server-Sent Events), ``/health``, ``/ready`` and ``/metrics``
-(:mod:`fastwan.serve.metrics`).
+(:mod:`fastwan.serve.metrics`), and the web page at ``/`` (:mod:`fastwan.serve.site`; its files need no key).
 
 Rules: every route but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key (compared in
 constant time, :func:`hmac.compare_digest`); every error is OpenAI's ``{"error": {...}}`` with its status
@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -29,7 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastwan.serve.errors import ApiError
 from fastwan.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from fastwan.serve.metrics import render as render_metrics
-from fastwan.serve.requests import Limits, accept, form_body, json_body, read_image
+from fastwan.serve.cors import add_cors
+from fastwan.serve.loras import ServedLoras
+from fastwan.serve.requests import LAST_IMAGE_KEY, Limits, accept, form_body, json_body, read_image, uploads
+from fastwan.serve.site import add_page
 from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.worker import Worker, remove
 
@@ -39,26 +44,46 @@ EVENT_POLL_S = 0.5  # how often an event stream reads its video when this proces
 
 @dataclass
 class ServerState:
-    """What the routes share: the store, the worker (and its model), the served model's name, the key (None: no
-    key), the queue cap, the upload caps and the wait for the running job at shutdown."""
+    """What the routes share: the store, this process's workers (each with its model; none with ``--role api``),
+    the served model's name, the key (None: no key), the queue cap, the upload caps, the wait for the running jobs
+    at shutdown, the data folder (default: the first worker's), the retention (None: keep), the checkpoint's rules
+    that check creates where no worker runs (a :class:`~fastwan.pipelines.rules.CheckpointRules`) and the workers'
+    lease."""
 
     store: JobStore
-    worker: Worker
+    workers: list[Worker]
     model: str
     api_key: str | None = None
     max_queue: int = 64
     limits: Limits = Limits()
-    stop_wait_s: float = 60.0  # at shutdown, how long the running job has to reach its next step
-
-    @property
-    def keep_s(self) -> float | None:
-        """How long a finished video is kept (None: always): the worker's retention."""
-        return self.worker.keep_s
+    stop_wait_s: float = 60.0  # at shutdown, how long the running jobs have to reach their next step
+    data_dir: Path | None = None
+    keep_s: float | None = None
+    rules: Any = None
+    lease_s: float = 60.0
+    loras: ServedLoras | None = None  # --lora-dir: the LoRAs a create may name (None: none)
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: the web origins allowed to call the API (none: CORS off)
     admit: threading.Lock = field(default_factory=threading.Lock)  # one create checks the queue and adds at a time
+
+    def __post_init__(self):
+        if self.data_dir is None:
+            self.data_dir = self.workers[0].data_dir
 
     @property
     def uploads(self) -> Path:
-        return self.worker.data_dir / "uploads"
+        return self.data_dir / "uploads"
+
+    def video_path(self, video_id: str) -> Path:
+        """Where the server writes the video ``video_id`` (a create's request is checked with it)."""
+        return self.data_dir / "videos" / f"{video_id}.mp4"
+
+    def stop_workers(self, timeout: float) -> bool:
+        """Stop every worker here (their running jobs go back to the queue at their next step), waiting up to
+        ``timeout`` seconds in all; False when one still runs then."""
+        for worker in self.workers:
+            worker.stop(timeout=0)
+        deadline = time.monotonic() + timeout
+        return all([worker.stop(max(0.0, deadline - time.monotonic())) for worker in self.workers])
 
 
 def _authorize(state: ServerState):
@@ -91,37 +116,42 @@ async def _read(request: Request, cap: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-async def _create_body(request: Request, limits: Limits) -> tuple[dict, bytes | None]:
-    """The create body's typed fields and the uploaded ``input_reference`` bytes (None: no upload)."""
+UPLOADS = ("input_reference", "last_image")  # the file fields of a create: the first and the last frame
+
+
+async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str, bytes]]:
+    """The create body's typed fields and the uploaded files' bytes by field (:data:`UPLOADS`)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "multipart/form-data":
-        data = await _read(request, limits.max_upload_bytes + limits.max_body_bytes, "multipart body")
+        data = await _read(request, len(UPLOADS) * limits.max_upload_bytes + limits.max_body_bytes, "multipart body")
 
         async def replay():
             return {"type": "http.request", "body": data, "more_body": False}
 
         try:
-            form = await Request(request.scope, replay).form(max_files=1, max_fields=64,
+            form = await Request(request.scope, replay).form(max_files=len(UPLOADS), max_fields=64,
                                                              max_part_size=limits.max_body_bytes)
         except Exception as exc:  # noqa: BLE001 -- a malformed form is the client's
             raise ApiError(400, f"the multipart body could not be read ({exc}).", code="invalid_body") from None
-        texts, upload = [], None
+        texts, files = [], {}
         for key, value in form.multi_items():
             if isinstance(value, str):
                 texts.append((key, value))
-            elif key != "input_reference":
-                raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference.",
+            elif key not in UPLOADS or key in files:
+                raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference "
+                                    "(and a first-last-frame video's last frame as last_image), once each.",
                                code="unknown_parameter", param=key)
             else:
-                upload = await value.read()
-        if upload is not None and len(upload) > limits.max_upload_bytes:
-            raise ApiError(413, f"input_reference is {len(upload)} bytes, over this server's cap of "
-                                f"{limits.max_upload_bytes}.", code="upload_too_large", param="input_reference")
-        return form_body(texts), upload
+                files[key] = await value.read()
+        for key, upload in files.items():
+            if len(upload) > limits.max_upload_bytes:
+                raise ApiError(413, f"{key} is {len(upload)} bytes, over this server's cap of "
+                                    f"{limits.max_upload_bytes}.", code="upload_too_large", param=key)
+        return form_body(texts), files
     if kind not in ("application/json", ""):
         raise ApiError(400, f"the body's Content-Type is {kind!r}; send application/json or multipart/form-data.",
                        code="invalid_body")
-    return json_body(await _read(request, limits.max_body_bytes, "JSON body")), None
+    return json_body(await _read(request, limits.max_body_bytes, "JSON body")), {}
 
 
 async def _event_stream(state: ServerState, video_id: str):
@@ -171,9 +201,9 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         # shutting down (SIGINT / SIGTERM; requests finished): the running job stops at its next step and is queued
         # again, before uvicorn hands the signal back to the process
-        if not await run_in_threadpool(state.worker.stop, state.stop_wait_s):
-            logger.warning("the running job did not reach its next step in %g s; it is queued again at the next "
-                           "start", state.stop_wait_s)
+        if not await run_in_threadpool(state.stop_workers, state.stop_wait_s):
+            logger.warning("a running job did not reach its next step in %g s; it is queued again at the next "
+                           "start (or once its lease lapses, with a shared store)", state.stop_wait_s)
 
     app = FastAPI(title="fastwan", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api = APIRouter(dependencies=[Depends(_authorize(state))])
@@ -203,12 +233,16 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(body, status_code=exc.status_code)
 
     def model_ready():
-        if state.worker.load_error is not None:
-            raise ApiError(503, f"the model did not load: {state.worker.load_error}", code="model_not_loaded")
-        if not state.worker.ready():
+        """What checks a create: the loaded generator of a worker here, else the checkpoint's rules."""
+        if not state.workers:
+            return state.rules
+        failed = [w.load_error for w in state.workers if w.load_error is not None]
+        if failed:
+            raise ApiError(503, f"the model did not load: {failed[0]}", code="model_not_loaded")
+        if not all(w.ready() for w in state.workers):
             raise ApiError(503, "the model is still loading; retry in a moment (GET /ready says when).",
                            code="model_loading")
-        return state.worker.gen
+        return state.workers[0].gen
 
     def job_or_404(video_id: str):
         job = state.store.get(video_id)
@@ -224,20 +258,25 @@ def create_app(state: ServerState) -> FastAPI:
     @api.get("/ready")
     def ready():
         model_ready()
+        if not state.workers and not state.store.live_workers(state.model, state.lease_s):
+            raise ApiError(503, f"no worker serving {state.model!r} is alive; start one (fastwan serve --role "
+                                "worker with this --store and --model); creates are queued meanwhile.",
+                           code="no_worker")
         return {"status": "ready", "model": state.model, "queued": state.store.count("queued")}
 
     @api.get("/metrics")
     def metrics():
-        return PlainTextResponse(render_metrics(state.store.counts(), state.worker), media_type=METRICS_TYPE)
+        return PlainTextResponse(render_metrics(state.store.counts(), state.workers), media_type=METRICS_TYPE)
 
     @api.post("/v1/videos")
     async def create(request: Request):
-        body, upload = await _create_body(request, state.limits)
+        body, files = await _create_body(request, state.limits)
         gen = model_ready()
-        image = None if upload is None else await run_in_threadpool(read_image, upload, state.limits)
+        images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()}
         video_id = new_id()
-        checked = await run_in_threadpool(accept, body, image, gen, state.model, state.worker.video_path(video_id))
-        return await run_in_threadpool(_admit, state, video_id, checked, upload)
+        checked = await run_in_threadpool(accept, body, images.get("input_reference"), gen, state.model,
+                                          state.video_path(video_id), images.get("last_image"), state.loras)
+        return await run_in_threadpool(_admit, state, video_id, checked, files)
 
     @api.get("/v1/videos")
     def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = None,
@@ -259,10 +298,11 @@ def create_app(state: ServerState) -> FastAPI:
         job = state.store.delete(video_id)
         if job is None:
             job_or_404(video_id)
-        if job.status == "in_progress":  # stopped at its next step; its files are the worker's to remove
-            state.worker.cancel(video_id)
+        if job.status == "in_progress":  # stopped at its next step (any host's); its files are the worker's
+            for worker in state.workers:
+                worker.cancel(video_id)
         else:  # a queued job is never claimed now (the row went in one transaction)
-            remove(job.video, job.thumbnail, job.image)
+            remove(job.video, job.thumbnail, *uploads(job))
         logger.info("video %s: deleted (was %s)", video_id, job.status)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -292,28 +332,33 @@ def create_app(state: ServerState) -> FastAPI:
         return FileResponse(path, media_type=kind, filename=Path(path).name)
 
     app.include_router(api)
+    add_cors(app, state.cors_origins)  # wraps every route: CORS headers on each answer, preflights answered
+    add_page(app)  # the web page at /, without the key
     return app
 
 
-def _admit(state: ServerState, video_id: str, checked, upload: bytes | None) -> dict:
-    """Queue the checked job (429 when the queue is full): its upload written, its row committed, the worker woken;
-    the video object."""
+def _admit(state: ServerState, video_id: str, checked, files: dict[str, bytes]) -> dict:
+    """Queue the checked job (429 when the queue is full): its uploads written (the first frame the row's image,
+    the last one named in its fields), its row committed, the worker woken; the video object."""
     with state.admit:
         queued = state.store.count("queued")
         if queued >= state.max_queue:
             raise ApiError(429, f"the queue is full ({queued} videos waiting, --max-queue {state.max_queue}); retry "
                                 "once some have started.", code="queue_full")
-        image_path = None
-        if upload is not None:
-            image_path = state.uploads / f"{video_id}.img"
-            _save_upload(upload, image_path)
+        image_path = state.uploads / f"{video_id}.img" if "input_reference" in files else None
+        last_path = state.uploads / f"{video_id}.last.img" if "last_image" in files else None
+        fields = checked.fields if last_path is None else {**checked.fields, LAST_IMAGE_KEY: str(last_path)}
         try:
+            for path, key in ((image_path, "input_reference"), (last_path, "last_image")):
+                if path is not None:
+                    _save_upload(files[key], path)
             job = state.store.add(id=video_id, model=state.model, prompt=checked.prompt, size=checked.size,
-                                  seconds=checked.seconds, fields=checked.fields,
+                                  seconds=checked.seconds, fields=fields,
                                   image=None if image_path is None else str(image_path))
         except BaseException:
-            remove(image_path)
+            remove(image_path, last_path)
             raise
     logger.info("video %s: queued (%s, %s s)", video_id, checked.size, checked.seconds)
-    state.worker.notify()
+    for worker in state.workers:
+        worker.notify()
     return job.public(state.keep_s)

@@ -12,7 +12,9 @@ whose values are text: each is read as its field's command-line text is, e.g. ``
 - An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
   ``output_path``, ``image``, ``last_image``, ``save_video``, ``return_frames`` and ``overwrite`` are refused, and so
   is a ``cache`` that reads a file (the CLI's ``@FILE``); the first frame of image-to-video comes only as the
-  uploaded file ``input_reference``. ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
+  uploaded file ``input_reference``, the last frame of a first-last-frame video only as the uploaded file
+  ``last_image`` (beside ``input_reference``). ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
+- ``lora``: LoRAs by name, served from ``--lora-dir`` (:mod:`fastwan.serve.loras`).
 - Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
   (``gen.resolve``), checked before the job is accepted.
 - ``seed``, when not given, is drawn here and stored with the job, so a job run again after a crash makes the
@@ -34,15 +36,21 @@ from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.text import MAX_SEQUENCE_LENGTH
 from fastwan.serve.errors import ApiError, from_user_error
+from fastwan.serve.loras import JOB_KEY as LORA_KEY
+from fastwan.serve.loras import ServedLoras
+from fastwan.serve.loras import form_items as lora_form_items
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
+SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
 SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "upload it as input_reference",
-               "last_image": "first-last-frame uploads are not served yet",
+               "last_image": "upload the last frame as the file last_image (multipart), beside input_reference",
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
 MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt is a mistake or an attack
 MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
+LAST_IMAGE_KEY = "_last_image"  # the uploaded last frame's file in a job's stored fields
+JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY)  # a job's stored fields that are the server's, not the request's
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -105,10 +113,11 @@ def form_body(items: list[tuple[str, str]]) -> dict:
     an object as ``name[key]`` items (a list in it: ``name[key][]``); a request field's text is read as its
     command-line text is (``parse``: "2" -> 2, "1000,500" -> [1000.0, 500.0]), an object's values as JSON scalars;
     other text stays text."""
+    items, lora = lora_form_items(items)
+    body: dict = {} if lora is None else {"lora": lora}
     grouped: dict[str, list[str]] = {}
     for key, value in items:
         grouped.setdefault(key, []).append(value)
-    body: dict = {}
     for key, values in grouped.items():
         member = re.fullmatch(r"(\w+)\[(\w+)\](\[\])?", key)  # name[key] or name[key][]
         name = member.group(1) if member else key[:-2] if key.endswith("[]") else key
@@ -135,29 +144,29 @@ def form_body(items: list[tuple[str, str]]) -> dict:
     return body
 
 
-def read_image(data: bytes, limits: Limits):
-    """An uploaded first frame -> an RGB PIL image; 413 over the pixel cap (checked from the header, before
-    decoding), 400 when it is not an image."""
+def read_image(data: bytes, limits: Limits, param: str = "input_reference"):
+    """An uploaded image (the file field ``param``) -> an RGB PIL image; 413 over the pixel cap (checked from the
+    header, before decoding), 400 when it is not an image."""
     from PIL import Image
 
     try:
         image = Image.open(io.BytesIO(data))
         width, height = image.size
     except Image.DecompressionBombError:
-        raise ApiError(413, f"input_reference has more than {limits.max_image_pixels} pixels; send a smaller image.",
-                       code="image_too_large", param="input_reference") from None
+        raise ApiError(413, f"{param} has more than {limits.max_image_pixels} pixels; send a smaller image.",
+                       code="image_too_large", param=param) from None
     except Exception as exc:  # noqa: BLE001 -- whatever PIL cannot read is the client's file
-        raise ApiError(400, f"input_reference is not an image this server reads ({type(exc).__name__}); upload a "
-                            "PNG, JPEG or WebP file.", code="invalid_image", param="input_reference") from None
+        raise ApiError(400, f"{param} is not an image this server reads ({type(exc).__name__}); upload a "
+                            "PNG, JPEG or WebP file.", code="invalid_image", param=param) from None
     if width * height > limits.max_image_pixels:
-        raise ApiError(413, f"input_reference is {width}x{height} ({width * height} pixels), over this server's cap "
+        raise ApiError(413, f"{param} is {width}x{height} ({width * height} pixels), over this server's cap "
                             f"of {limits.max_image_pixels}; send a smaller image.", code="image_too_large",
-                       param="input_reference")
+                       param=param)
     try:
         return image.convert("RGB")
     except Exception as exc:  # noqa: BLE001
-        raise ApiError(400, f"input_reference could not be decoded ({type(exc).__name__}: {exc}); upload a "
-                            "complete PNG, JPEG or WebP file.", code="invalid_image", param="input_reference") from None
+        raise ApiError(400, f"{param} could not be decoded ({type(exc).__name__}: {exc}); upload a "
+                            "complete PNG, JPEG or WebP file.", code="invalid_image", param=param) from None
 
 
 def frames_for(seconds: float, fps: int, temporal: int) -> int:
@@ -189,16 +198,18 @@ def _size(value) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
-    """Check a create ``body`` (typed values; ``image``: the uploaded first frame or None) against ``gen`` (the
-    loaded generator, serving ``model``); ``output``: where the server writes videos (the request is checked with
-    it). Raises an :class:`ApiError` (400) naming the first broken rule."""
+def accept(body: dict, image, gen, model: str, output: Path, last_image=None, loras=None) -> Accepted:
+    """Check a create ``body`` (typed values; ``image`` / ``last_image``: the uploaded first / last frame or None)
+    against ``gen`` (the loaded generator, serving ``model``); ``output``: where the server writes videos (the
+    request is checked with it); ``loras``: the server's :class:`~fastwan.serve.loras.ServedLoras` (None: none).
+    Raises an :class:`ApiError` (400) naming the first broken rule."""
     for key in body:
         if key in SERVER_ONLY:
             raise ApiError(400, f"{key!r} cannot be set by a client: {SERVER_ONLY[key]}.", code="unsupported_parameter",
                            param=key)
-        if key not in REQUEST_FIELDS and key not in OPENAI_FIELDS:
-            known = OPENAI_FIELDS + tuple(k for k in REQUEST_FIELDS if k not in SERVER_ONLY and k != "prompt")
+        if key not in REQUEST_FIELDS and key not in OPENAI_FIELDS and key not in SERVER_FIELDS:
+            known = OPENAI_FIELDS + SERVER_FIELDS + tuple(k for k in REQUEST_FIELDS
+                                                          if k not in SERVER_ONLY and k != "prompt")
             raise ApiError(400, f"{key!r} is not a field of this API; the fields are: {', '.join(known)}.",
                            code="unknown_parameter", param=key)
     if "prompt" not in body:
@@ -215,6 +226,9 @@ def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
     if "input_reference" in body:
         raise ApiError(400, "input_reference must be an uploaded image file (multipart/form-data), not a reference "
                             "object or text.", code="invalid_value", param="input_reference")
+    if last_image is not None and image is None:
+        raise ApiError(400, "last_image is the last frame of a first-last-frame video; upload the first frame as "
+                            "input_reference beside it.", code="missing_required_parameter", param="last_image")
     if "model" in body and body["model"] != model:
         raise ApiError(400, f"model={body['model']!r}: this server serves {model!r}; leave model out or send "
                             f"{model!r}.", code="model_not_found", param="model")
@@ -233,23 +247,51 @@ def accept(body: dict, image, gen, model: str, output: Path) -> Accepted:
     if fields.get("seed") is None:
         fields["seed"] = random_seed()
     try:
-        request = build(fields, output, image)
+        request = build(fields, output, image, last_image)
         resolved = gen.resolve(request)
     except UserError as exc:
         error = from_user_error(exc, tuple(REQUEST_FIELDS))
+        if error.param == "image":  # the uploads' fields
+            error.param = "input_reference"
+        elif error.param is None and "last_image=" in error.message:
+            error.param = "last_image"
         if error.param in ("width", "height") and "size" in body:  # the field the client sent
             error.param, error.message = "size", f"{error.message} (size={body['size']!r} sets width and height)"
         elif error.param == "num_frames" and "seconds" in body:
             error.param, error.message = "seconds", (f"{error.message} (seconds={body['seconds']!r} sets num_frames="
                                                      f"{fields['num_frames']}: the 4k+1 count nearest seconds x fps)")
         raise error from None
+    if "lora" in body:
+        fields[LORA_KEY] = (loras or ServedLoras(None)).check(body["lora"], gen.checkpoint)
     s = resolved.settings
     seconds = str(body["seconds"]) if "seconds" in body else f"{s.num_frames / s.fps:g}"
     return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)
 
 
-def build(fields: dict, output: Path, image) -> GenerationRequest:
-    """The request of a job: its stored ``fields``, the server's ``output`` (a .mp4 path, replaced if a former run
-    of the job left it) and the first frame ``image`` (a PIL image or None)."""
-    request = from_json(GenerationRequest, {**fields, "output_path": str(output), "overwrite": True})
-    return request if image is None else request.replace(image=image)
+def build(fields: dict, output: Path, image, last_image=None) -> GenerationRequest:
+    """The request of a job: its stored ``fields`` (the server's own, :data:`JOB_KEYS`, left out), the server's
+    ``output`` (a .mp4 path, replaced if a former run of the job left it) and the first and last frames ``image``
+    and ``last_image`` (PIL images or None)."""
+    request = from_json(GenerationRequest, {**{k: v for k, v in fields.items() if k not in JOB_KEYS},
+                                            "output_path": str(output), "overwrite": True})
+    images = {k: v for k, v in (("image", image), ("last_image", last_image)) if v is not None}
+    return request.replace(**images) if images else request
+
+
+def uploads(job) -> tuple[str | None, str | None]:
+    """The files of a job's uploaded first and last frames (None: not uploaded)."""
+    return job.image, job.fields.get(LAST_IMAGE_KEY)
+
+
+def job_images(job) -> tuple:
+    """A job's uploaded first and last frames as RGB PIL images (None: not uploaded)."""
+    from PIL import Image
+
+    images = []
+    for path in uploads(job):
+        if path is None:
+            images.append(None)
+            continue
+        with Image.open(path) as im:
+            images.append(im.convert("RGB"))
+    return tuple(images)

@@ -1,25 +1,30 @@
-"""The server's one worker thread: it loads the model once, then runs the store's queued jobs one at a time, oldest
-first.
+"""A worker thread: it loads the model once (on its own device), then runs the store's jobs one at a time, oldest
+first; a server has one per GPU (``--gpus``), or none (``--role api``).
 
-Rules: progress (0-99 while running, 100 when complete) is written after every denoising step; a job deleted while
-it runs stops at its next step (:meth:`Worker.cancel`: the step callback raises :class:`Cancelled`), and so does
-the running job when the server stops (:meth:`Worker.stop`), which goes back to the queue; since the
-video and its thumbnail appear only whole (written to a hidden name, then moved), a stopped or deleted job leaves no
-file; a job deleted just as it completes has its files removed. A job that fails keeps its error as OpenAI's
+Rules: a job is claimed with a lease (:mod:`fastwan.serve.store`) that a heartbeat thread renews every quarter of
+``lease_s``; progress (0-99 while running, 100 when complete) is written after every denoising step. The job stops
+at its next step when it is deleted (:meth:`Worker.cancel` here, or its row gone from a shared store), when its
+claim was lost (the lease lapsed and another worker took it: the job is that worker's now), and when the server
+stops (:meth:`Worker.stop`: it goes back to the queue). A claim's files carry its token in their names, and the
+video and its thumbnail appear only whole (written to a hidden name, then moved), so no partial file is visible and
+a worker that lost its claim removes only its own files. A job that fails keeps its error as OpenAI's
 ``{"code", "message"}``. With a retention (``keep_s``), finished videos past it are deleted with their files while
 the queue is empty. One log line per change of a job's state.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from fastwan.errors import UserError, one_line
-from fastwan.serve.requests import build
+from fastwan.serve.loras import ServedLoras
+from fastwan.serve.requests import build, job_images, uploads
 from fastwan.serve.store import Job, JobStore
 
 logger = logging.getLogger("fastwan.serve")
@@ -31,6 +36,13 @@ class Cancelled(Exception):
 
 class Stopping(Exception):
     """Raised from the step callback when the server stops: the job goes back to the queue."""
+
+
+class Lost(Exception):
+    """Raised from the step callback of a job whose claim no longer holds it (deleted, or claimed again)."""
+
+
+SWEEP_AGE_S = 3600.0  # on a shared store, a hidden temporary file untouched this long was left by a dead process
 
 
 def write_png(frame, path: Path) -> None:
@@ -45,6 +57,17 @@ def write_png(frame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def sweep(data_dir: Path, age_s: float | None) -> None:
+    """Remove the hidden temporary files in the server's folders under ``data_dir``: all (``age_s`` None) or those
+    untouched for ``age_s`` seconds."""
+    now = time.time()
+    for folder in (data_dir / "videos", data_dir / "uploads"):
+        for path in folder.glob(".*") if folder.is_dir() else ():
+            with contextlib.suppress(OSError):  # another process removed or renamed it meanwhile
+                if age_s is None or now - path.stat().st_mtime > age_s:
+                    path.unlink()
+
+
 def remove(*paths: str | Path | None) -> None:
     for path in paths:
         if path:
@@ -52,12 +75,17 @@ def remove(*paths: str | Path | None) -> None:
 
 
 class Worker:
-    """Loads ``options`` (a LoadOptions) on its thread, then runs ``store``'s jobs; files go under ``data_dir``."""
+    """Loads ``options`` (a LoadOptions) on its thread, then runs ``store``'s jobs of ``model`` (the served name);
+    files go under ``data_dir``; ``name`` tells this worker from the process's others (e.g. its device)."""
 
     def __init__(self, options, store: JobStore, data_dir: Path, on_load_failure: Callable[[], None] | None = None,
-                 keep_s: float | None = None):
+                 keep_s: float | None = None, *, model: str | None = None, name: str = "0", lease_s: float = 60.0,
+                 loras: ServedLoras | None = None):
         self.options, self.store, self.data_dir = options, store, Path(data_dir)
+        self.model, self.lease_s = model, lease_s
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{name}"  # the claims' owner, in the store's rows
         self.keep_s = keep_s  # finished videos older than this (seconds) are deleted with their files; None: never
+        self.loras = loras or ServedLoras(None)  # --lora-dir: merged into the model for the jobs that name them
         self.on_load_failure = on_load_failure  # called (on the worker thread) when the model fails to load
         self.gen = None
         self.load_failure: BaseException | None = None
@@ -66,24 +94,27 @@ class Worker:
         self.step_seconds: float | None = None  # the last step's duration, between two steps of one video
         self._wake = threading.Condition()
         self._cancelled: set[str] = set()
+        self._running: tuple[str, str] | None = None  # (job id, claim) of the job this worker runs
+        self._lost: set[str] = set()  # claims the heartbeat found lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastwan-serve-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"fastwan-serve-worker-{name}", daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, name=f"fastwan-serve-heartbeat-{name}", daemon=True)
 
     @property
     def videos(self) -> Path:
         return self.data_dir / "videos"
 
-    def video_path(self, id: str) -> Path:
-        return self.videos / f"{id}.mp4"
+    def video_path(self, id: str, claim: str | None = None) -> Path:
+        """The video file of the job ``id`` as the claim ``claim`` writes it (its token in the name)."""
+        return self.videos / (f"{id}.mp4" if claim is None else f"{id}-{claim.rsplit('/', 1)[-1]}.mp4")
 
     def start(self) -> None:
-        """Start the thread; the hidden temporary files a killed process left in the server's folders go first
-        (nothing else writes there)."""
+        """Start the threads; the hidden temporary files a killed process left in the server's folders go first:
+        all of them when this process alone uses the store, else those untouched for ``SWEEP_AGE_S``."""
         self.videos.mkdir(parents=True, exist_ok=True)
-        for folder in (self.videos, self.data_dir / "uploads"):
-            if folder.is_dir():
-                remove(*folder.glob(".*"))
+        sweep(self.data_dir, None if not self.store.shared else SWEEP_AGE_S)
         self._thread.start()
+        self._beat.start()
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop taking jobs; a running job stops at its next step and is queued again (one past its last step
@@ -92,6 +123,9 @@ class Worker:
         self.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            with contextlib.suppress(Exception):  # the store may be gone; its heartbeat then lapses on its own
+                self.store.gone(self.name)
         return not self._thread.is_alive()
 
     def ready(self) -> bool:
@@ -119,9 +153,15 @@ class Worker:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
-        logger.info("model %s loaded; serving", self.options.model)
+        logger.info("model %s loaded on %s; serving", self.options.model, self.gen.device)
+        with contextlib.suppress(Exception):  # the heartbeat says it again
+            self.store.beat(self.name, self.model or self.options.model)
         while not self._stop.is_set():
-            job = self.store.claim()
+            try:
+                job = self.store.claim(self.name, self.model, self.lease_s)
+            except Exception:  # noqa: BLE001 -- the store is unreachable for now: retry, the jobs wait there
+                logger.exception("claiming a job failed; retrying")
+                job = None
             if job is None:
                 self.expire()
                 with self._wake:
@@ -134,14 +174,33 @@ class Worker:
         if self.keep_s is None:
             return
         for job in self.store.expire(time.time() - self.keep_s):
-            remove(job.video, job.thumbnail, job.image)
+            remove(job.video, job.thumbnail, *uploads(job))
             logger.info("video %s: deleted (kept %g s after it finished)", job.id, self.keep_s)
 
+    def _heartbeat(self) -> None:
+        """Every quarter lease until the worker thread ended: this worker is alive (the store's ``workers``), and
+        the running job's lease renewed; a claim the store no longer holds is marked lost."""
+        while self._thread.is_alive() or not self._stop.is_set():
+            if self._stop.is_set():  # stopping: the running job keeps its lease until it reaches its next step
+                self._thread.join(self.lease_s / 4)
+            else:
+                self._stop.wait(self.lease_s / 4)
+            try:
+                if self.gen is not None and not self._stop.is_set():
+                    self.store.beat(self.name, self.model or self.options.model)
+                running = self._running
+                if running is not None and not self.store.heartbeat(*running):
+                    self._lost.add(running[1])
+            except Exception:  # noqa: BLE001 -- the store is unreachable for now; the lease may lapse
+                logger.warning("renewing the lease failed; retrying", exc_info=True)
+
     def run(self, job: Job) -> None:
-        """Make ``job``'s video (the job is ``in_progress``)."""
-        logger.info("video %s: in_progress", job.id)
-        target = self.video_path(job.id)
+        """Make ``job``'s video (the job is ``in_progress`` under ``job.claim``)."""
+        logger.info("video %s: in_progress on %s", job.id, self.gen.device)
+        claim = job.claim
+        target = self.video_path(job.id, claim)
         thumbnail = target.with_suffix(".png")
+        self._running = job.id, claim
 
         last_step = None
 
@@ -156,24 +215,29 @@ class Worker:
                 raise Cancelled(job.id)
             if self._stop.is_set():
                 raise Stopping(job.id)
-            self.store.progress(job.id, min(99, 100 * done // total))
+            if claim in self._lost or not self.store.progress(job.id, claim, min(99, 100 * done // total)):
+                raise Lost(job.id)
 
         try:
-            image = None
-            if job.image is not None:
-                from PIL import Image
-
-                with Image.open(job.image) as im:
-                    image = im.convert("RGB")
-            result = self.gen.generate(build(job.fields, target, image), on_step=on_step)
+            request = build(job.fields, target, *job_images(job))
+            self.loras.use(self.gen, job.fields)  # the job's LoRAs merged, or the base weights
+            result = self.gen.generate(request, on_step=on_step)
             write_png(result.frames[0], thumbnail)
         except Cancelled:
             logger.info("video %s: cancelled (deleted while in progress)", job.id)
-            remove(target, thumbnail, job.image)
+            remove(target, thumbnail, *uploads(job))
             return
         except Stopping:
-            if self.store.release(job.id):
+            if self.store.release(job.id, claim):
                 logger.info("video %s: queued again (the server is stopping)", job.id)
+            return
+        except Lost:
+            remove(target, thumbnail)
+            if self.store.get(job.id) is None:
+                logger.info("video %s: stopped (deleted while in progress)", job.id)
+                remove(*uploads(job))
+            else:
+                logger.warning("video %s: stopped (its lease lapsed and another worker runs it)", job.id)
             return
         except Exception as exc:  # noqa: BLE001 -- a job's failure is its status, the worker goes on
             if isinstance(exc, UserError):
@@ -182,14 +246,18 @@ class Worker:
                 logger.exception("video %s failed", job.id)
                 error = {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}
             remove(target, thumbnail)
-            if self.store.finish(job.id, error=error):
+            if self.store.finish(job.id, claim, error=error):
                 logger.info("video %s: failed (%s)", job.id, error["message"])
-            remove(job.image)
+            remove(*uploads(job))
             return
         finally:
+            self._running = None
             self._cancelled.discard(job.id)
-        if self.store.finish(job.id, video=str(target), thumbnail=str(thumbnail)):
+            self._lost.discard(claim)
+        if self.store.finish(job.id, claim, video=str(target), thumbnail=str(thumbnail)):
             logger.info("video %s: completed", job.id)
-        else:  # deleted as it completed
+        else:  # deleted as it completed, or claimed again: the row is not this claim's
             remove(target, thumbnail)
-        remove(job.image)
+            if self.store.get(job.id) is not None:
+                return  # the upload is the new claim's
+        remove(*uploads(job))

@@ -11,3 +11,12 @@ def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve-tiny"), "--max-queue", "1").start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    from tests.serve.pg import Postgres
+
+    pg = Postgres().start()
+    yield pg
+    pg.stop()

@@ -1,5 +1,5 @@
 """``fastwan serve``'s command line and its parts that need no running server: the flags documented in
-docs/cli.md, start-up errors as one line, the loopback rule, the seconds rule, and the job store's rules."""
+docs/cli.md, start-up errors as one line, the loopback rule and the seconds rule."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,6 @@ import pytest
 
 from fastwan.serve.requests import frames_for
 from fastwan.serve.server import is_loopback
-from fastwan.serve.store import JobStore, new_id
 from tests.serve.helpers import free_port, nearest_4k_plus_1
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,31 +62,6 @@ def test_seconds_give_the_nearest_4k_plus_1_frames(fps):
     for tenths in range(1, 80):
         seconds = tenths / 10
         assert frames_for(seconds, fps, 4) == nearest_4k_plus_1(seconds * fps), (seconds, fps)
-
-
-def test_store_rules(tmp_path):
-    store = JobStore(tmp_path / "jobs.sqlite3")
-    ids = [new_id() for _ in range(3)]
-    assert len(set(ids)) == 3 and all(re.fullmatch(r"video_[0-9a-f]{32}", i) for i in ids)
-    for i in ids:
-        store.add(id=i, model="tiny", prompt="p", size="32x32", seconds="1", fields={"seed": 1}, image=None)
-    first = store.claim()
-    assert first.id == ids[0] and first.status == "in_progress"
-    assert store.get(ids[1]).status == "queued"
-    store.close()
-
-    store = JobStore(tmp_path / "jobs.sqlite3")  # a restart: the running job is queued again, first in line
-    assert store.requeue() == [ids[0]]
-    assert store.claim().id == ids[0]
-    assert store.finish(ids[0], video="v.mp4", thumbnail="t.png")
-    assert not store.finish(ids[0], video="v.mp4", thumbnail="t.png")  # a job completes once
-    assert store.get(ids[0]).public()["status"] == "completed"
-    assert store.delete(ids[1]).id == ids[1] and store.get(ids[1]) is None
-    assert store.claim().id == ids[2]  # the deleted queued job is never claimed
-    assert store.claim() is None
-    jobs, more = store.page(10, None, "asc")
-    assert [j.id for j in jobs] == [ids[0], ids[2]] and not more
-    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_a_model_that_fails_to_load_stops_the_server_with_one_line(tmp_path):

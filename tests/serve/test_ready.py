@@ -16,13 +16,13 @@ def app_server(tmp_path):
     import uvicorn
 
     from fastwan.serve.app import ServerState, create_app
-    from fastwan.serve.store import JobStore
+    from fastwan.serve.store import SqliteStore
     from fastwan.serve.worker import Worker
 
-    store = JobStore(tmp_path / "jobs.sqlite3")
+    store = SqliteStore(tmp_path / "jobs.sqlite3")
     worker = Worker(None, store, tmp_path)  # never started: its model is "loading"
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerState(store, worker, "tiny", KEY)), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(create_app(ServerState(store, [worker], "tiny", KEY)), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -4,12 +4,13 @@ killed one runs too; SIGTERM stops the running job at its next step and queues i
 from __future__ import annotations
 
 import io
+import re
 import signal
 
 import imageio.v3 as iio
 import pytest
 
-from fastwan.serve.store import JobStore
+from fastwan.serve.store import SqliteStore
 from tests.serve.helpers import Server, wait, wait_started
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -31,8 +32,9 @@ def test_a_job_killed_mid_run_completes_after_a_restart(tmp_path):
     finally:
         server.stop(signal.SIGKILL)
     videos = server.data_dir / "videos"
-    assert sorted(p.name for p in videos.iterdir() if not p.name.startswith(".")) == [
-        f"{earlier.id}.mp4", f"{earlier.id}.png"]  # nothing of the killed job is visible
+    visible = sorted(p.name for p in videos.iterdir() if not p.name.startswith("."))
+    # nothing of the killed job is visible; a video's files carry its claim's token
+    assert [re.sub(r"-[0-9a-f]{16}\.", ".", n) for n in visible] == [f"{earlier.id}.mp4", f"{earlier.id}.png"]
 
     server = Server(tmp_path, data_dir=server.data_dir).start()
     try:
@@ -63,7 +65,7 @@ def test_sigterm_queues_the_running_job_again_and_exits(tmp_path):
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
     finally:
         server.stop(signal.SIGKILL)  # nothing when it has exited
-    store = JobStore(server.data_dir / "jobs.sqlite3")
+    store = SqliteStore(server.data_dir / "jobs.sqlite3")
     job = store.get(running.id)
     assert (job.status, job.progress) == ("queued", 0)
     assert f"video {running.id}: queued again (the server is stopping)" in server.log.read_text()
