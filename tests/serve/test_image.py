@@ -1,5 +1,6 @@
 """Image-to-video through ``fastwan serve --model tiny-wan2.1-i2v``: the official client uploads the first frame as
-``input_reference`` (multipart); uploads over the byte or pixel cap are 413, a file that is no image 400."""
+``input_reference`` (multipart); uploads over the byte or pixel cap are 413, a file that is no image 400, and so
+is a last frame (``last_image``), which this checkpoint does not take."""
 from __future__ import annotations
 
 import io
@@ -23,12 +24,17 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-i2v"), "--model", "tiny-wan2.1-i2v", "--max-upload-bytes",
-                 str(MAX_BYTES), "--max-image-pixels", str(MAX_PIXELS)).start()
+def capped_server(tmp_path_factory, model: str):
+    """``fastwan serve --model MODEL`` with the upload caps MAX_BYTES and MAX_PIXELS, for a module's tests."""
+    srv = Server(tmp_path_factory.mktemp(f"serve-{model}"), "--model", model, "--max-upload-bytes", str(MAX_BYTES),
+                 "--max-image-pixels", str(MAX_PIXELS)).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from capped_server(tmp_path_factory, "tiny-wan2.1-i2v")
 
 
 def test_image_to_video_with_input_reference(server):
@@ -59,3 +65,19 @@ def test_uploads_over_the_caps_and_broken_images(server):
         client.videos.create(prompt="x", size="64x48")
     assert exc.value.status_code == 400
     assert [v.id for v in client.videos.list(limit=100).data] == before  # nothing refused was queued
+
+
+def test_a_last_frame_is_refused_by_a_first_frame_checkpoint(server):
+    """Wan2.1-I2V conditions on the first frame only: an uploaded ``last_image`` is refused (400), nothing queued
+    (first-last-frame videos: tests/serve/test_last_image.py)."""
+    from openai.types import Video
+
+    client = server.client()
+    before = [v.id for v in client.videos.list(limit=100).data]
+    files = [(key, (f"{key}.png", png(64, 48, seed), "image/png")) for seed, key in enumerate(("input_reference",
+                                                                                              "last_image"))]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.post("/videos", cast_to=Video, body={"prompt": "x", "size": "64x48"}, files=files,
+                    options={"headers": {"Content-Type": "multipart/form-data"}})
+    assert exc.value.body["param"] == "last_image" and "first-last-frame checkpoint" in exc.value.body["message"]
+    assert [v.id for v in client.videos.list(limit=100).data] == before
