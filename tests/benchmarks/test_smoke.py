@@ -29,6 +29,7 @@ SMOKE = {
     "parallel_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/parallel.json"], "parallel.json", "| sp2 | 2 |"),
     "fp8_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/fp8.json"], "fp8.json", "e2e: bf16"),
     "vae_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/vae.json"], "vae.json", "bf16+tiling"),
+    "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
 }
 # GPU-only script -> the argument lists RESULTS.md and HISTORY.md record for it, checked with --dry-run
 PLAN = {
