@@ -10,9 +10,9 @@ Rules:
   in DIR (another suffix, a name outside the rule) are never served.
 - ``lora`` is a list of items, each a name or ``{"name", "scale" (a finite number, default 1.0), "expert" (0: the
   high-noise, 1: the low-noise DiT of a Wan2.2 A14B checkpoint; default: every DiT)}``; one item may come without
-  the list, and a text starting with ``[`` or ``{`` is read as JSON (how a multipart form carries it: the field
-  ``lora`` once, or ``lora[]`` once per item). At most :data:`MAX_LORAS` items; one file twice for one DiT is
-  refused (:func:`fastwan.lora.merge.check_repeats`).
+  the list (``null`` or ``[]``: none), and a text starting with ``[`` or ``{`` is read as JSON (how a multipart
+  form carries it: the field ``lora`` once, or ``lora[]`` once per item). At most :data:`MAX_LORAS` items; one
+  file twice for one DiT is refused (:func:`fastwan.lora.merge.check_repeats`).
 - Checked before the job is accepted: the names, the files, the experts against the checkpoint, and each file's
   tensors against the checkpoint's DiT built on the meta device (:func:`fastwan.lora.merge.check_loras`); a file
   that fits is remembered by its size and modification time, so it is read once. Whether a scale keeps the merged
@@ -65,6 +65,8 @@ def _items(value) -> list:
     """``lora``'s value -> its list of items (a name or an object each); JSON text read."""
     if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
         value = _json(value)
+    if value is None:  # JSON null: no LoRA
+        return []
     if isinstance(value, (str, dict)):
         value = [value]
     if not isinstance(value, list):
@@ -222,12 +224,14 @@ class ServedLoras:
         error: the job fails, saying why)."""
         loras = fields.get(JOB_KEY) or []
         wanted = tuple((x["name"], x["scale"], x["expert"], self._stamp(x["name"])) for x in loras)
-        held = self._merged.get(gen, ())
+        with self._lock:  # the workers' generators are distinct keys; the mapping is shared
+            held = self._merged.get(gen, ())
         if wanted == held:
             return
         if held:
             gen.unload_lora()
-            self._merged[gen] = ()
+            with self._lock:
+                self._merged[gen] = ()
             logger.info("LoRAs unloaded: %s", ", ".join(h[0] for h in held))
         paths = {str(self.path(x["name"])): x["name"] for x in loras}
         try:
@@ -239,6 +243,7 @@ class ServedLoras:
         except BaseException:
             gen.unload_lora()
             raise
-        self._merged[gen] = wanted
+        with self._lock:
+            self._merged[gen] = wanted
         if loras:
             logger.info("LoRAs merged: %s", ", ".join(f"{x['name']} ({x['scale']:g})" for x in loras))

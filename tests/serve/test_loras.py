@@ -163,6 +163,15 @@ def test_the_server_keeps_serving_after_refusals_and_the_form_spellings(setup):
     assert wait(client, video.id).status == "completed"
 
 
+def test_null_or_an_empty_list_is_no_lora(setup):
+    srv, _, _ = setup
+    client = srv.client()
+    for lora in (None, []):
+        status, created = call("POST", f"{srv.url}/v1/videos", {**ASK, **SETTINGS, "lora": lora})
+        assert status == 200, created
+        assert wait(client, created["id"]).status == "completed"
+
+
 def test_a_server_without_lora_dir_refuses_lora(server):
     status, body = call("POST", f"{server.url}/v1/videos", {**ASK, "lora": ["style"]})
     assert status == 400 and body["error"]["param"] == "lora"
