@@ -99,8 +99,8 @@ def test_create_watch_play_and_delete_from_the_page(server, browser):
     from selenium.webdriver.common.by import By
 
     client = server.client()
-    blocker = client.videos.create(prompt="runs while the page's video waits", size="32x32", seconds="0.5",
-                                   extra_body={"num_inference_steps": 300})
+    blocker = client.videos.create(prompt="runs while the page's video waits", size="128x128", seconds="1",
+                                   extra_body={"num_inference_steps": 333})  # a minute on 2 cores; deleted below
     wait_started(client, blocker.id)
     open_page(browser, server.url, KEY)
     until(browser, lambda: visible(browser, "app"), "the page after the key")
