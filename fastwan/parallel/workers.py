@@ -47,6 +47,8 @@ from fastwan.quiet import quiet_libraries
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
 STOP_GRACE_S = 5.0  # how long workers sent SIGTERM get to exit before they are killed
 MAIN_REIMPORT_EXIT = 78  # a spawned process's exit code: its main module asked for workers while being re-imported
+ABORT = "abort"  # the parent to rank 0: stop the running call at its next step
+REPORT_STEPS = "_report_steps"  # a call's keyword: give the ranks a step callback that reports to the parent
 
 
 class ParallelError(RuntimeError):
@@ -117,8 +119,8 @@ def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, devi
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"file://{store}",
                                 rank=rank, world_size=world)
         gen = loader(model, **{**kwargs, "device": device})
-        conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset, "memory_plan": gen.memory_plan}
-                       if rank == 0 else None))
+        conn.send(("ok", {"checkpoint": gen.checkpoint, "preset": gen.preset, "memory_plan": gen.memory_plan,
+                              "device": getattr(gen, "device", device)} if rank == 0 else None))
     except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent, with this rank
         conn.send(("error", rank, _portable(exc), traceback.format_exc()))
         return
@@ -126,13 +128,41 @@ def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, devi
         msg = conn.recv()
         if msg is None:
             break
+        if msg == ABORT:  # the parent's stop for a call that ended before it arrived
+            continue
         name, args, kw = msg
         try:
+            if kw.pop(REPORT_STEPS, False):
+                kw["on_step"] = _step_reporter(rank, conn, getattr(gen, "device", device))
             out = getattr(gen, name)(*args, **kw)
             conn.send(("ok", out if rank == 0 else None))
         except BaseException as exc:  # noqa: BLE001
             conn.send(("error", rank, _portable(exc), traceback.format_exc()))
     dist.destroy_process_group()
+
+
+class Aborted(Exception):
+    """Raised on every rank at one step when the parent's step callback stopped the call."""
+
+
+def _step_reporter(rank: int, conn, device):
+    """The ranks' ``on_step``: rank 0 sends ``("step", done, total)`` to the parent and reads whether the parent
+    asked to stop (:data:`ABORT`, sent when the parent's own callback raised); rank 0 broadcasts that decision, so
+    every rank raises :class:`Aborted` at the same step (no rank is left waiting in a collective)."""
+    where = device if dist.get_backend() == "nccl" else "cpu"
+
+    def on_step(done: int, total: int) -> None:
+        stop = torch.zeros(1, dtype=torch.int32, device=where)
+        if rank == 0:
+            conn.send(("step", done, total))
+            while conn.poll():
+                if conn.recv() == ABORT:
+                    stop.fill_(1)
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            raise Aborted(f"stopped at step {done} of {total}")
+
+    return on_step
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -173,15 +203,20 @@ class ParallelGenerator:
                 self._procs.append(p)
         info = self._collect(loading=True)
         self.checkpoint, self.preset, self.memory_plan = info["checkpoint"], info["preset"], info["memory_plan"]
+        self.device = info.get("device", device)  # rank 0's
 
-    def _collect(self, loading: bool = False):
+    def _collect(self, loading: bool = False, on_step=None):
         """Every rank's reply -> rank 0's value; a failure raises as the module docstring says. ``loading``: the
-        replies to the workers' start (a worker that failed there has exited)."""
+        replies to the workers' start (a worker that failed there has exited). ``on_step``: called with rank 0's
+        step reports; when it raises, the ranks stop together at their next step and its exception is raised."""
+        stopped: list[BaseException] = []
         try:
-            replies, waiting = self._replies()
+            replies, waiting = self._replies(on_step, stopped)
         except BaseException:  # left early (Ctrl-C): a rank's late answer would be read as the next request's
             self.close(force=True)
             raise
+        if stopped and not waiting and all(v[0] == "ok" or isinstance(v[2], Aborted) for v in replies.values()):
+            raise stopped[0]  # every rank stopped at one step (or had finished): the workers stay
         failed = [r for r, v in replies.items() if v[0] != "ok"]  # in arrival order: the first is the cause
         if not failed and not waiting:
             return replies[0][1]
@@ -205,9 +240,11 @@ class ParallelGenerator:
         raise ParallelError(f"rank {cause} of {world} failed: {what}; every worker was stopped"
                             + ("" if trace is None else f" (rank {cause}'s traceback follows)\n{trace}")) from exc
 
-    def _replies(self) -> tuple[dict[int, tuple], dict]:
+    def _replies(self, on_step=None, stopped: list | None = None) -> tuple[dict[int, tuple], dict]:
         """Wait for every rank's reply, or, after a first failure, at most ``GRACE_S`` for the others ->
-        (the replies by rank, in arrival order; the connections of the ranks that did not answer)."""
+        (the replies by rank, in arrival order; the connections of the ranks that did not answer). Rank 0's step
+        reports meanwhile go to ``on_step``; the first exception it raises goes into ``stopped`` and rank 0 is told
+        to stop (:data:`ABORT`)."""
         replies: dict[int, tuple] = {}
         waiting = dict(enumerate(self._conns))
         deadline = None
@@ -226,36 +263,52 @@ class ParallelGenerator:
                     continue
                 r = next(k for k, c in waiting.items() if c is obj)
                 try:
-                    replies[r] = obj.recv()
+                    reply = obj.recv()
                 except EOFError:
-                    replies[r] = ("died", r, None, None)
+                    reply = ("died", r, None, None)
+                if reply[0] == "step":
+                    self._step(reply, on_step, stopped)
+                    continue
+                replies[r] = reply
                 waiting.pop(r)
             if deadline is None and any(v[0] != "ok" for v in replies.values()):
                 deadline = time.monotonic() + GRACE_S
         return replies, waiting
 
-    def _call(self, name: str, args, kwargs):
+    def _step(self, report: tuple, on_step, stopped: list) -> None:
+        """Rank 0's step report to ``on_step``; the first exception it raises is kept and stops the ranks."""
+        if on_step is None or stopped:
+            return
+        try:
+            on_step(report[1], report[2])
+        except Exception as exc:  # noqa: BLE001 -- the caller's reason to stop, raised once every rank stopped
+            stopped.append(exc)
+            self._conns[0].send(ABORT)
+
+    def _call(self, name: str, args, kwargs, on_step=None):
         if not self._procs:
             raise ParallelError("this parallel generator's worker processes have ended (closed, or stopped after "
                                 "a failure); create a new one with VideoGenerator.from_pretrained(num_gpus=...).")
         try:
             for c in self._conns:
-                c.send((name, args, kwargs))
+                c.send((name, args, {**kwargs, REPORT_STEPS: True} if on_step is not None else kwargs))
         except BaseException:  # some ranks got the request, others not: the job cannot stay in step
             self.close(force=True)
             raise
-        return self._collect()
+        return self._collect(on_step=on_step)
 
     def generate_video(self, prompt: str, **kwargs):
         """:meth:`VideoGenerator.generate_video <fastwan.pipelines.generator.VideoGenerator.generate_video>` on
         every rank; rank 0's result (its frames and file)."""
         return self._call("generate_video", (prompt,), kwargs)
 
-    def generate(self, request):
+    def generate(self, request, *, on_step=None):
         """:meth:`VideoGenerator.generate <fastwan.pipelines.generator.VideoGenerator.generate>` on every rank
         (a request resolved in this process is sent as its GenerationRequest: each rank resolves it again, against
-        the same checkpoint); rank 0's result."""
-        return self._call("generate", (getattr(request, "request", request),), {})
+        the same checkpoint); rank 0's result. ``on_step(done, total)`` is called here after each denoising step
+        (rank 0's); when it raises, every rank stops at its next step and the exception is raised here, the
+        workers kept."""
+        return self._call("generate", (getattr(request, "request", request),), {}, on_step)
 
     def load_lora(self, path, scale: float = 1.0, expert: int | None = None, *, allow_pickle: bool = False) -> None:
         self._call("load_lora", (path, scale, expert), {"allow_pickle": allow_pickle})

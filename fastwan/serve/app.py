@@ -242,7 +242,7 @@ def create_app(state: ServerState) -> FastAPI:
         if not all(w.ready() for w in state.workers):
             raise ApiError(503, "the model is still loading; retry in a moment (GET /ready says when).",
                            code="model_loading")
-        return state.workers[0].gen
+        return state.workers[0].rules
 
     def job_or_404(video_id: str):
         job = state.store.get(video_id)

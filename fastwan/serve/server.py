@@ -23,7 +23,7 @@ from fastwan.serve.cors import check_origins, cors_warning
 logger = logging.getLogger("fastwan.serve")
 
 DEFAULT_DATA_DIR = "fastwan-serve"
-SKIPPED_LOAD_FLAGS = ("model", "cfg_parallel", "num_gpus")  # --model has its own default here; --gpus places workers
+SKIPPED_LOAD_FLAGS = ("model", "num_gpus")  # --model has its own default here; --gpus and --sp place the workers
 ROLES = ("both", "api", "worker")
 
 
@@ -75,6 +75,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", default=None, metavar="LIST",
                    help="CUDA devices, one worker (and one copy of the model) each, e.g. 0,1,2,3 (default: one "
                         "worker on --device)")
+    p.add_argument("--sp", type=int, default=None, metavar="N",
+                   help="one worker whose N processes (one GPU each) make each video together (sequence "
+                        "parallelism; add --cfg-parallel to split the CFG passes too)")
     p.add_argument("--lease-seconds", type=float, default=60.0, metavar="S",
                    help="a running job's lease, renewed every S/4 seconds; a job whose worker went silent that long "
                         "runs again on another worker")
@@ -160,7 +163,13 @@ def run(args) -> int:
     from fastwan.pipelines.load_options import LoadOptions
 
     _check_numbers(args)
-    options = LoadOptions(**flag_values(args, LoadOptions))  # --model is this command's own flag, default tiny
+    if args.sp is not None and args.gpus is not None:
+        raise InvalidArgument(f"--gpus {args.gpus} and --sp {args.sp}: give one (--gpus: a worker per GPU; --sp: "
+                              "one worker whose processes share each video).")
+    if args.cfg_parallel and args.sp is None:
+        raise InvalidArgument("--cfg-parallel splits the CFG passes of one worker's processes: give --sp N too.")
+    # --model is this command's own flag (default tiny); --sp is the load options' num_gpus
+    options = LoadOptions(**flag_values(args, LoadOptions), num_gpus=args.sp)
     devices = parse_gpus(args.gpus, options.device)
     if args.role != "both" and args.store is None:
         raise InvalidArgument(f"--role {args.role} needs a shared store: give --store postgresql://... (SQLite in "

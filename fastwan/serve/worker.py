@@ -57,6 +57,14 @@ def write_png(frame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _rules_of(gen, options):
+    """A sequence-parallel group's rules (its ranks resolve each request; this process checks creates by the
+    checkpoint's files)."""
+    from fastwan.pipelines.rules import CheckpointRules
+
+    return CheckpointRules.of(gen.checkpoint, options.cache)
+
+
 def sweep(data_dir: Path, age_s: float | None) -> None:
     """Remove the hidden temporary files in the server's folders under ``data_dir``: all (``age_s`` None) or those
     untouched for ``age_s`` seconds."""
@@ -88,6 +96,7 @@ class Worker:
         self.loras = loras or ServedLoras(None)  # --lora-dir: merged into the model for the jobs that name them
         self.on_load_failure = on_load_failure  # called (on the worker thread) when the model fails to load
         self.gen = None
+        self.rules = None  # what checks a create for this worker's model: its generator, or the checkpoint's rules
         self.load_failure: BaseException | None = None
         self.load_error: str | None = None
         self.steps_total = 0  # denoising steps run since the start (/metrics)
@@ -153,6 +162,7 @@ class Worker:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
+        self.rules = self.gen if hasattr(self.gen, "resolve") else _rules_of(self.gen, self.options)
         logger.info("model %s loaded on %s; serving", self.options.model, self.gen.device)
         with contextlib.suppress(Exception):  # the heartbeat says it again
             self.store.beat(self.name, self.model or self.options.model)

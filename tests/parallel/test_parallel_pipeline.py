@@ -151,3 +151,31 @@ def test_a_backend_context_reaches_the_workers(ckpts):
         with VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", dtype=torch.float32, num_gpus=2,
                                             attention_config={"tile": [1, 2, 2]}) as par:
             assert par.generate_video("a cat", **RUN).attention_backend.startswith("SLIDING_TILE_ATTN")
+
+
+class Stop(Exception):
+    pass
+
+
+def test_step_reports_and_a_stop_at_a_step_keep_the_workers(ckpts, tmp_path):
+    """generate(request, on_step=...): rank 0's steps reach the caller one by one; a callback that raises stops every
+    rank at the next step (no video is written), raises its exception here, and the workers make the next video as
+    before."""
+    from fastwan import GenerationRequest
+
+    request = GenerationRequest(prompt="a cat", **RUN)
+    with VideoGenerator.from_pretrained(ckpts["wan2.1"], device="cpu", dtype=torch.float32, num_gpus=2) as par:
+        steps = []
+        want = par.generate(request, on_step=lambda done, total: steps.append((done, total))).frames
+        assert steps == [(k, RUN["num_inference_steps"]) for k in range(1, RUN["num_inference_steps"] + 1)]
+
+        def stop_at_2(done, total):
+            if done == 2:
+                raise Stop(done)
+
+        stopped = request.replace(save_video=True, output_path=str(tmp_path / "stopped.mp4"))
+        with pytest.raises(Stop):
+            par.generate(stopped, on_step=stop_at_2)
+        assert not (tmp_path / "stopped.mp4").exists()
+        assert (par.generate(request).frames == want).all()  # in step again, no stale stop
+        assert (par.generate(request, on_step=lambda d, t: None).frames == want).all()
