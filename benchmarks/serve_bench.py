@@ -169,7 +169,7 @@ def phase_server(args, video) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", default="direct,server", help=f"comma-separated: {', '.join(PHASES)}")
     p.add_argument("--ckpt", type=Path, default=Path("/tmp/wan13b"))
     p.add_argument("--size", default="1.3b", choices=("1.3b", "14b", "tiny"))
