@@ -258,6 +258,8 @@ class Worker:
             remove(target, thumbnail)
             if self.store.finish(job.id, claim, error=error):
                 logger.info("video %s: failed (%s)", job.id, error["message"])
+            elif self.store.get(job.id) is not None:
+                return  # claimed again meanwhile: the uploads are the new claim's
             remove(*uploads(job))
             return
         finally:

@@ -147,3 +147,39 @@ def test_store_urls_are_checked_and_errors_hide_the_password(tmp_path):
     with pytest.raises(InvalidArgument, match="cannot connect") as caught:
         open_store(f"postgresql://fastwan:s3cret@127.0.0.1:{port}/fastwan", tmp_path)
     assert "s3cret" not in str(caught.value) and f"postgresql://fastwan@127.0.0.1:{port}/fastwan" in str(caught.value)
+
+
+def test_a_worker_that_lost_its_claim_leaves_the_job_to_the_new_claim(tmp_path):
+    """A job fails on a worker whose lease lapsed meanwhile (another worker claimed it): the failure is not
+    recorded and the job's upload stays for the new claim; a failure under a held claim is recorded."""
+    from PIL import Image
+
+    from fastwan.serve.worker import Worker
+
+    store = SqliteStore(tmp_path / "jobs.sqlite3")
+    (tmp_path / "uploads").mkdir()
+    upload = tmp_path / "uploads" / "first.img"
+    Image.new("RGB", (8, 8)).save(upload, format="PNG")
+    video_id = new_id()
+    store.add(id=video_id, model="tiny", prompt="p", size="32x32", seconds="1", fields={"prompt": "p", "seed": 1},
+              image=str(upload))
+
+    class Failing:
+        device = "cpu"
+        taken: list = []
+
+        def generate(self, request, on_step=None):
+            if not self.taken:  # the first run: its lease lapses and another worker claims the job
+                self.taken.append(store.claim("other", lease_s=0.0))
+            raise RuntimeError("out of memory")
+
+    worker = Worker(None, store, tmp_path)
+    worker.gen = Failing()
+    job = store.claim("this")
+    time.sleep(0.05)
+    worker.run(job)
+    row = store.get(video_id)
+    assert row.status == "in_progress" and row.claim == Failing.taken[0].claim and upload.is_file()
+    worker.run(Failing.taken[0])  # the new claim fails for real: recorded, its upload removed
+    assert store.get(video_id).status == "failed" and not upload.exists()
+    store.close()
