@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cache import FirstBlockCache, MagCache, SkipSteps, TeaCache, parse_cache, teacache_model
+from fastwan.cache import FirstBlockCache, MagCache, SkipSteps, TaylorSeer, TeaCache, parse_cache, teacache_model
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.checkpoint.tiny import tiny_checkpoint
 
@@ -209,7 +209,8 @@ def test_parse_cache_forms(tmp_path):
 
 
 @pytest.mark.parametrize("block", ["fast", "reference"])
-@pytest.mark.parametrize("config", [FirstBlockCache(0.5), SkipSteps((1, 3)), SkipSteps((2,), first_block=True)])
+@pytest.mark.parametrize("config", [FirstBlockCache(0.5), SkipSteps((1, 3)), SkipSteps((2,), first_block=True),
+                                    TaylorSeer(2, 1, max_order=2, taylor_factors_dtype="float32")])
 def test_cached_forward_cfg_equals_two_cached_forwards(block, config):
     """forward_cfg with both passes' caches (block 0's video half shared, the fast block adding into the stream in
     place) gives what two forward() calls with their own caches give, step after step, skipped or computed."""

@@ -11,7 +11,8 @@ off, after which the DiT runs as it did before. The hook wraps two call points o
   deciding with its own state; block 0's video half, which they share, runs once if either computes.
 
 A skipped stack is the stream entering block 0 plus the cached residual (a First-Block cache: block 0's output plus
-the residual of blocks 1..); the embedding and the head always run. The fast block adds into its input in place, so
+the residual of blocks 1..; TaylorSeer: its prediction, from the outputs it kept); the embedding and the head always
+run. The fast block adds into its input in place, so
 every tensor kept for a residual is a copy. Step caches do not run under sequence parallelism
 (:func:`fastwan.parallel.mesh.check_cache`, checked when the hook attaches).
 """
@@ -92,7 +93,7 @@ def _rest(module, cache: PassCache, head: Residual, start: torch.Tensor, context
     what ran (a First-Block cache may skip blocks 1.. here)."""
     if not cache.head_decides:
         out = settle(module.blocks_range(1, head, contexts, e, step, num_steps))
-        cache.stored(step, out - start)
+        cache.stored(step, out if cache.keeps_output else out - start)
         return out
     head_x = settle(head)
     head_residual = head_x - start

@@ -18,6 +18,9 @@ blocks are replaced:
   the last residual). ``calibrate=True`` never skips and records the curve of the model it runs. On Wan2.2 A14B the
   retention steps and ratios follow the request's step index across both experts (the calibrated curve runs over
   them in order); diffusers' per-transformer hooks count the second expert's steps from 0 instead.
+* :class:`TaylorSeer` (diffusers' ``TaylorSeerCacheConfig``, :mod:`fastwan.cache.taylorseer`): after a warm-up, the
+  blocks compute every ``cache_interval`` steps; between, the stream after the last block is a Taylor expansion of the
+  computed streams' divided differences (up to ``max_order``) in the step index.
 * :class:`SkipSteps`: the listed steps reuse the last computed residual (a fixed schedule, e.g. for measurements).
 
 A threshold of 0 turns a method off (the request runs as without a cache, bit for bit; a calibrating MagCache,
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ from typing import ClassVar
 
 import torch
 
+from fastwan.cache.checks import flag, floats, number
+from fastwan.cache.taylorseer import TaylorSeer, TaylorState
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 # TeaCache's published polynomials for Wan2.1 (TeaCache4Wan2.1): by model, for the time embedding ("e") and, with
@@ -53,37 +56,6 @@ TEACACHE_COEFFICIENTS = {
 }
 
 
-def _number(owner: str, name: str, value, *, lo: float = 0.0, hi: float = math.inf, integer: bool = False):
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise InvalidArgumentType(f"{owner}({name}={value!r}): must be {'an int' if integer else 'a number'}.")
-    if not (lo <= value <= hi) or (not integer and not math.isfinite(value)):
-        bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
-        raise InvalidArgument(f"{owner}({name}={value!r}): must be a finite number {bounds}.")
-    return value
-
-
-def _flag(owner: str, name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise InvalidArgumentType(f"{owner}({name}={value!r}): must be True or False.")
-
-
-def _floats(owner: str, name: str, values, *, positive: bool = False) -> tuple[float, ...] | None:
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise InvalidArgumentType(f"{owner}({name}={values!r}): must be a list of numbers.")
-    out = tuple(values)
-    if not out or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-                          and (v > 0 or not positive) for v in out):
-        what = "finite positive" if positive else "finite"
-        raise InvalidArgument(f"{owner}({name}=...): must be a non-empty list of {what} numbers, got "
-                              f"{list(out)[:8]}{'...' if len(out) > 8 else ''}.")
-    return tuple(float(v) for v in out)
-
-
 @dataclass(frozen=True)
 class FirstBlockCache:
     """diffusers' First-Block cache. ``threshold``: relative change of block 0's residual up to which the other
@@ -92,7 +64,7 @@ class FirstBlockCache:
     name: ClassVar[str] = "first_block"
 
     def __post_init__(self):
-        _number("FirstBlockCache", "threshold", self.threshold)
+        number("FirstBlockCache", "threshold", self.threshold)
 
 
 @dataclass(frozen=True)
@@ -106,9 +78,9 @@ class TeaCache:
     name: ClassVar[str] = "teacache"
 
     def __post_init__(self):
-        _number("TeaCache", "threshold", self.threshold)
-        object.__setattr__(self, "coefficients", _floats("TeaCache", "coefficients", self.coefficients))
-        _flag("TeaCache", "use_ret_steps", self.use_ret_steps)
+        number("TeaCache", "threshold", self.threshold)
+        object.__setattr__(self, "coefficients", floats("TeaCache", "coefficients", self.coefficients))
+        flag("TeaCache", "use_ret_steps", self.use_ret_steps)
 
 
 @dataclass(frozen=True)
@@ -123,14 +95,14 @@ class MagCache:
     name: ClassVar[str] = "magcache"
 
     def __post_init__(self):
-        _number("MagCache", "threshold", self.threshold)
-        _number("MagCache", "max_skip_steps", self.max_skip_steps, lo=1, integer=True)
-        _number("MagCache", "retention_ratio", self.retention_ratio, hi=1.0)
-        _flag("MagCache", "calibrate", self.calibrate)
+        number("MagCache", "threshold", self.threshold)
+        number("MagCache", "max_skip_steps", self.max_skip_steps, lo=1, integer=True)
+        number("MagCache", "retention_ratio", self.retention_ratio, hi=1.0)
+        flag("MagCache", "calibrate", self.calibrate)
         if isinstance(self.mag_ratios, Mapping):
             raise InvalidArgumentType(f"MagCache(mag_ratios=...): got a mapping with keys {sorted(self.mag_ratios)}; "
                                       "pass one curve, e.g. result.cache['calibration']['cond'].")
-        object.__setattr__(self, "mag_ratios", _floats("MagCache", "mag_ratios", self.mag_ratios, positive=True))
+        object.__setattr__(self, "mag_ratios", floats("MagCache", "mag_ratios", self.mag_ratios, positive=True))
         if self.mag_ratios is None and not self.calibrate:
             raise InvalidArgument("MagCache(mag_ratios=None): the ratios are model-specific; pass the model's curve, "
                                   "or run once with MagCache(calibrate=True) and pass "
@@ -150,7 +122,7 @@ class SkipSteps:
     name: ClassVar[str] = "skip_steps"
 
     def __post_init__(self):
-        _flag("SkipSteps", "first_block", self.first_block)
+        flag("SkipSteps", "first_block", self.first_block)
         if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
             raise InvalidArgumentType(f"SkipSteps(steps={self.steps!r}): must be a list of step indices.")
         steps = tuple(self.steps)
@@ -159,23 +131,28 @@ class SkipSteps:
                                   "computes), e.g. SkipSteps((10, 11, 12)) or 'skip_steps:steps=10-12', or pass "
                                   "cache=None.")
         for s in steps:
-            _number("SkipSteps", "steps", s, lo=1, integer=True)
+            number("SkipSteps", "steps", s, lo=1, integer=True)
         object.__setattr__(self, "steps", tuple(sorted(set(int(s) for s in steps))))
 
 
-CACHES = {c.name: c for c in (FirstBlockCache, TeaCache, MagCache, SkipSteps)}
-CacheConfig = FirstBlockCache | TeaCache | MagCache | SkipSteps
+CACHES = {c.name: c for c in (FirstBlockCache, TeaCache, MagCache, TaylorSeer, SkipSteps)}
+CacheConfig = FirstBlockCache | TeaCache | MagCache | TaylorSeer | SkipSteps
 MAX_RANGE = 100_000  # the most steps one 'a-b' range of the CLI form may name
 # the form of each setting in the CLI form, for its error messages
 FORMS = {"threshold": "a number >= 0", "max_skip_steps": "an int >= 1", "retention_ratio": "a number in [0, 1]",
          "coefficients": "numbers separated by ',' or '/' (highest power first), or @file.json",
          "mag_ratios": "positive numbers separated by ',' or '/', or @file.json",
          "steps": "step indices >= 1 separated by ',' or '/', ranges a-b (a <= b), or @file.json",
-         "use_ret_steps": "true or false", "calibrate": "true or false", "first_block": "true or false"}
+         "use_ret_steps": "true or false", "calibrate": "true or false", "first_block": "true or false",
+         "cache_interval": "an int >= 2", "disable_cache_before_step": "an int >= 1",
+         "disable_cache_after_step": "an int, or none", "max_order": "an int in [0, 4]",
+         "taylor_factors_dtype": "bfloat16, float16 or float32"}
+INTS = ("max_skip_steps", "cache_interval", "disable_cache_before_step", "max_order")  # int settings (besides steps)
 LISTS = ("coefficients", "mag_ratios", "steps")  # the settings whose value is a list
 # one valid CLI form of each type, shown when a setting cannot be read
 EXAMPLES = {"first_block": "first_block:threshold=0.05", "teacache": "teacache:threshold=0.1,use_ret_steps=true",
             "magcache": "magcache:threshold=0.1,mag_ratios=@ratios.json",
+            "taylorseer": "taylorseer:cache_interval=4,max_order=2",
             "skip_steps": "skip_steps:steps=2,4,10-12,first_block=true"}
 
 
@@ -218,6 +195,11 @@ def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
     elif isinstance(cache, MagCache):
         first = max(1, int(cache.retention_ratio * num_steps + 0.5))
         rule = f"steps before round(retention_ratio * steps) = {first} always compute"
+    elif isinstance(cache, TaylorSeer):
+        first = cache.first_predicted(num_steps)
+        first = num_steps if first is None else first
+        rule = (f"steps before disable_cache_before_step={cache.disable_cache_before_step} always compute, and those "
+                f"from disable_cache_after_step={cache.disable_cache_after_step} on")
     if first > last:
         raise InvalidArgument(f"cache={cache!r} cannot skip any step of a request of {num_steps} step(s): {rule}. "
                               "Run more steps, or pass cache=None (or 'none').")
@@ -250,7 +232,11 @@ def _parse_value(name: str, field: str, text: str):
         if text.lower() not in ("true", "false", "1", "0"):
             raise InvalidArgument(f"cache {name!r} (CLI --cache): {field}={text!r} must be true or false.")
         return text.lower() in ("true", "1")
-    return int(text) if field == "max_skip_steps" else float(text)
+    if field == "taylor_factors_dtype":
+        return text
+    if field == "disable_cache_after_step":
+        return None if text.lower() == "none" else int(text)
+    return int(text) if field in INTS else float(text)
 
 
 def _settings(text: str, rest: str, example: str) -> list[tuple[str, str]]:
@@ -356,6 +342,7 @@ class PassCache:
         self.config, self.num_steps = config, num_steps
         self.coefficients = coefficients
         self.head_decides = isinstance(config, FirstBlockCache) or getattr(config, "first_block", False)
+        self.keeps_output = isinstance(config, TaylorSeer)  # stored() takes the blocks' output, not a residual
         self.residual: torch.Tensor | None = None  # last computed residual (FBC: of blocks 1..; else all blocks)
         self.head_residual: torch.Tensor | None = None  # FBC: block 0's, at the last computed step
         self.previous: torch.Tensor | None = None  # TeaCache: the previous step's modulated input
@@ -364,6 +351,7 @@ class PassCache:
         self.ratios = None
         if isinstance(config, MagCache) and not config.calibrate:
             self.ratios = nearest_resample(config.mag_ratios, num_steps)
+        self.taylor = TaylorState(config) if isinstance(config, TaylorSeer) else None
         self.computed: list[int] = []
         self.calibration: list[float] = []
 
@@ -397,6 +385,8 @@ class PassCache:
             return False
         if isinstance(c, SkipSteps) and not c.first_block:
             return step in c.steps and self.residual is not None
+        if self.taylor is not None:
+            return not self.taylor.computes(step)
         return False
 
     def skip_rest(self, step: int, head_residual: torch.Tensor) -> bool:
@@ -410,11 +400,19 @@ class PassCache:
         return diff <= self.config.threshold
 
     def reuse(self, x: torch.Tensor) -> torch.Tensor:
-        """The output of the skipped blocks: their input plus the cached residual."""
+        """The output of the skipped blocks: their input plus the cached residual (TaylorSeer: the predicted
+        output)."""
+        if self.taylor is not None:
+            return self.taylor.predict()
         return self.residual + x if self.head_decides else x + self.residual
 
     def stored(self, step: int, residual: torch.Tensor, head_residual: torch.Tensor | None = None) -> None:
-        """Record a computed step's residual (FBC: of blocks 1.., and block 0's)."""
+        """Record a computed step's residual (FBC: of blocks 1.., and block 0's; TaylorSeer: the blocks' output,
+        :attr:`keeps_output`)."""
+        if self.taylor is not None:
+            self.taylor.update(residual)
+            self.computed.append(step)
+            return
         if isinstance(self.config, MagCache) and self.config.calibrate:
             if self.residual is None:
                 self.calibration.append(1.0)

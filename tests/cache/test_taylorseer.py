@@ -1,0 +1,156 @@
+"""TaylorSeer (fastwan.cache.TaylorSeer) against diffusers' TaylorSeer hook with every block's output predicted
+(``cache_identifiers=[r"blocks\\.\\d+"]``): the same steps computed and frames within 1 through WanPipeline, the
+same DiT outputs step after step (computed or predicted, each CFG pass with its own state); the rule under CFG
+gating and on A14B; bad settings refused before compute."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastwan import VideoGenerator
+from fastwan.cache import CacheRun, TaylorSeer, check_steps, parse_cache
+from fastwan.checkpoint.tiny import tiny_checkpoint
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from tests.cache.test_step_cache import STEPS, diffusers_run, max_diff, run
+
+BLOCKS = [r"blocks\.\d+"]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+
+
+def diffusers_config(c: TaylorSeer):
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    return TaylorSeerCacheConfig(cache_interval=c.cache_interval, disable_cache_before_step=c.disable_cache_before_step,
+                                 disable_cache_after_step=c.disable_cache_after_step, max_order=c.max_order,
+                                 taylor_factors_dtype=getattr(torch, c.taylor_factors_dtype), cache_identifiers=BLOCKS)
+
+
+def rule(c: TaylorSeer, n: int, start: int = 0) -> list[int]:
+    """The steps ``start`` .. ``n - 1`` that compute, by TaylorSeer's schedule counted from ``start``."""
+    b, after = c.disable_cache_before_step, c.disable_cache_after_step
+    return [s for s in range(start, n)
+            if s - start < b or (s - start - b - 1) % c.cache_interval == 0 or after is not None and s >= after]
+
+
+@pytest.mark.parametrize("config", [
+    TaylorSeer(cache_interval=3, disable_cache_before_step=2, max_order=2, taylor_factors_dtype="float32"),
+    TaylorSeer(cache_interval=4, disable_cache_before_step=1, disable_cache_after_step=8),  # bf16 factors
+])
+def test_taylorseer_matches_diffusers_pipeline(gen, monkeypatch, config):
+    ours = run(gen, cache=config)
+    frames, computed = diffusers_run(diffusers_config(config), monkeypatch)
+    assert ours.cache["computed"] == computed == {"cond": rule(config, STEPS), "uncond": rule(config, STEPS)}
+    assert len(computed["cond"]) <= STEPS - 4
+    assert max_diff(ours.frames, frames) <= 1
+
+
+@pytest.mark.parametrize("config", [
+    TaylorSeer(cache_interval=3, disable_cache_before_step=3, max_order=2, taylor_factors_dtype="float32"),
+    TaylorSeer(cache_interval=2, disable_cache_before_step=2, max_order=1, taylor_factors_dtype="float32"),
+    TaylorSeer(cache_interval=3, disable_cache_before_step=2, max_order=0, taylor_factors_dtype="float32"),
+])
+def test_taylorseer_dit_outputs_match_diffusers(config):
+    """Each step's prediction of fastwan's DiT under the cache equals diffusers' transformer under its hook, on the
+    same weights and inputs, for both passes in turn (diffusers' cache contexts)."""
+    from diffusers import WanTransformer3DModel
+
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import load_transformer
+    from fastwan.models.wan.step_cache import apply_step_cache
+
+    path = tiny_checkpoint("wan2.1") / "transformer"
+    attn = AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12)
+    ours = load_transformer(path, dtype=torch.float32, device="cpu", attention=attn)
+    theirs = WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    theirs.enable_cache(diffusers_config(config))
+    steps, g = 9, torch.Generator().manual_seed(0)
+    texts = [torch.randn(1, 512, ours.config.text_dim, generator=g) for _ in range(2)]
+    for t in texts:
+        t[:, 7:] = 0
+    hook = apply_step_cache(ours, CacheRun(config, steps))
+    predicted = 0
+    with torch.no_grad():
+        for step, t in enumerate(torch.linspace(950, 50, steps)):
+            x = torch.randn(1, 16, 3, 8, 8, generator=g)
+            for name, text in zip(("cond", "uncond"), texts):
+                hook.select(name)
+                got = ours(x, t.reshape(1), text, step_index=step, num_steps=steps)
+                with theirs.cache_context(name):
+                    want = theirs(x, t.reshape(1), text, return_dict=False)[0]
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            predicted += step not in rule(config, steps)
+    assert predicted >= 3
+    assert hook.run.report()["computed"] == {"cond": rule(config, steps), "uncond": rule(config, steps)}
+
+
+def test_taylorseer_composes_with_cfg_gating(gen):
+    """With CFG gating the unconditional pass stops at the gate; both passes keep their own schedule, and each
+    computed or predicted step gives what the ungated run's conditional pass gives up to the gate."""
+    config = TaylorSeer(cache_interval=3, disable_cache_before_step=2)
+    g = VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, cfg_gate_step=0.5, cache=config)
+    r = run(g)
+    assert r.cache["computed"] == {"cond": rule(config, STEPS), "uncond": rule(config, STEPS // 2)}
+    plain = VideoGenerator.from_pretrained("tiny", device="cpu", dtype=torch.float32, cfg_gate_step=0.5)
+    assert max_diff(run(plain).frames, r.frames) > 0  # the prediction is used
+
+
+def test_a14b_expert_counts_its_steps_from_the_switch():
+    g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32)
+    sched = type(g.scheduler).from_config(g.scheduler.config)
+    sched.set_timesteps(STEPS)
+    boundary = g.checkpoint.boundary_ratio * sched.config.num_train_timesteps
+    switch = next(i for i, t in enumerate(sched.timesteps.tolist()) if t < boundary)
+    config = TaylorSeer(cache_interval=2, disable_cache_before_step=1)
+    r = g.generate_video("a fox", negative_prompt="blurry", seed=3, num_inference_steps=STEPS, save_video=False,
+                         cache=config, height=64, width=64, num_frames=9)
+    want = rule(config, switch) + rule(config, STEPS, start=switch)
+    assert r.cache["computed"] == {"cond": want, "uncond": want}
+
+
+def test_parse_and_json_forms(gen):
+    assert parse_cache("taylorseer") == TaylorSeer()
+    assert parse_cache("taylorseer:cache_interval=4,max_order=2,disable_cache_after_step=40,"
+                       "taylor_factors_dtype=float32") == TaylorSeer(4, max_order=2, disable_cache_after_step=40,
+                                                                     taylor_factors_dtype="float32")
+    assert parse_cache("taylorseer:disable_cache_after_step=none") == TaylorSeer()
+    assert TaylorSeer(taylor_factors_dtype=torch.float16) == TaylorSeer(taylor_factors_dtype="float16")
+    from fastwan.pipelines.params import _decode_cache, _encode_cache
+
+    config = TaylorSeer(4, 2, 30, 2, "float32")
+    assert _decode_cache(_encode_cache(config)) == config
+    assert _encode_cache(config) == {"type": "taylorseer", "cache_interval": 4, "disable_cache_before_step": 2,
+                                     "disable_cache_after_step": 30, "max_order": 2,
+                                     "taylor_factors_dtype": "float32"}
+
+
+@pytest.mark.parametrize("make,err,match", [
+    (lambda: TaylorSeer(cache_interval=1), InvalidArgument, "every step would compute"),
+    (lambda: TaylorSeer(cache_interval=0), InvalidArgument, r"cache_interval=0\): must be"),
+    (lambda: TaylorSeer(cache_interval=2.5), InvalidArgumentType, "must be an int"),
+    (lambda: TaylorSeer(disable_cache_before_step=0), InvalidArgument, "predicted from no computed step"),
+    (lambda: TaylorSeer(disable_cache_before_step=5, disable_cache_after_step=5), InvalidArgument, "above the"),
+    (lambda: TaylorSeer(max_order=5), InvalidArgument, r"max_order=5\): must be a finite number in \[0, 4\]"),
+    (lambda: TaylorSeer(max_order=-1), InvalidArgument, "max_order"),
+    (lambda: TaylorSeer(taylor_factors_dtype="int8"), InvalidArgument, "bfloat16, float16, float32"),
+    (lambda: TaylorSeer(taylor_factors_dtype=16), InvalidArgumentType, "dtype name"),
+    (lambda: parse_cache("taylorseer:interval=3"), InvalidArgument, "unknown setting 'interval'"),
+    (lambda: parse_cache("taylorseer:cache_interval=two"), InvalidArgument, "an int >= 2"),
+    (lambda: check_steps(TaylorSeer(), 3), InvalidArgument, "cannot skip any step of a request of 3"),
+])
+def test_bad_settings_raise(make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_bad_settings_raise_before_compute(gen, monkeypatch):
+    monkeypatch.setattr(type(gen), "_generate", lambda *a, **k: pytest.fail("computed"))
+    with pytest.raises(InvalidArgument, match="cannot skip any step of a request of 3"):
+        gen.generate_video("a fox", num_inference_steps=3, save_video=False, cache="taylorseer",
+                           height=64, width=64, num_frames=9)
+    with pytest.raises(InvalidArgument, match="every step would compute"):
+        gen.generate_video("a fox", save_video=False, cache="taylorseer:cache_interval=1", height=64, width=64,
+                           num_frames=9)
