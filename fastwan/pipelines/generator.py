@@ -36,6 +36,7 @@ from fastwan.parallel.launch import join, spawn
 from fastwan.parallel.launch import mode as parallel_mode
 from fastwan.parallel.plan import apply_sequence_parallel
 from fastwan.vae.decode import decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
+from fastwan.vae.tiny_weights import read_tiny_for
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.checkpoint.resolver import Checkpoint, resolve
@@ -75,8 +76,9 @@ class VideoGenerator:
 
     def __init__(self, ckpt: Checkpoint, *, device, dtype, vae_dtype, attention, transformers, text_encoder,
                  tokenizer, vae, scheduler, cfg_gate_step, cfg_mode, vae_chunk_frames="auto", image_encoder=None,
-                 image_processor=None, cache=None):
+                 image_processor=None, cache=None, tiny_vae=None):
         self.checkpoint = ckpt
+        self.tiny_vae = tiny_vae  # vae="tiny": the decoder that replaces the VAE's (fastwan.vae.tiny), or None
         self.cache = cache  # the default step cache of generate_video (a fastwan.cache config, or None)
         self._loras = [LoraState() for _ in transformers]  # per expert: the originals merged LoRAs changed
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
@@ -113,6 +115,8 @@ class VideoGenerator:
         dit_options: DiTOptions | None = None,
         vae_tiling: bool | Mapping[str, int] = False,
         vae_chunk_frames: int | str = "auto",
+        vae: str = "full",
+        vae_path: str | Path | None = None,
         cache: CacheConfig | str | None = None,
         lora=None,
         quantization: str | None = None,
@@ -156,6 +160,7 @@ class VideoGenerator:
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
         tiling = vae_tiling_kwargs(o.vae_tiling, ckpt.folder("vae"))
+        tiny = read_tiny_for(o.vae_path, ckpt.folder("vae"), allow_pickle, str(model)) if o.vae == "tiny" else None
         attention_backend, config, source = trained_attention(ckpt, attention_backend, config)
         head_dim = ckpt.transformer_config.attention_head_dim
         dit_options = dit_options.resolve(device, dtype)
@@ -211,7 +216,7 @@ class VideoGenerator:
                   transformers=transformers_, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
                   scheduler=scheduler, cfg_gate_step=cfg_gate_step, cfg_mode=cfg_mode,
                   vae_chunk_frames=vae_chunk_frames, image_encoder=image_encoder, image_processor=image_processor,
-                  cache=cache)
+                  cache=cache, tiny_vae=None if tiny is None else tiny.load(vae_dtype, device))
         for (path, scale, expert), tensors in zip(loras, lora_files):
             apply_lora(gen.transformers, gen._loras, path, scale, expert, tensors=tensors, device=device)
         if plan is not None:
@@ -269,7 +274,8 @@ class VideoGenerator:
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
                 "quantization": self.quantization, "vae_tiling": tiling_state(self.vae),
                 "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
-                "loras": [state.loaded for state in self._loras]}
+                "loras": [state.loaded for state in self._loras],
+                **({"tiny_vae": self.tiny_vae.digest} if self.tiny_vae is not None else {})}
 
     def _check_budget(self, s) -> None:
         """Under a memory budget: each video gets the plan the planner picks for it (the planner raises when
@@ -435,5 +441,7 @@ class VideoGenerator:
         return contextlib.nullcontext() if self.placement is None else getattr(self.placement, name)()
 
     def _decode(self, latents: torch.Tensor) -> np.ndarray:
-        """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3]."""
+        """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3] (with the tiny decoder under vae="tiny")."""
+        if self.tiny_vae is not None:
+            return self.tiny_vae.frames(latents, self.vae_chunk_frames)
         return decode_frames(self.vae, latents, self.vae_chunk_frames)

@@ -26,6 +26,7 @@ from fastwan.options import BLOCKS, DiTOptions
 from fastwan.pipelines.params import _decode_cache, _encode_cache
 from fastwan.cache import check_cache
 from fastwan.vae.decode import check_chunk
+from fastwan.vae.tiny_weights import VAE_CHOICES, check_tiny_options
 from fastwan.values import python_number
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -230,6 +231,12 @@ class LoadOptions:
     budget nothing fits raises before loading; each video gets its own plan before compute (the same video
     the same plan, whatever came before), or the planner's error.
 
+    ``vae``: "full" (default) decodes with the checkpoint's VAE; "tiny" with TAEHV's tiny decoder
+    (:mod:`fastwan.vae.tiny`), whose weights come from the local file ``vae_path`` (taew2_1 for 16-channel latents,
+    taew2_2 for Wan2.2 TI2V's 48; safetensors, or a pickle with ``allow_pickle``), checked against the checkpoint
+    before any weight loads (:mod:`fastwan.vae.tiny_weights`). The full VAE still loads (image-to-video encodes
+    with it).
+
     ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
     the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
     output within 8 frames of 480x832 (2 at 480p, 1 from 720p); larger chunks use more decode memory.
@@ -286,6 +293,16 @@ class LoadOptions:
                                    schema={"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
                                    check=_chunk, flag="--vae-chunk-frames",
                                    parse=lambda t: t if t == "auto" else int(t))
+    vae: str = option("full", help="the decoder: full (the checkpoint's VAE) or tiny (TAEHV's tiny decoder from "
+                                    "--vae-path: faster, less memory, lower quality)",
+                      schema={"enum": list(VAE_CHOICES)},
+                      check=_choice("vae", VAE_CHOICES, "'tiny' decodes with TAEHV's decoder from vae_path"),
+                      flag="--vae", choices=VAE_CHOICES)
+    vae_path: Any = option(None, help="the tiny decoder's weight file (vae tiny): taew2_1 for Wan2.1 / Wan2.2 A14B, "
+                                      "taew2_2 for Wan2.2 TI2V, .safetensors (.pth with --allow-pickle)",
+                           nullable=True, schema={"type": "string"},
+                           check=_optional_str("vae_path", "'taew2_1.safetensors'"), encode=os.fspath,
+                           flag="--vae-path", metavar="FILE")
     cache: Any = option(None, help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, "
                                    "e.g. teacache:threshold=0.1 (see fastwan.cache)", nullable=True,
                         schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=check_cache,
@@ -321,6 +338,7 @@ class LoadOptions:
         loras = parse_lora_spec(self.lora, self.allow_pickle)
         check_repeats(loras)  # one file twice for one DiT: a slip (load_lora adds a file again on purpose)
         object.__setattr__(self, "lora", loras)
+        check_tiny_options(self.vae, self.vae_path, self.allow_pickle)
         if self.torch_compile_kwargs and not self.enable_torch_compile:
             raise InvalidArgument(f"torch_compile_kwargs={self.torch_compile_kwargs!r} apply only when the DiT is "
                                   "compiled; pass enable_torch_compile=True with them, or drop them.")
