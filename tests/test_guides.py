@@ -214,9 +214,9 @@ def test_cache_signatures_match_the_classes():
 
     import fastwan.cache
 
-    documented = re.findall(r"`(FirstBlockCache|MagCache|TeaCache|SkipSteps)\(([^`]*)\)`",
+    documented = re.findall(r"`(FirstBlockCache|MagCache|TeaCache|TaylorSeer|SkipSteps)\(([^`]*)\)`",
                             flat(DOCS["docs/step-caching.md"]))
-    assert {name for name, _ in documented} == {"FirstBlockCache", "MagCache", "TeaCache", "SkipSteps"}
+    assert {name for name, _ in documented} == {"FirstBlockCache", "MagCache", "TeaCache", "TaylorSeer", "SkipSteps"}
     for name, args in documented:
         fields = {f.name: f.default for f in dataclasses.fields(getattr(fastwan.cache, name))}
         for arg in args.split(","):
@@ -230,7 +230,8 @@ def test_cache_guide_string_forms_parse():
     from fastwan.cache import parse_cache
 
     text = flat(DOCS["docs/step-caching.md"])
-    forms = re.findall(r"[`\"](?:--cache )?((?:first_block|teacache|magcache|skip_steps):[^`\"@]+)[`\"]", text)
+    types = "first_block|teacache|magcache|taylorseer|skip_steps"
+    forms = re.findall(rf"[`\"](?:--cache )?((?:{types}):[^`\"@]+)[`\"]", text)
     assert len(forms) >= 3, forms
     for form in forms:
         assert parse_cache(form) is not None, form

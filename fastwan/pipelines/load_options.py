@@ -25,6 +25,7 @@ from fastwan.offload.plan import parse_memory
 from fastwan.options import BLOCKS, DiTOptions
 from fastwan.pipelines.params import _decode_cache, _encode_cache
 from fastwan.cache import check_cache
+from fastwan.cache.schema import cache_schema
 from fastwan.vae.decode import check_chunk
 from fastwan.vae.tiny_weights import VAE_CHOICES, check_tiny_options
 from fastwan.values import python_number
@@ -204,8 +205,9 @@ class LoadOptions:
     run with fewer full-tensor copies, the same math (:mod:`fastwan.vae.convs`; 480p decode -27%).
 
     ``cache``: the default step cache of the generator's videos (:mod:`fastwan.cache`: ``FirstBlockCache``,
-    ``TeaCache``, ``MagCache``, ``SkipSteps``, or their string form such as ``"teacache:threshold=0.1"``; None
-    or a threshold of 0: none). Under a cache each CFG pass decides with its own state, one pass after the other.
+    ``TeaCache``, ``MagCache``, ``TaylorSeer``, ``SkipSteps``, or their string form such as
+    ``"teacache:threshold=0.1"``; None or a threshold of 0: none). Under a cache each CFG pass decides with its own
+    state, one pass after the other.
 
     ``lora``: LoRA file(s) merged into the DiT after loading: a path, (path, scale), (path, scale, expert), or a
     list of them (see ``VideoGenerator.load_lora``; expert 0 / 1: one Wan2.2 A14B expert, as paired LoRAs need); one
@@ -303,9 +305,9 @@ class LoadOptions:
                            nullable=True, schema={"type": "string"},
                            check=_optional_str("vae_path", "'taew2_1.safetensors'"), encode=os.fspath,
                            flag="--vae-path", metavar="FILE")
-    cache: Any = option(None, help="step cache: none, first_block, teacache, magcache or skip_steps, with settings, "
-                                   "e.g. teacache:threshold=0.1 (see fastwan.cache)", nullable=True,
-                        schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=check_cache,
+    cache: Any = option(None, help="step cache: none, first_block, teacache, magcache, taylorseer or skip_steps, "
+                                   "with settings, e.g. teacache:threshold=0.1 (see fastwan.cache)", nullable=True,
+                        schema=cache_schema(), check=check_cache,
                         encode=_encode_cache, decode=_decode_cache, flag="--cache", metavar="TYPE[:KEY=VALUE,...]")
     lora: Any = option(None, help="LoRA files merged into the DiT: (path, scale, expert) items; expert 0 / 1: one "
                                   "Wan2.2 A14B expert, None: every DiT", nullable=True,

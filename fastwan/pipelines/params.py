@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from fastwan.cache import CACHES, check_cache
+from fastwan.cache.schema import cache_schema
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.fields import REQUIRED, boolean, check_fields, integer_text, number_text, option
 from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
@@ -243,7 +244,7 @@ class GenerationRequest:
     overwrite: bool = option(False, help="replace an existing video at the output path", schema={"type": "boolean"},
                              check=boolean("overwrite"), flag="--overwrite", action="store_true")
     cache: Any = option(None, help="this video's step cache (fastwan.cache; 'none': off; default: the generator's)",
-                        nullable=True, schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=_cache,
+                        nullable=True, schema=cache_schema(), check=_cache,
                         encode=_encode_cache, decode=_decode_cache)
     sampler: str | None = option(None, help="default (the checkpoint's scheduler), euler (step-distilled LoRAs) or "
                                             "dmd (FastWan); default: the checkpoint's", nullable=True,

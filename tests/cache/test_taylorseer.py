@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.cache import CacheRun, TaylorSeer, check_steps, parse_cache
+from fastwan.cache import (
+    CacheRun,
+    FirstBlockCache,
+    MagCache,
+    SkipSteps,
+    TaylorSeer,
+    TeaCache,
+    check_cache,
+    check_steps,
+    parse_cache,
+)
 from fastwan.checkpoint.tiny import tiny_checkpoint
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from tests.cache.test_step_cache import STEPS, diffusers_run, max_diff, run
@@ -154,3 +164,33 @@ def test_bad_settings_raise_before_compute(gen, monkeypatch):
     with pytest.raises(InvalidArgument, match="every step would compute"):
         gen.generate_video("a fox", save_video=False, cache="taylorseer:cache_interval=1", height=64, width=64,
                            num_frames=9)
+
+
+@pytest.mark.parametrize("cache", [TaylorSeer(4, 2, 30, 2, "float32"), TaylorSeer(), "taylorseer:cache_interval=3",
+                                   FirstBlockCache(0.1), TeaCache(0.1, coefficients=(1.0, 0.0)), SkipSteps((2, 3)),
+                                   MagCache(0.1, mag_ratios=(1.0, 0.9)), MagCache(calibrate=True)])
+def test_request_json_of_each_cache_obeys_the_schema(cache):
+    import jsonschema
+
+    from fastwan.fields import from_json, json_schema, to_json
+    from fastwan.pipelines.params import GenerationRequest
+
+    doc = to_json(GenerationRequest("a fox", cache=cache))
+    jsonschema.validate(doc, json_schema(GenerationRequest))
+    assert from_json(GenerationRequest, doc).cache == check_cache(cache)
+
+
+@pytest.mark.parametrize("cache", [{"type": "taylorseer", "cache_interval": 1}, {"type": "taylorseer", "max_order": 5},
+                                   {"type": "taylorseer", "taylor_factors_dtype": "int8"},
+                                   {"type": "taylorseer", "interval": 3}, {"type": "teacache", "max_order": 1}])
+def test_the_schema_refuses_what_the_request_refuses(cache):
+    import jsonschema
+
+    from fastwan.fields import from_json, json_schema
+    from fastwan.pipelines.params import GenerationRequest
+
+    doc = {"prompt": "a fox", "cache": cache}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, json_schema(GenerationRequest))
+    with pytest.raises(InvalidArgument):
+        from_json(GenerationRequest, doc)
