@@ -19,14 +19,21 @@ import torch.distributed as dist
 
 from fastwan import envs
 from fastwan.errors import InvalidArgument
-from fastwan.parallel.mesh import Mesh, check_parallel_request, degrees
+from fastwan.parallel.mesh import Mesh, check_parallel_request, check_ring_degree, degrees, sequence_layout
+from fastwan.parallel.ring import check_ring_backend
 
 TIMEOUT = timedelta(minutes=30)  # a collective waiting longer than this ends the job (one 14B 720p step: ~20 s)
 
 
-def mode(num_gpus, cfg_parallel) -> str:
-    """"single" (one process), "join" (this process is a rank of a launcher's job) or "spawn" (start workers)."""
+def mode(num_gpus, cfg_parallel, ring_degree=None) -> str:
+    """"single" (one process), "join" (this process is a rank of a launcher's job) or "spawn" (start workers).
+    A ``ring_degree`` other than None or 1 needs the processes it splits."""
+    ring_degree = check_ring_degree(ring_degree)
     if num_gpus is None and cfg_parallel is False:
+        if ring_degree not in (None, 1):
+            raise InvalidArgument(f"ring_degree={ring_degree} splits the sequence over {ring_degree} or more "
+                                  "processes, but num_gpus is not given (one process); give num_gpus (a multiple "
+                                  "of the ring degree), or leave ring_degree unset.")
         return "single"
     sp, cfg = degrees(num_gpus, cfg_parallel)
     launched = envs.torchrun_env()
@@ -69,12 +76,23 @@ def check_device_index(num_gpus: int, device: torch.device) -> None:
                               f"job, whose GPU is cuda:{launched[1]} (each rank its own); pass device='cuda'.")
 
 
-def check(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> None:
+def check(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device, ring_degree=None) -> int:
     """Every check of a parallel generator that needs the checkpoint (its heads), the default step cache and the
-    device, before any process starts or joins."""
-    check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache)
+    device, before any process starts or joins -> the ring degree."""
+    ring = check_parallel_request(ckpt.transformer_config.num_attention_heads, num_gpus, cfg_parallel, cache,
+                                  ring_degree)
     check_devices(num_gpus, device)
     check_device_index(num_gpus, device)
+    return ring
+
+
+def ring_of(ckpt, num_gpus, cfg_parallel, ring_degree, attention) -> int:
+    """The ring degree of a parallel generator (1: none), after the rule that a ring runs a dense ``attention``
+    backend only (checked with the resolved backends, before any weight loads)."""
+    sp, _ = degrees(num_gpus, cfg_parallel)
+    ring = sequence_layout(ckpt.transformer_config.num_attention_heads, sp, ring_degree)[1]
+    check_ring_backend(attention.self_backend, ring)
+    return ring
 
 
 def rank_device(device: torch.device) -> torch.device:
@@ -86,20 +104,22 @@ def rank_device(device: torch.device) -> torch.device:
     return torch.device("cuda", local)
 
 
-def spawn(loader, model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device):
+def spawn(loader, model, call: dict, ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device,
+          ring_degree=None):
     """The checks a parallel generator needs, then ``num_gpus`` workers, each calling ``loader(model, **call)``
     (``VideoGenerator.from_pretrained`` and its arguments) -> a :class:`~fastwan.parallel.workers.ParallelGenerator`."""
     from fastwan.parallel.workers import ParallelGenerator
 
-    check(ckpt, num_gpus, cfg_parallel, cache, device)
+    check(ckpt, num_gpus, cfg_parallel, cache, device, ring_degree)
     return ParallelGenerator(loader, model, call, num_gpus, device)
 
 
-def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -> tuple[Mesh, torch.device]:
-    """After the checks a parallel generator needs (``ckpt``'s heads, the default step ``cache``, the GPUs), make
-    this process a rank of the job (initialising ``torch.distributed`` from the launcher's environment if needed)
-    -> (its mesh, its device)."""
-    check(ckpt, num_gpus, cfg_parallel, cache, device)
+def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device,
+         ring_degree=None) -> tuple[Mesh, torch.device]:
+    """After the checks a parallel generator needs (``ckpt``'s heads, the default step ``cache``, the GPUs, the
+    Ulysses x Ring split), make this process a rank of the job (initialising ``torch.distributed`` from the
+    launcher's environment if needed) -> (its mesh, its device)."""
+    ring = check(ckpt, num_gpus, cfg_parallel, cache, device, ring_degree)
     sp, cfg = degrees(num_gpus, cfg_parallel)
     envs.disable_multicast()
     if not dist.is_initialized():  # a launcher's process (mode "join"): its GPU from LOCAL_RANK
@@ -114,7 +134,7 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device) -
     device = rank_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return Mesh.create(sp, cfg), device
+    return Mesh.create(sp, cfg, ring), device
 
 
 def leave() -> None:

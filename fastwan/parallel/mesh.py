@@ -1,13 +1,16 @@
 """The process layout of one parallel generator: ``cfg`` groups of ``sp`` ranks each (world = cfg x sp).
 
 Rank r is in CFG group ``r // sp`` and has sequence rank ``r % sp`` in it. A CFG group's ranks split the DiT's
-sequence (Ulysses, :mod:`fastwan.parallel.ulysses`); with ``cfg`` = 2, group 0 computes the conditional pass and
-group 1 the unconditional one, and the ranks of equal sequence rank in the two groups exchange their predictions
-once per step (:meth:`Mesh.cfg_pair`). Every rank holds the whole model and the same latents; every rank ends a
-step with the same guided prediction, so the sampler runs everywhere and no latents are broadcast.
+sequence: ``sp = ulysses x ring`` (:func:`sequence_layout`; Ulysses all-to-alls inside groups of ``ulysses`` ranks,
+:mod:`fastwan.parallel.ulysses`, ring attention across the ``ring`` groups, :mod:`fastwan.parallel.ring`); with
+``cfg`` = 2, group 0 computes the conditional pass and group 1 the unconditional one, and the ranks of equal
+sequence rank in the two groups exchange their predictions once per step (:meth:`Mesh.cfg_pair`). Every rank holds
+the whole model and the same latents; every rank ends a step with the same guided prediction, so the sampler runs
+everywhere and no latents are broadcast.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -35,6 +38,41 @@ def degrees(num_gpus, cfg_parallel) -> tuple[int, int]:
     return num_gpus // cfg, cfg
 
 
+def check_ring_degree(ring_degree) -> int | None:
+    """``ring_degree``: None (chosen by :func:`sequence_layout`) or a whole number >= 1."""
+    if ring_degree is None:
+        return None
+    if isinstance(ring_degree, bool) or not isinstance(ring_degree, numbers.Integral) or ring_degree < 1:
+        raise InvalidArgument(f"ring_degree={ring_degree!r} must be a whole number >= 1 (the ranks of the ring; 1: "
+                              "Ulysses alone), or None to choose it from the attention heads.")
+    return int(ring_degree)
+
+
+def layouts(heads: int, sp: int) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) split of ``sp`` sequence ranks that can run ``heads`` attention heads: ulysses x ring
+    = sp and ulysses divides the heads."""
+    return [(sp // r, r) for r in range(1, sp + 1) if sp % r == 0 and heads % (sp // r) == 0]
+
+
+def sequence_layout(heads: int, sp: int, ring_degree=None) -> tuple[int, int]:
+    """The split of ``sp`` sequence ranks -> (ulysses degree, ring degree). Rule: Ulysses as far as the heads allow,
+    ``ulysses = gcd(heads, sp)`` (the largest degree dividing both the heads and ``sp``: all-to-alls move less data
+    than a ring's key/value rounds), the ring for the rest, ``ring = sp / ulysses``. A pinned ``ring_degree`` must
+    divide ``sp`` and leave a Ulysses degree ``sp / ring_degree`` that divides the heads."""
+    ring_degree = check_ring_degree(ring_degree)
+    if ring_degree is None:
+        u = math.gcd(heads, sp)
+        return u, sp // u
+    can = layouts(heads, sp)
+    if (sp // ring_degree, ring_degree) not in can:
+        names = ", ".join(f"ring_degree={r} (Ulysses {u} x Ring {r})" for u, r in can)
+        raise InvalidArgument(f"ring_degree={ring_degree} cannot split {sp} sequence-parallel process(es) over a DiT "
+                              f"with {heads} attention heads: the ring degree must divide the processes and the "
+                              f"Ulysses degree left (processes / ring degree) must divide the heads; use one of "
+                              f"{names}, or leave ring_degree unset to choose.")
+    return sp // ring_degree, ring_degree
+
+
 def check_cache(cache, sp: int) -> None:
     """Step caches decide per pass from the whole prediction: not under sequence parallelism (a rank sees its
     shard)."""
@@ -43,11 +81,14 @@ def check_cache(cache, sp: int) -> None:
                               "decide on its own shard); pass cache=None, or use cfg_parallel alone.")
 
 
-def check_parallel_request(heads: int, num_gpus, cfg_parallel, cache) -> None:
-    """The checks of a parallel generator that need the checkpoint (its heads) and the default step cache."""
+def check_parallel_request(heads: int, num_gpus, cfg_parallel, cache, ring_degree=None) -> int:
+    """The checks of a parallel generator that need the checkpoint (its heads) and the default step cache -> the
+    ring degree."""
     sp, _ = degrees(num_gpus, cfg_parallel)
-    check_heads(heads, sp)
+    ulysses, ring = sequence_layout(heads, sp, ring_degree)
+    check_heads(heads, ulysses)
     check_cache(cache, sp)
+    return ring
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,9 +105,9 @@ class Mesh:
     cfg_size: int
 
     @classmethod
-    def create(cls, sp: int, cfg: int) -> Mesh:
-        """The groups of an initialised default process group of ``sp * cfg`` ranks (every rank calls this, in
-        the same order, as ``dist.new_group`` requires)."""
+    def create(cls, sp: int, cfg: int, ring: int = 1) -> Mesh:
+        """The groups of an initialised default process group of ``sp * cfg`` ranks, each CFG group's ``sp`` split
+        into Ulysses x ``ring`` (every rank calls this, in the same order, as ``dist.new_group`` requires)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != sp * cfg:
             raise InvalidArgument(f"the process group has {world} ranks but the layout needs {sp * cfg} "
@@ -74,9 +115,9 @@ class Mesh:
         mine_sp = mine_cfg = None
         for c in range(cfg):
             ranks = [c * sp + r for r in range(sp)]
-            g = dist.new_group(ranks) if sp > 1 else None
+            group = SequenceParallel.create(ranks, ring) if sp > 1 else None
             if rank in ranks:
-                mine_sp = None if g is None else SequenceParallel(g, sp, ranks.index(rank))
+                mine_sp = group
         for r in range(sp):
             ranks = [c * sp + r for c in range(cfg)]
             g = dist.new_group(ranks) if cfg > 1 else None

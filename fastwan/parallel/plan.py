@@ -1,11 +1,12 @@
-"""Ulysses sequence parallelism applied to a model from its sequence plan, as hooks (:mod:`fastwan.hooks`).
+"""Sequence parallelism (Ulysses x Ring) applied to a model from its sequence plan, as hooks (:mod:`fastwan.hooks`).
 
 A model class declares ``_sp_plan``: call point -> :class:`~fastwan.hooks.Split` (the point's result is cut into
 this rank's shard of the token sequence) or :class:`~fastwan.hooks.Gather` (the point's input is gathered back from
 every rank). :func:`apply_sequence_parallel` hooks those points, and wraps the model's attention dispatch (its
-``attention``, and whatever ``set_attention`` installs later) in a :class:`~fastwan.parallel.ulysses.UlyssesDispatch`,
-so self-attention exchanges sequence shards for head shards. Between the split and the gather every rank runs its
-own contiguous shard (:func:`~fastwan.parallel.ulysses.shard_sizes`, fixed by the token count of each forward).
+``attention``, and whatever ``set_attention`` installs later) in a
+:class:`~fastwan.parallel.ulysses.UlyssesDispatch`, so self-attention exchanges sequence shards for head shards
+(and, with a ring, passes key/value chunks round it). Between the split and the gather every rank runs its own
+contiguous shard (:func:`~fastwan.parallel.ulysses.shard_sizes`, fixed by the token count of each forward).
 :func:`remove_sequence_parallel` undoes all of it. Step caches do not run under sequence parallelism
 (:func:`fastwan.parallel.mesh.check_cache`, checked when the plan is applied).
 """
@@ -82,7 +83,8 @@ class SequenceParallelHook(Hook):
 def apply_sequence_parallel(module: nn.Module, sp: SequenceParallel) -> SequenceParallelHook:
     """Split every forward of ``module`` over the ranks of ``sp`` as its ``_sp_plan`` says: each rank runs its shard
     through the blocks, self-attention exchanges shards for heads (Ulysses), the prediction is gathered on every
-    rank -> the hook. Raises if the heads do not divide over the ranks, or a step cache is on the module."""
+    rank -> the hook. Raises if the heads do not divide over the Ulysses ranks, a ring meets a sparse backend, or a
+    step cache is on the module."""
     return HookRegistry.of(module).add(SequenceParallelHook(sp))
 
 

@@ -32,7 +32,7 @@ from fastwan.lora import LoraState, apply_lora, check_loras
 from fastwan.models import load_transformer
 from fastwan.offload import plan_offload
 from fastwan.options import DiTOptions
-from fastwan.parallel.launch import join, spawn
+from fastwan.parallel.launch import join, ring_of, spawn
 from fastwan.parallel.launch import mode as parallel_mode
 from fastwan.parallel.plan import apply_sequence_parallel
 from fastwan.vae.decode import decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
@@ -125,6 +125,7 @@ class VideoGenerator:
         revision: str | None = None,
         num_gpus: int | None = None,
         cfg_parallel: bool = False,
+        ring_degree: int | None = None,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, at ``revision`` if given; Diffusers-format folder; or ``"tiny"``) onto ``device``.
 
@@ -145,7 +146,7 @@ class VideoGenerator:
         allow_pickle, quantization, cfg_mode, loras = o.allow_pickle, o.quantization, o.cfg_mode, o.lora
         enable_torch_compile, attention_backend = o.enable_torch_compile, o.attention_backend
         # ---- the rules of this machine and the checkpoint (before any weight loads) ----
-        launch = parallel_mode(num_gpus, cfg_parallel)
+        launch = parallel_mode(num_gpus, cfg_parallel, o.ring_degree)
         device, dtype, vae_dtype, cfg_gate_step, dit_options = check_load_options(o)
         config = attention_config_arg(o.attention_config)
         budget = o.max_gpu_memory
@@ -155,7 +156,7 @@ class VideoGenerator:
         ckpt = resolve(model, allow_pickle=allow_pickle, revision=o.revision)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
-            mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device)
+            mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device, o.ring_degree)
         lora_files = check_loras(loras, ckpt.transformer_config, len(ckpt.experts), allow_pickle)
         resolve_coefficients(cache, ckpt.variant, ckpt.transformer_config.inner_dim, ckpt.preset.height,
                              ckpt.preset.width)  # a TeaCache without coefficients for this model raises here
@@ -166,7 +167,8 @@ class VideoGenerator:
         dit_options = dit_options.resolve(device, dtype)
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config, model=ckpt.transformer_config, source=source)
-        compile_kwargs = compile_kwargs_for(o.torch_compile_kwargs, attention) if enable_torch_compile else None
+        ring = 1 if launch == "single" else ring_of(ckpt, num_gpus, cfg_parallel, o.ring_degree, attention)
+        compile_kwargs = compile_kwargs_for(o.torch_compile_kwargs, attention, ring) if enable_torch_compile else None
 
         plan = None
         if budget is not None:
@@ -179,7 +181,8 @@ class VideoGenerator:
             call = o.kwargs()
             if call["attention_backend"] is None and context_backend() is not None:  # contexts stay in this process
                 call = {**call, "attention_backend": context_backend()}
-            return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device)
+            return spawn(cls.from_pretrained, model, call, ckpt, num_gpus, cfg_parallel, cache, device,
+                         o.ring_degree)
         if plan is not None:
             # offloading allocates and frees weight-sized tensors of many sizes: without expandable segments the
             # caching allocator's partly used blocks (2.4-3.9 GiB seen on an H100) push a planned peak over budget

@@ -22,6 +22,7 @@ from fastwan.fields import REQUIRED, boolean, check_fields, number_text, option
 from fastwan.lora.merge import check_repeats, parse_lora_spec
 from fastwan.models.wan.quantize import QUANTIZATIONS, check_quantization
 from fastwan.offload.plan import parse_memory
+from fastwan.parallel.mesh import check_ring_degree
 from fastwan.options import BLOCKS, DiTOptions
 from fastwan.pipelines.params import _decode_cache, _encode_cache
 from fastwan.cache import check_cache
@@ -163,6 +164,10 @@ def _num_gpus(value):
         raise InvalidArgument(f"num_gpus={value!r} must be a whole number >= 1 (processes, one GPU each), or None "
                               "for one process.")
     return value
+
+
+def _ring_degree(value):
+    return check_ring_degree(python_number(value))
 
 
 def _encode_lora(value):
@@ -334,6 +339,11 @@ class LoadOptions:
     cfg_parallel: bool = option(False, help="run the two CFG passes on two groups of processes",
                                 schema={"type": "boolean"}, check=boolean("cfg_parallel", InvalidArgument),
                                 flag="--cfg-parallel", action="store_true")
+    ring_degree: int | None = option(None, help="processes of the ring-attention part of the sequence split (the "
+                                                "rest Ulysses; 1: Ulysses alone); unset: Ulysses as far as the "
+                                                "attention heads divide, the ring for the rest", nullable=True,
+                                     schema={"type": "integer", "minimum": 1}, check=_ring_degree, flag="--ring",
+                                     parse=int, metavar="R")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -52,17 +52,21 @@ def load_scheduler(ckpt: Checkpoint):
     return cls.from_config(cfg)
 
 
-def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch) -> dict:
-    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse; the user's
-    checked before any weight loads (:func:`check_compile_kwargs`)."""
+def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch, ring: int = 1) -> dict:
+    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse or runs
+    round a ring of ``ring`` > 1 processes (:mod:`fastwan.parallel.ring`); the user's checked before any weight
+    loads (:func:`check_compile_kwargs`)."""
     if user is not None:
         check_compile_kwargs(user)
-    kwargs = dict(user) if user is not None else {"fullgraph": not attention.sparse}
-    if attention.sparse and kwargs.get("fullgraph"):
+    eager = attention.sparse or ring > 1
+    kwargs = dict(user) if user is not None else {"fullgraph": not eager}
+    if eager and kwargs.get("fullgraph"):
+        what = (f"the sparse backend {attention.self_backend.name}" if attention.sparse else
+                f"ring attention (ring degree {ring}: its send/receive calls)")
         raise InvalidArgument(
-            f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with the sparse backend "
-            f"{attention.self_backend.name}; its attention call runs outside the graph (one graph break per "
-            "block). Set fullgraph=False or leave torch_compile_kwargs unset."
+            f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with {what}; its attention call "
+            "runs outside the graph (one graph break per block). Set fullgraph=False or leave "
+            "torch_compile_kwargs unset."
         )
     if attention.sparse and user is None:
         logger.info("torch.compile with sparse attention %s: blocks compiled with fullgraph=False "

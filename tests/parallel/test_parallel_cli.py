@@ -66,3 +66,17 @@ def test_user_error_under_torchrun_names_each_rank(tmp_path):
                             ln), r.stderr
     assert "fastwan/" not in r.stderr  # one line per rank, no traceback through fastwan (torchrun adds its own)
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_ring_flag_pins_the_layout_and_one_that_cannot_run_is_refused(tmp_path, monkeypatch, capsys):
+    """--ring R is LoadOptions.ring_degree: a ring degree that does not divide --sp is refused in one line, naming
+    the degrees that run, before any process starts."""
+    from fastwan.cli import main
+    from fastwan.parallel.workers import ParallelGenerator
+
+    monkeypatch.setenv("FASTWAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ParallelGenerator, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    assert main([*ARGS, "--sp", "4", "--ring", "3", "--output", str(tmp_path / "v.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastwan: error: ") and "cannot split 4" in err and "(Ulysses 2 x Ring 2)" in err, err
+    assert not (tmp_path / "v.mp4").exists()

@@ -50,12 +50,14 @@ CASES = [
     ("wan2.1", dict(num_gpus=4, cfg_parallel=True, attention_backend="VIDEO_SPARSE_ATTN",
                     attention_config={"tile": [1, 2, 2], "sparsity": 0.5}), {}),
     ("wan2.1", dict(num_gpus=2, enable_torch_compile=True), {}),  # blocks compiled fullgraph around the all-to-alls
+    ("wan2.1", dict(num_gpus=3), {}),  # 2 heads on 3 processes: a ring of 3 (Ulysses cannot split 2 heads 3 ways)
+    ("wan2.2-a14b", dict(num_gpus=3), {}),
 ]
 
 
 @pytest.mark.parametrize("variant,load,req", CASES, ids=[
     "sp2", "a14b-cfg2", "a14b-cfg2xsp2-gated", "ti2v-image-cfg2xsp2", "i2v-sp2", "sliding-tile-sp2", "vsa-cfg2xsp2",
-    "compiled-sp2"])
+    "compiled-sp2", "ring3", "a14b-ring3"])
 def test_parallel_video_equals_one_process(ckpts, variant, load, req):
     req = {"image": image()} if req.get("image") else {}
     common = dict(device="cpu", dtype=torch.float32)
@@ -125,7 +127,14 @@ def test_a_failing_rank_ends_the_job_naming_it():
     (dict(num_gpus=1, cfg_parallel=True), "must be even, not 1; use 2 GPUs"),
     (dict(cfg_parallel=True), "give num_gpus too"),
     (dict(num_gpus=2.0), "num_gpus=2.0 must be a whole number"),
-    (dict(num_gpus=4), "splits the DiT's 2 attention heads, which 4 does not divide"),
+    (dict(num_gpus=4, ring_degree=1), r"ring_degree=1 cannot split 4 .* use one of ring_degree=2 \(Ulysses 2 x "
+                                      r"Ring 2\), ring_degree=4 \(Ulysses 1 x Ring 4\)"),
+    (dict(num_gpus=6, ring_degree=4), "ring_degree=4 cannot split 6"),
+    (dict(ring_degree=2), "ring_degree=2 splits the sequence .* num_gpus is not given"),
+    (dict(num_gpus=3, attention_backend="SLIDING_TILE_ATTN", attention_config={"tile": [1, 2, 2]}),
+     "SLIDING_TILE_ATTN cannot run under ring attention"),
+    (dict(num_gpus=3, enable_torch_compile=True, torch_compile_kwargs={"fullgraph": True}),
+     "fullgraph=True cannot be used with ring attention"),
     (dict(num_gpus=0), "num_gpus=0 must be a whole number >= 1"),
     (dict(num_gpus=2, cfg_parallel="yes"), "cfg_parallel='yes' must be True or False"),
     (dict(num_gpus=2, cache="first_block:threshold=0.1"), "step caches do not run with sequence parallelism"),

@@ -23,8 +23,8 @@ HEADS, HEAD_DIM = 4, 8
 LATENT = (1, 4, 3, 6, 10)
 
 
-def model(options: str, backend: str, conf: dict | None) -> WanTransformer:
-    cfg = WanConfig(num_layers=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, ffn_dim=32, text_dim=8,
+def model(options: str, backend: str, conf: dict | None, heads: int = HEADS) -> WanTransformer:
+    cfg = WanConfig(num_layers=2, num_attention_heads=heads, attention_head_dim=HEAD_DIM, ffn_dim=32, text_dim=8,
                     freq_dim=16, in_channels=4, out_channels=4, cross_attn_norm=True,
                     qk_norm="rms_norm_across_heads")
     attn = AttentionDispatch.resolve(backend, device="cpu", dtype=torch.float32, head_dim=HEAD_DIM, config=conf)
@@ -47,26 +47,12 @@ def inputs(per_token: bool):
 
 
 def _worker(rank: int, world: int, store: str, case: dict, errors) -> None:
+    """Runs ``case["call"](rank, case)`` (default :func:`_compare`) as rank ``rank``, its result reported."""
     try:
         # a file store: no TCP server whose process (rank 0) may exit while another rank still talks to it
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         torch.set_num_threads(1)
-        ref = model(case["options"], case["backend"], case["conf"])
-        par = model(case["options"], case["backend"], case["conf"])
-        apply_sequence_parallel(par, SequenceParallel.from_group())
-        latents, timestep, text, text_uncond = inputs(case["per_token"])
-        with torch.no_grad():
-            want = ref(latents, timestep, text, step_index=0, num_steps=1)
-            got = par(latents, timestep, text, step_index=0, num_steps=1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            if case["cfg"]:
-                for batched in (True, False):
-                    w = ref.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
-                    g = par.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
-                    for a, b in zip(g, w):
-                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            remove_sequence_parallel(par)  # the plan off: the plain model again, bit for bit
-            assert torch.equal(par(latents, timestep, text, step_index=0, num_steps=1), want)
+        case.get("call", _compare)(rank, case)
         dist.barrier()
         errors.put(f"ok {rank}")
     except BaseException as exc:  # reported to the parent with this rank named
@@ -75,6 +61,26 @@ def _worker(rank: int, world: int, store: str, case: dict, errors) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _compare(rank: int, case: dict) -> None:
+    """The sequence-parallel DiT's prediction equals the one-process DiT's."""
+    ref = model(case["options"], case["backend"], case["conf"])
+    par = model(case["options"], case["backend"], case["conf"])
+    apply_sequence_parallel(par, SequenceParallel.from_group())
+    latents, timestep, text, text_uncond = inputs(case["per_token"])
+    with torch.no_grad():
+        want = ref(latents, timestep, text, step_index=0, num_steps=1)
+        got = par(latents, timestep, text, step_index=0, num_steps=1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if case["cfg"]:
+            for batched in (True, False):
+                w = ref.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
+                g = par.forward_cfg(latents, timestep, text, text_uncond, batched=batched)
+                for a, b in zip(g, w):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        remove_sequence_parallel(par)  # the plan off: the plain model again, bit for bit
+        assert torch.equal(par(latents, timestep, text, step_index=0, num_steps=1), want)
 
 
 def run(world: int, store: str, **case) -> None:
