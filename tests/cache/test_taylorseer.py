@@ -4,6 +4,8 @@ same DiT outputs step after step (computed or predicted, each CFG pass with its 
 gating and on A14B; bad settings refused before compute."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from fastwan.cache import (
 )
 from fastwan.checkpoint.tiny import tiny_checkpoint
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.hooks import Hook, HookRegistry
 from tests.cache.test_step_cache import STEPS, diffusers_run, max_diff, run
 
 BLOCKS = [r"blocks\.\d+"]
@@ -194,3 +197,78 @@ def test_the_schema_refuses_what_the_request_refuses(cache):
         jsonschema.validate(doc, json_schema(GenerationRequest))
     with pytest.raises(InvalidArgument):
         from_json(GenerationRequest, doc)
+
+
+def reference_prediction(history: list[tuple[int, torch.Tensor]], step: int, max_order: int) -> torch.Tensor:
+    """TaylorSeer's prediction at ``step`` in float64 from every computed (step, stream) so far: order k's factor
+    at a computed step is the change of order k - 1's since the computed step before it, over the gap between the
+    two (the last gap, as diffusers' recursion divides); the prediction is sum_k factor_k * gap**k / k!."""
+    def factor(i: int, k: int) -> torch.Tensor:
+        if k == 0:
+            return history[i][1].double()
+        return (factor(i, k - 1) - factor(i - 1, k - 1)) / (history[i][0] - history[i - 1][0])
+
+    last = len(history) - 1
+    gap = step - history[last][0]
+    return sum(factor(last, k) * gap ** k / math.factorial(k) for k in range(min(max_order, last) + 1))
+
+
+class Reference(Hook):
+    """The blocks run at the steps TaylorSeer computes (their streams recorded); at the others the stream is
+    :func:`reference_prediction`'s."""
+
+    name = "reference"
+
+    def __init__(self, config: TaylorSeer, steps: int):
+        self.config, self.computes, self.history, self.layouts = config, rule(config, steps), [], []
+
+    def points(self, module):
+        return {"run_blocks": self._run}
+
+    def _run(self, module, inner, e, contexts, step_index, num_steps):
+        self.layouts.append(e.layout is not None)
+        if step_index in self.computes:
+            out = inner(e, contexts, step_index, num_steps)
+            self.history.append((step_index, out.clone()))
+            return out
+        return reference_prediction(self.history, step_index, self.config.max_order).to(e.x.dtype)
+
+
+@pytest.mark.parametrize("backend,fullgraph", [("VIDEO_SPARSE_ATTN", None), ("VIDEO_SPARSE_ATTN", False),
+                                               ("TORCH_SDPA", True)])
+def test_taylorseer_under_sparse_attention_and_compiled_blocks(backend, fullgraph):
+    """Under a sparse backend (the stream in its compact layout order) and compiled blocks (None: eager; the sparse
+    kernel call is kept out of the graph, so fullgraph=True, where any graph break raises, runs with dense
+    attention), the cached DiT's predictions equal the float64 reference of the rule on the same DiT."""
+    from fastwan.attention import AttentionDispatch
+    from fastwan.models import load_transformer
+    from fastwan.models.wan.step_cache import apply_step_cache, remove_step_cache
+
+    torch._dynamo.reset()
+    config, steps = TaylorSeer(cache_interval=3, disable_cache_before_step=3, max_order=2,
+                               taylor_factors_dtype="float32"), 10
+    sparse = {"tile": [1, 2, 2], "sparsity": 0.5} if backend == "VIDEO_SPARSE_ATTN" else None
+    attn = AttentionDispatch.resolve(backend, device="cpu", dtype=torch.float32, head_dim=12, config=sparse)
+    model = load_transformer(tiny_checkpoint("wan2.1") / "transformer", dtype=torch.float32, device="cpu",
+                             attention=attn)
+    if fullgraph is not None:
+        model.compile_blocks(fullgraph=fullgraph, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    text = torch.randn(1, 9, model.config.text_dim, generator=g)
+    x0, noise = torch.randn(2, 1, 16, 3, 8, 8, generator=g)
+    got, want = [], []
+    with torch.no_grad():
+        ref = Reference(config, steps)
+        for hook, out in ((ref, want), (None, got)):
+            if hook is None:
+                apply_step_cache(model, CacheRun(config, steps))
+            else:
+                HookRegistry.of(model).add(hook)
+            for step, t in enumerate(torch.linspace(950, 50, steps)):
+                x = x0 + (noise - x0) * (t / 1000)  # a smooth path, as denoising's latents
+                out.append(model(x, t.reshape(1), text, step_index=step, num_steps=steps))
+            remove_step_cache(model)
+            HookRegistry.of(model).remove("reference")
+    assert ref.layouts and all(ref.layouts) == (sparse is not None)  # the sparse backend's layout was in use
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
