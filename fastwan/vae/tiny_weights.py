@@ -36,7 +36,7 @@ WAN_Z_DIM = 16  # AutoencoderKLWan's default z_dim (a config without the key)
 
 def _file_for(channels: int) -> str:
     name = VARIANTS[channels][0]
-    return f"{name}.safetensors (or {name}.pth with allow_pickle) from {SOURCE}"
+    return f"{name}.safetensors (or {name}.pth with allow_pickle=True) from {SOURCE}"
 
 
 def check_tiny_options(vae: str, vae_path, allow_pickle: bool) -> Path | None:
@@ -44,15 +44,15 @@ def check_tiny_options(vae: str, vae_path, allow_pickle: bool) -> Path | None:
     the file must exist and, when it is named as a pickle, ``allow_pickle`` be set."""
     if vae_path is None:
         if vae == "tiny":
-            raise InvalidArgument(f"vae='tiny' needs the tiny decoder's weight file: vae_path= (CLI --vae-path FILE), "
-                                  f"e.g. {_file_for(16)} for Wan2.1 / Wan2.2 A14B, {_file_for(48)} for Wan2.2 TI2V; "
-                                  "fastwan does not download it.")
+            raise InvalidArgument(f"vae='tiny' needs the tiny decoder's weight file: vae_path=, taew2_1.safetensors "
+                                  "for Wan2.1 / Wan2.2 A14B or taew2_2.safetensors for Wan2.2 TI2V, downloaded from "
+                                  f"{SOURCE} (folder safetensors/); fastwan does not download it.")
         return None
     if not isinstance(vae_path, (str, os.PathLike)):
         raise InvalidArgumentType(f"vae_path={vae_path!r} must be a path to the tiny decoder's weight file.")
     if vae != "tiny":
         raise InvalidArgument(f"vae_path={os.fspath(vae_path)!r} is the tiny decoder's weight file, read only with "
-                              "vae='tiny' (CLI --vae tiny); pass vae='tiny' too, or drop vae_path.")
+                              "vae='tiny'; pass vae='tiny' too, or leave vae_path= unset.")
     path = Path(vae_path).expanduser()
     if not str(vae_path).strip() or path.is_dir():
         raise InvalidArgument(f"vae_path={os.fspath(vae_path)!r} is not a file; give the tiny decoder's weight file "

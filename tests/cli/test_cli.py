@@ -199,6 +199,28 @@ def test_cli_build_options_reach_the_generator(monkeypatch, tmp_path):
         assert _exit_code(["generate", "--prompt", "x", "--vae-chunk-frames", bad]) == 2
 
 
+def test_cli_tiny_vae_flags_reach_the_generator(monkeypatch, tmp_path, capsys):
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_load(o):
+        seen.update(o.kwargs())
+        raise Stop
+
+    monkeypatch.setattr(VideoGenerator, "load", fake_load)
+    path = tmp_path / "taew2_1.safetensors"
+    path.write_bytes(b"")  # the file must exist; its contents are checked against the model when it loads
+    with pytest.raises(Stop):
+        cli.main(["generate", "--prompt", "x", "--vae", "tiny", "--vae-path", str(path)])
+    assert seen["vae"] == "tiny" and seen["vae_path"] == str(path)
+    seen.clear()
+    for bad in (["--vae", "tiny"], ["--vae", "small"], ["--vae-path", str(path)]):
+        assert _exit_code(["generate", "--prompt", "x", *bad]) == 2 and not seen, bad
+    assert "--vae-path" in capsys.readouterr().err
+
+
 def test_cli_image_to_video(tmp_path, capsys):
     from PIL import Image
 
