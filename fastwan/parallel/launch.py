@@ -12,6 +12,7 @@ switched off (:func:`fastwan.envs.disable_multicast`) in every process before it
 """
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
@@ -22,6 +23,7 @@ from fastwan.errors import InvalidArgument
 from fastwan.parallel.mesh import Mesh, check_parallel_request, check_ring_degree, degrees, sequence_layout
 from fastwan.parallel.ring import check_ring_backend
 
+logger = logging.getLogger("fastwan")
 TIMEOUT = timedelta(minutes=30)  # a collective waiting longer than this ends the job (one 14B 720p step: ~20 s)
 
 
@@ -134,7 +136,10 @@ def join(ckpt, num_gpus: int, cfg_parallel: bool, cache, device: torch.device,
     device = rank_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return Mesh.create(sp, cfg, ring), device
+    mesh = Mesh.create(sp, cfg, ring)
+    if mesh.writes and sp > 1:
+        logger.info("sequence parallelism over %d processes: Ulysses %d x Ring %d", sp, sp // ring, ring)
+    return mesh, device
 
 
 def leave() -> None:

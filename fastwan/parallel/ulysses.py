@@ -66,6 +66,9 @@ class SequenceParallel:
             raise InvalidArgument("sequence parallelism needs torch.distributed initialised (torchrun, or "
                                   "dist.init_process_group) before the model is set up.")
         if ring_degree > 1:
+            if group is not None:
+                raise InvalidArgument(f"ring_degree={ring_degree} splits every rank of the job; pass group=None, or "
+                                      "build a Ulysses x Ring group of other ranks with SequenceParallel.create.")
             return cls.create(list(range(dist.get_world_size())), ring_degree)
         group = dist.group.WORLD if group is None else group
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
