@@ -198,8 +198,9 @@ def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
     elif isinstance(cache, TaylorSeer):
         first = cache.first_predicted(num_steps)
         first = num_steps if first is None else first
-        rule = (f"steps before disable_cache_before_step={cache.disable_cache_before_step} always compute, and those "
-                f"from disable_cache_after_step={cache.disable_cache_after_step} on")
+        rule = f"steps before disable_cache_before_step={cache.disable_cache_before_step} always compute"
+        if cache.disable_cache_after_step is not None:
+            rule += f", and those from disable_cache_after_step={cache.disable_cache_after_step} on"
     if first > last:
         raise InvalidArgument(f"cache={cache!r} cannot skip any step of a request of {num_steps} step(s): {rule}. "
                               "Run more steps, or pass cache=None (or 'none').")
