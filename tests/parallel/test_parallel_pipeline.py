@@ -1,7 +1,8 @@
 """Parallel generators on the CPU (gloo): ``from_pretrained(num_gpus=N, cfg_parallel=...)`` starts N worker
 processes whose video equals the one-process video (fp32, uint8 frames within 1) for Wan2.1, Wan2.2-A14B (across
 the expert switch), TI2V and Wan2.1-I2V with an image, at token counts neither 2 nor 4 divide (45), with sequence
-parallelism, CFG parallelism, both (4 processes), CFG gating, sparse backends and compiled blocks; only rank 0
+parallelism, CFG parallelism, both (4 processes), ring attention (3 processes on the tiny DiT's 2 heads; a pinned
+ring of 2 in each CFG group), CFG gating, sparse backends and compiled blocks; only rank 0
 writes; a failing rank ends the job with its rank named, a user error raised alike on every rank is raised as
 itself; the checks before any process starts."""
 from __future__ import annotations
@@ -51,21 +52,24 @@ CASES = [
                     attention_config={"tile": [1, 2, 2], "sparsity": 0.5}), {}),
     ("wan2.1", dict(num_gpus=2, enable_torch_compile=True), {}),  # blocks compiled fullgraph around the all-to-alls
     ("wan2.1", dict(num_gpus=3), {}),  # 2 heads on 3 processes: a ring of 3 (Ulysses cannot split 2 heads 3 ways)
-    ("wan2.2-a14b", dict(num_gpus=3), {}),
+    ("wan2.2-a14b", dict(num_gpus=3), dict(cfg_only=True)),
+    # each CFG group a ring of 2 (pinned)
+    ("wan2.1", dict(num_gpus=4, cfg_parallel=True, ring_degree=2), dict(cfg_only=True)),
 ]
 
 
 @pytest.mark.parametrize("variant,load,req", CASES, ids=[
     "sp2", "a14b-cfg2", "a14b-cfg2xsp2-gated", "ti2v-image-cfg2xsp2", "i2v-sp2", "sliding-tile-sp2", "vsa-cfg2xsp2",
-    "compiled-sp2", "ring3", "a14b-ring3"])
+    "compiled-sp2", "ring3", "a14b-ring3", "cfg2xring2"])
 def test_parallel_video_equals_one_process(ckpts, variant, load, req):
+    kws = ({}, {"guidance_scale": 1.0, "negative_prompt": "x"})[:1 if req.get("cfg_only") else 2]
     req = {"image": image()} if req.get("image") else {}
     common = dict(device="cpu", dtype=torch.float32)
     one = VideoGenerator.from_pretrained(ckpts[variant], **common, **{k: v for k, v in load.items() if k not in (
-        "num_gpus", "cfg_parallel", "enable_torch_compile")})
+        "num_gpus", "cfg_parallel", "enable_torch_compile", "ring_degree")})
     with VideoGenerator.from_pretrained(ckpts[variant], **common, **load) as par:
         assert isinstance(par, ParallelGenerator) and par.preset == one.preset
-        for kw in ({}, {"guidance_scale": 1.0, "negative_prompt": "x"}):  # with CFG, and without (no uncond pass)
+        for kw in kws:  # with CFG, and without (no uncond pass)
             want, got = video(one, variant, **req, **kw), video(par, variant, **req, **kw)
             assert got.shape == want.shape and want.std() > 5
             assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
