@@ -18,22 +18,26 @@ from fastwan.pipelines.sampling import Schedule
 
 
 def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
-            run: CacheRun | None = None, on_step: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
+            run: CacheRun | None = None, on_step: Callable[[int, int], None] | None = None,
+            start: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int]:
     """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
     image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
     caches; on_step: called as ``on_step(done, total)`` on the host after each step (an exception it raises ends
-    the loop and propagates) -> final latents [1, C, F, H, W] fp32, and the forward count."""
+    the loop and propagates); start: video-to-video's (clean latents [1, C, F, H, W], steps run): only the
+    schedule's last steps run, from the clean latents noised to the first one's level -> final latents
+    [1, C, F, H, W] fp32, and the forward count."""
     hooks = []
     try:
         for e, t in enumerate(gen.transformers if run is not None else ()):
             hooks.append(apply_step_cache(t, run, e))
-        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks, on_step)
+        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks, on_step, start)
     finally:
         for t, _ in zip(gen.transformers, hooks):
             remove_step_cache(t)
 
 
-def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list, on_step=None):
+def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list, on_step=None,
+             start=None):
     """:func:`denoise`'s loop; ``hooks``: the step cache on each expert's DiT (empty: none)."""
     from tqdm.auto import tqdm
 
@@ -53,6 +57,9 @@ def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, h
         token_keep = keep[0, 0][:, ::cfg.patch_size[1], ::cfg.patch_size[2]].flatten()[None]
 
     schedule = Schedule(s, gen.scheduler, dev, generator)  # fresh state per video
+    if start is not None:  # video-to-video: the last steps, from the video's latents at the first one's noise
+        clean, steps = start
+        latents = schedule.start_from(clean, latents, len(schedule.timesteps) - steps)
     timesteps = schedule.timesteps
     n = len(timesteps)
     boundary = None

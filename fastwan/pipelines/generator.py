@@ -53,6 +53,7 @@ from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
 from fastwan.pipelines.text import encode_prompts
+from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 
 logger = logging.getLogger("fastwan")
 
@@ -306,6 +307,8 @@ class VideoGenerator:
         *,
         image: Any = None,
         last_image: Any = None,
+        video: Any = None,
+        strength: float | None = None,
         negative_prompt: str | None = None,
         height: int | None = None,
         width: int | None = None,
@@ -367,6 +370,8 @@ class VideoGenerator:
         negative_prompt = plan.negative_prompt
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
+        if plan.video is not None:  # the input video's pixels and strength are part of the video's identity
+            settings.update(video=plan.video.digest, strength=plan.video.strength)
         save_video = r.save_video
         if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
@@ -375,7 +380,8 @@ class VideoGenerator:
 
         with self._lock:
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
-                                                                     (cache, plan.coefficients), on_step)
+                                                                     (cache, plan.coefficients), on_step,
+                                                                     plan.video)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -391,7 +397,8 @@ class VideoGenerator:
         )
 
     def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
-                  cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None):
+                  cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None,
+                  video: VideoRequest | None = None):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
@@ -407,11 +414,15 @@ class VideoGenerator:
             if req is not None:
                 cond = encode_request(req, s.height, s.width, s.num_frames, self.vae, self.image_encoder,
                                       self.image_processor, dev, self.dtype)
+            start = None  # video-to-video: the video's clean latents and the steps that run from them
+            if video is not None:
+                start = (start_latents(self.vae, video, s.height, s.width, self.vae_scale_factors[1]),
+                         steps_run(s.num_inference_steps, video.strength))
         _sync(dev)
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
         with self._phase("denoising"):
-            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step)
+            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step, start)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None
@@ -423,9 +434,9 @@ class VideoGenerator:
 
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
-                 run: CacheRun | None = None, on_step=None) -> tuple[torch.Tensor, int]:
+                 run: CacheRun | None = None, on_step=None, start=None) -> tuple[torch.Tensor, int]:
         """The denoising loop (:func:`fastwan.pipelines.denoise.denoise`)."""
-        return denoise(self, emb, s, seed, do_cfg, image_inputs, run, on_step=on_step)
+        return denoise(self, emb, s, seed, do_cfg, image_inputs, run, on_step=on_step, start=start)
 
     def _cfg_batched(self, tokens: int) -> bool:
         """Whether CFG runs as one batch of 2 (else two batch-1 passes), from ``cfg_mode``. "auto": two passes

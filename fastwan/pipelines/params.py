@@ -30,6 +30,7 @@ from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
 from fastwan.pipelines.output import check_output_path
 from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps, check_flow_shift, check_sampler
 from fastwan.pipelines.text import clean_prompt
+from fastwan.pipelines.video import check_strength
 from fastwan.values import python_number
 
 IMAGE_DATA_URL = "data:image/png;base64,"  # an image's JSON form when it is pixels rather than a file path
@@ -174,6 +175,30 @@ def _decode_image(value):
     return image
 
 
+def _video(value):
+    """None, a file path, a sequence of images or an np.uint8 array of frames (read when the request is resolved)."""
+    if value is None or isinstance(value, (str, os.PathLike, np.ndarray, list, tuple)):
+        return value
+    raise InvalidArgumentType(f"video={value!r} must be a video file path, a list of images, or an np.uint8 array "
+                              "T x H x W x 3.")
+
+
+def _encode_video(value):
+    """A file path as its text; frames as a list of PNG data URLs (lossless)."""
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    return [_encode_image(frame) for frame in value]
+
+
+def _decode_video(value):
+    if isinstance(value, list):
+        return [_decode_image(frame) for frame in value]
+    if not isinstance(value, str) or value.startswith("data:"):
+        raise InvalidArgumentType(f"a video's JSON form is a file path or a list of {IMAGE_DATA_URL}... frames, not "
+                                  f"{type(value).__name__}.")
+    return value
+
+
 def timesteps_text(text: str) -> list[float]:
     """--timesteps '1000,757,522' -> [1000.0, 757.0, 522.0] (the request checks the values). Rule: numbers
     separated by commas, each item one number (spaces around it allowed); an error names the first item that is
@@ -192,6 +217,8 @@ def timesteps_text(text: str) -> list[float]:
 
 _TYPE = {"integer": {"type": "integer", "minimum": 1}, "number": {"type": "number", "minimum": 0}}
 _IMAGE_SCHEMA = {"type": "string", "description": "a file path or a data:image/png;base64 URL"}
+_VIDEO_SCHEMA = {"anyOf": [{"type": "string", "description": "a video file path"},
+                           {"type": "array", "items": _IMAGE_SCHEMA, "minItems": 1}]}
 
 
 @dataclass(frozen=True)
@@ -207,6 +234,13 @@ class GenerationRequest:
                         schema=_IMAGE_SCHEMA, encode=_encode_image, decode=_decode_image, flag="--image")
     last_image: Any = option(None, help="last frame (first-last-frame checkpoints): an image file", nullable=True,
                              schema=_IMAGE_SCHEMA, encode=_encode_image, decode=_decode_image, flag="--last-image")
+    video: Any = option(None, help="video-to-video: the video to redo (a file, e.g. .mp4; its frame count is the "
+                                   "video's; text-to-video checkpoints)", nullable=True, schema=_VIDEO_SCHEMA,
+                        check=_video, encode=_encode_video, decode=_decode_video, flag="--video")
+    strength: float | None = option(None, help="video-to-video: how much of the video is redone, in (0, 1] (1: "
+                                               "from pure noise; default 0.8)", nullable=True,
+                                    schema={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                    check=check_strength, flag="--strength", parse=number_text)
     negative_prompt: str | None = option(None, help="what the video avoids (default: Wan's negative prompt)",
                                          nullable=True, schema={"type": "string"}, check=_negative_prompt,
                                          flag="--negative-prompt")

@@ -16,6 +16,7 @@ from fastwan.pipelines.image import ImageRequest, check_frames, check_image_requ
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
+from fastwan.pipelines.video import VideoRequest, check_steps, check_video_request, steps_run
 from fastwan.vae.decode import scale_factors
 
 
@@ -28,7 +29,8 @@ def checkpoint_vae_factors(ckpt: Checkpoint) -> tuple[int, int]:
 class ResolvedRequest:
     """``request`` as ``checkpoint`` (its root) runs it: ``settings`` (a Preset: every size, step and sampling
     setting filled), ``image`` (the image request or None), ``grid`` (the DiT's token grid), ``cache`` (the step
-    cache in force: the request's, else the generator's default) and TeaCache's ``coefficients``."""
+    cache in force: the request's, else the generator's default), TeaCache's ``coefficients`` and ``video`` (the
+    video-to-video input, or None)."""
 
     request: GenerationRequest
     checkpoint: str
@@ -37,6 +39,7 @@ class ResolvedRequest:
     grid: tuple[int, int, int]
     cache: CacheConfig | None
     coefficients: tuple | None
+    video: VideoRequest | None = None
 
     @property
     def negative_prompt(self) -> str:
@@ -48,8 +51,11 @@ class ResolvedRequest:
         guidance = f"{s.guidance_scale:g}" + ("" if s.guidance_scale_2 is None else f" / {s.guidance_scale_2:g}")
         sampler = "" if s.sampler == "default" else f", sampler {s.sampler}"
         cache = "" if self.cache is None else f", step cache {self.cache.name}"
+        v = self.video
+        video = "" if v is None else (f", from a video at strength {v.strength:g} (its last "
+                                      f"{steps_run(s.num_inference_steps, v.strength)} steps)")
         return (f"{s.width}x{s.height}, {s.num_frames} frames at {s.fps} fps, {s.num_inference_steps} steps, "
-                f"guidance {guidance}{sampler}{cache}")
+                f"guidance {guidance}{sampler}{cache}{video}")
 
 
 def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], request: GenerationRequest,
@@ -62,12 +68,14 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
     height, width = r.height, r.width
     req = check_image_request(ckpt, r.image, r.last_image)
+    video = check_video_request(ckpt, r.video, r.strength, r.image, r.num_frames)
+    num_frames = r.num_frames if video is None else len(video.frames)
     if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
         multiple = vae_factors[1] * cfg.patch_size[1]
         height, width = default_size(req.first, preset.height * preset.width, multiple, height, width,
                                      max_side=cfg.rope_max_seq_len * multiple)
     guidance_scale, guidance_scale_2 = expert_guidance(preset, r.guidance_scale, r.guidance_scale_2)
-    s = check_sampling(with_overrides(preset, height=height, width=width, num_frames=r.num_frames,
+    s = check_sampling(with_overrides(preset, height=height, width=width, num_frames=num_frames,
                                       guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, fps=r.fps),
                        r.sampler, r.timesteps, r.flow_shift, r.num_inference_steps)
     stepper = None  # fastwan's own samplers checked their timesteps already
@@ -81,8 +89,10 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     check_frames(req, s.num_frames)
     cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
     # TeaCache's coefficients, and whether the cache can skip any of the request's steps
+    if video is not None:
+        check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
-    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients)
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video)
 
 
 def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:

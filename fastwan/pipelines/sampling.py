@@ -220,6 +220,23 @@ class Schedule:
             self.sigmas = [grid_sigma(t, shift) for t in ts] + [0.0]
             self.timesteps = torch.tensor(ts, dtype=torch.float32, device=device)
 
+    def start_from(self, clean: torch.Tensor, noise: torch.Tensor, first: int) -> torch.Tensor:
+        """Drop the first ``first`` steps; the latents at the new first step: ``clean`` noised to its level by
+        ``noise`` (the scheduler's ``add_noise``, else its ``scale_noise``; (1 - sigma) x + sigma noise for
+        fastwan's own samplers)."""
+        t = self.timesteps[first:first + 1]
+        if self.scheduler is not None:
+            if hasattr(self.scheduler, "add_noise"):
+                noised = self.scheduler.add_noise(clean, noise, t)
+            else:
+                noised = self.scheduler.scale_noise(clean, t, noise)
+        else:
+            sigma = self.sigmas[first]
+            noised = (1 - sigma) * clean + sigma * noise
+            self.sigmas = self.sigmas[first:]
+        self.timesteps = self.timesteps[first:]
+        return noised
+
     def step(self, pred: torch.Tensor, i: int, latents: torch.Tensor) -> torch.Tensor:
         """The latents after step i from the flow prediction ``pred`` (v = noise - x0) at ``latents`` (fp32)."""
         if self.scheduler is not None:

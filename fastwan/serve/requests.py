@@ -10,10 +10,10 @@ whose values are text: each is read as its field's command-line text is, e.g. ``
   times the video's fps (the request's ``fps``, else the checkpoint's), halves rounded up. Giving ``size`` with
   ``width`` / ``height``, or ``seconds`` with ``num_frames``, is refused.
 - An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
-  ``output_path``, ``image``, ``last_image``, ``save_video``, ``return_frames`` and ``overwrite`` are refused, and so
-  is a ``cache`` that reads a file (the CLI's ``@FILE``); the first frame of image-to-video comes only as the
-  uploaded file ``input_reference``, the last frame of a first-last-frame video only as the uploaded file
-  ``last_image`` (beside ``input_reference``). ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
+  ``output_path``, ``image``, ``last_image``, ``video``, ``save_video``, ``return_frames`` and ``overwrite`` are
+  refused, and so is a ``cache`` that reads a file (the CLI's ``@FILE``); the first frame of image-to-video comes
+  only as the uploaded file ``input_reference``, the last frame of a first-last-frame video only as the uploaded
+  file ``last_image`` (beside ``input_reference``). ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
 - ``lora``: LoRAs by name, served from ``--lora-dir`` (:mod:`fastwan.serve.loras`).
 - Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
   (``gen.resolve``), checked before the job is accepted.
@@ -44,6 +44,7 @@ OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
 SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "upload it as input_reference",
                "last_image": "upload the last frame as the file last_image (multipart), beside input_reference",
+               "video": "video-to-video inputs are not served yet",
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
