@@ -39,6 +39,7 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 PUBLISHED_STEPS = 50  # the step count of the published schedule
 CHORDS_SAMPLERS = ("euler",)
+PARALLEL_SAMPLING = ("chords",)
 
 
 def _published(k: int) -> int:
@@ -61,16 +62,43 @@ def rounds_needed(init: Sequence[int], steps: int) -> int:
     return min(k + steps - s for k, s in enumerate(init))
 
 
+def check_parallel_sampling(name) -> str:
+    """Rule: step-parallel sampling is one of :data:`PARALLEL_SAMPLING`."""
+    if not isinstance(name, str) or name not in PARALLEL_SAMPLING:
+        raise (InvalidArgument if isinstance(name, str) else InvalidArgumentType)(
+            f"parallel_sampling={name!r} is not one of {PARALLEL_SAMPLING} (CHORDS: pass it with chords_cores=K).")
+    return name
+
+
+def check_cores(cores) -> int:
+    """Rule: a CHORDS core count is an int >= 1 (a NumPy / torch integer as its int)."""
+    if hasattr(cores, "item") and getattr(cores, "ndim", None) == 0:
+        cores = cores.item()
+    if isinstance(cores, bool) or not isinstance(cores, numbers.Integral):
+        raise InvalidArgumentType(f"chords_cores={cores!r} must be an int >= 1 (the number of CHORDS cores, e.g. 4).")
+    if cores < 1:
+        raise InvalidArgument(f"chords_cores={cores} must be >= 1 (the number of CHORDS cores, e.g. 4).")
+    return int(cores)
+
+
+def check_init(init) -> tuple[int, ...]:
+    """Rule: CHORDS start steps are a list of ints (a tuple, list or 1-d array; the values are checked against the
+    cores and steps by :func:`check_chords`)."""
+    if isinstance(init, (str, bytes)) or not hasattr(init, "__iter__") or getattr(init, "ndim", 1) != 1:
+        raise InvalidArgumentType(f"chords_init={init!r} must be a list of steps, one per core, e.g. [0, 2, 4, 8].")
+    out = tuple(v.item() if hasattr(v, "item") else v for v in init)
+    if not out or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in out):
+        raise InvalidArgumentType(f"chords_init={list(out)!r} must be a non-empty list of int steps, one per core, "
+                                  "e.g. [0, 2, 4, 8].")
+    return tuple(int(v) for v in out)
+
+
 def check_chords(cores, steps: int, init=None, sampler: str = "euler") -> tuple[int, ...]:
     """Rule: CHORDS runs ``cores`` >= 1 cores (an int) over an Euler-type sampler (:data:`CHORDS_SAMPLERS`) of
     ``steps`` >= cores steps, each core starting at a distinct step: ``init`` (None: :func:`default_init`) is
     ``cores`` strictly increasing ints from 0, the last below ``steps``. Returns the start steps; raises before
     any compute."""
-    if isinstance(cores, bool) or not isinstance(cores, numbers.Integral):
-        raise InvalidArgumentType(f"chords_cores={cores!r} must be an int >= 1 (the number of CHORDS cores, e.g. 4).")
-    cores = int(cores)
-    if cores < 1:
-        raise InvalidArgument(f"chords_cores={cores} must be >= 1 (the number of CHORDS cores, e.g. 4).")
+    cores = check_cores(cores)
     if sampler not in CHORDS_SAMPLERS:
         raise InvalidArgument(
             f"parallel_sampling='chords' needs an Euler-type sampler {CHORDS_SAMPLERS} (one velocity per step, "

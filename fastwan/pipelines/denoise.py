@@ -15,17 +15,22 @@ import torch
 from fastwan.cache import CacheRun
 from fastwan.models.wan.step_cache import apply_step_cache, remove_step_cache
 from fastwan.pipelines.sampling import Schedule
+from fastwan.pipelines.step_parallel import chords_denoise
 
 
 def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
             run: CacheRun | None = None, on_step: Callable[[int, int], None] | None = None,
-            start: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int]:
+            start: tuple[torch.Tensor, int] | None = None,
+            chords: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
     """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
     image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
     caches; on_step: called as ``on_step(done, total)`` on the host after each step (an exception it raises ends
     the loop and propagates); start: video-to-video's (clean latents [1, C, F, H, W], steps run): only the
     schedule's last steps run, from the clean latents noised to the first one's level -> final latents
-    [1, C, F, H, W] fp32, and the forward count."""
+    [1, C, F, H, W] fp32, and the forward count; chords: CHORDS's start steps
+    (:func:`fastwan.pipelines.step_parallel.chords_denoise`; the request's rules refused what it cannot run with)."""
+    if chords is not None:
+        return chords_denoise(gen, emb, s, seed, do_cfg, chords, on_step)
     hooks = []
     try:
         for e, t in enumerate(gen.transformers if run is not None else ()):

@@ -50,6 +50,7 @@ from fastwan.pipelines.image import ImageRequest, encode_request
 from fastwan.checkpoint.presets import runs_cfg
 from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.setup import attention_config as attention_config_arg
+from fastwan.pipelines.step_parallel import check_chords_generator
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
 from fastwan.pipelines.text import encode_prompts
@@ -326,6 +327,9 @@ class VideoGenerator:
         sampler: str | None = None,
         timesteps=None,
         flow_shift: float | None = None,
+        parallel_sampling: str | None = None,
+        chords_cores: int | None = None,
+        chords_init=None,
     ) -> GenerationResult:
         """Make one video. Each argument is a field of :class:`~fastwan.pipelines.params.GenerationRequest`
         (documented there); ``None`` fields take the checkpoint's preset (``self.preset``). The same as
@@ -365,6 +369,8 @@ class VideoGenerator:
         self._check_budget(s)
         if self.parallel is not None:
             self.parallel.check_cache(cache)
+        if plan.chords is not None:
+            check_chords_generator(self)
         target = output.check_output_path(r.output_path, r.overwrite)
         seed = random_seed() if r.seed is None else r.seed
         negative_prompt = plan.negative_prompt
@@ -372,6 +378,8 @@ class VideoGenerator:
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
         if plan.video is not None:  # the input video's pixels and strength are part of the video's identity
             settings.update(video=plan.video.digest, strength=plan.video.strength)
+        if plan.chords is not None:  # CHORDS's frames are its own: its cores are part of the video's identity
+            settings.update(chords=list(plan.chords))
         save_video = r.save_video
         if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
@@ -381,7 +389,7 @@ class VideoGenerator:
         with self._lock:
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
                                                                      (cache, plan.coefficients), on_step,
-                                                                     plan.video)
+                                                                     plan.video, plan.chords)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -398,7 +406,7 @@ class VideoGenerator:
 
     def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
                   cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None,
-                  video: VideoRequest | None = None):
+                  video: VideoRequest | None = None, chords: tuple[int, ...] | None = None):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
@@ -422,7 +430,7 @@ class VideoGenerator:
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
         with self._phase("denoising"):
-            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step, start)
+            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step, start, chords)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None
@@ -434,9 +442,9 @@ class VideoGenerator:
 
     # ---------------------------------------------------------------------------------------------------------
     def _denoise(self, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
-                 run: CacheRun | None = None, on_step=None, start=None) -> tuple[torch.Tensor, int]:
+                 run: CacheRun | None = None, on_step=None, start=None, chords=None) -> tuple[torch.Tensor, int]:
         """The denoising loop (:func:`fastwan.pipelines.denoise.denoise`)."""
-        return denoise(self, emb, s, seed, do_cfg, image_inputs, run, on_step=on_step, start=start)
+        return denoise(self, emb, s, seed, do_cfg, image_inputs, run, on_step=on_step, start=start, chords=chords)
 
     def _cfg_batched(self, tokens: int) -> bool:
         """Whether CFG runs as one batch of 2 (else two batch-1 passes), from ``cfg_mode``. "auto": two passes

@@ -26,6 +26,7 @@ from fastwan.cache import CACHES, check_cache
 from fastwan.cache.schema import cache_schema
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.fields import REQUIRED, boolean, check_fields, integer_text, number_text, option
+from fastwan.parallel.chords import PARALLEL_SAMPLING, check_cores, check_init, check_parallel_sampling
 from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
 from fastwan.pipelines.output import check_output_path
 from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps, check_flow_shift, check_sampler
@@ -199,6 +200,15 @@ def _decode_video(value):
     return value
 
 
+def steps_text(text: str) -> list[int]:
+    """--chords-init '0,2,4,8' -> [0, 2, 4, 8] (the request checks the values). Rule: whole numbers separated by
+    commas."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not whole numbers separated by commas, e.g. 0,2,4,8") from None
+
+
 def timesteps_text(text: str) -> list[float]:
     """--timesteps '1000,757,522' -> [1000.0, 757.0, 522.0] (the request checks the values). Rule: numbers
     separated by commas, each item one number (spaces around it allowed); an error names the first item that is
@@ -292,9 +302,28 @@ class GenerationRequest:
                                                  "dmd and the checkpoint scheduler's otherwise)", nullable=True,
                                       schema={"type": "number", "exclusiveMinimum": 0}, check=check_flow_shift,
                                       flag="--flow-shift", parse=number_text)
+    parallel_sampling: str | None = option(None, help="step-parallel sampling: 'chords' (CHORDS, with chords_cores; "
+                                                      "default: none, sequential)", nullable=True,
+                                           schema={"enum": list(PARALLEL_SAMPLING)},
+                                           check=_optional(check_parallel_sampling))
+    chords_cores: int | None = option(None, help="CHORDS step-parallel sampling with K cores, K >= 1, euler sampler "
+                                                 "only (frames differ from sequential sampling; see docs/parallel.md)",
+                                      nullable=True, schema={"type": "integer", "minimum": 1},
+                                      check=_optional(check_cores), flag="--chords", parse=integer_text, metavar="K")
+    chords_init: tuple[int, ...] | None = option(
+        None, help="CHORDS: the step each core starts at, from 0, increasing, e.g. 0,2,4,8 (sets chords_cores; "
+                   "default: the published 8-core schedule's first K points scaled to the steps)", nullable=True,
+        schema={"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        check=_optional(check_init), encode=list, flag="--chords-init", parse=steps_text, metavar="S0,S1,...")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.chords_init is not None and self.chords_cores is None:  # one core per start step
+            object.__setattr__(self, "chords_cores", len(self.chords_init))
+        if self.chords_cores is not None and self.parallel_sampling is None:  # --chords K alone asks for CHORDS
+            object.__setattr__(self, "parallel_sampling", "chords")
+        if self.parallel_sampling == "chords" and self.chords_cores is None:
+            raise InvalidArgument("parallel_sampling='chords' needs chords_cores=K (the number of cores, e.g. 4).")
         check_output_path(self.output_path, self.overwrite)
 
     def replace(self, **changes) -> GenerationRequest:

@@ -16,6 +16,7 @@ from fastwan.pipelines.image import ImageRequest, check_frames, check_image_requ
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
+from fastwan.pipelines.step_parallel import check_chords_request
 from fastwan.pipelines.video import VideoRequest, check_steps, check_video_request, steps_run
 from fastwan.vae.decode import scale_factors
 
@@ -40,6 +41,7 @@ class ResolvedRequest:
     cache: CacheConfig | None
     coefficients: tuple | None
     video: VideoRequest | None = None
+    chords: tuple[int, ...] | None = None
 
     @property
     def negative_prompt(self) -> str:
@@ -54,8 +56,9 @@ class ResolvedRequest:
         v = self.video
         video = "" if v is None else (f", from a video at strength {v.strength:g} (its last "
                                       f"{steps_run(s.num_inference_steps, v.strength)} steps)")
+        chords = "" if self.chords is None else f", CHORDS on {len(self.chords)} cores from steps {list(self.chords)}"
         return (f"{s.width}x{s.height}, {s.num_frames} frames at {s.fps} fps, {s.num_inference_steps} steps, "
-                f"guidance {guidance}{sampler}{cache}{video}")
+                f"guidance {guidance}{sampler}{cache}{video}{chords}")
 
 
 def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], request: GenerationRequest,
@@ -92,7 +95,8 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     if video is not None:
         check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
-    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video)
+    chords = check_chords_request(r, s, cache, req, video, len(ckpt.experts))
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords)
 
 
 def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:
