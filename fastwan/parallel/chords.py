@@ -101,8 +101,8 @@ def check_chords(cores, steps: int, init=None, sampler: str = "euler") -> tuple[
     cores = check_cores(cores)
     if sampler not in CHORDS_SAMPLERS:
         raise InvalidArgument(
-            f"parallel_sampling='chords' needs an Euler-type sampler {CHORDS_SAMPLERS} (one velocity per step, "
-            f"an Euler jump between any two steps); sampler={sampler!r} cannot run with it: pass sampler='euler'.")
+            f"chords_cores={cores} (CHORDS) needs an Euler-type sampler (one velocity per step, an Euler jump "
+            f"between any two steps); sampler={sampler!r} cannot run with it: pass sampler='euler'.")
     if cores > steps:
         raise InvalidArgument(f"chords_cores={cores} exceeds the {steps} steps: each core starts at its own step; "
                               f"pass chords_cores <= {steps} or more steps.")

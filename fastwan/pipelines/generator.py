@@ -370,7 +370,7 @@ class VideoGenerator:
         if self.parallel is not None:
             self.parallel.check_cache(cache)
         if plan.chords is not None:
-            check_chords_generator(self)
+            check_chords_generator(self, r.chords_cores)
         target = output.check_output_path(r.output_path, r.overwrite)
         seed = random_seed() if r.seed is None else r.seed
         negative_prompt = plan.negative_prompt

@@ -29,18 +29,18 @@ def check_chords_request(r, s, cache, image, video, experts: int) -> tuple[int, 
            "video-to-video" if video is not None else
            "a checkpoint with two experts (Wan2.2 A14B: the cores' steps fall on both)" if experts > 1 else None)
     if why is not None:
-        raise InvalidArgument(f"parallel_sampling='chords' cannot run with {why}: CHORDS's cores sample at "
-                              "different steps at once; drop one of the two.")
+        raise InvalidArgument(f"chords_cores={r.chords_cores} (CHORDS) cannot run with {why}: its cores sample "
+                              "at different steps at once; drop one of the two.")
     return init
 
 
-def check_chords_generator(gen) -> None:
-    """Rule: CHORDS runs in one process, without CFG gating, on a dense attention backend."""
+def check_chords_generator(gen, cores: int) -> None:
+    """Rule: CHORDS (``cores`` cores) runs in one process, without CFG gating, on a dense attention backend."""
     why = ("several processes (num_gpus > 1)" if gen.parallel is not None else
            "cfg_gate_step" if gen.cfg_gate_step is not None else
            "a sparse attention backend" if gen.attention.sparse else None)
     if why is not None:
-        raise InvalidArgument(f"parallel_sampling='chords' cannot run with {why}: CHORDS batches its cores' steps "
+        raise InvalidArgument(f"chords_cores={cores} (CHORDS) cannot run with {why}: it batches its cores' steps "
                               "in one process; use a one-process dense generator without cfg_gate_step.")
 
 

@@ -101,3 +101,17 @@ def test_request_json_and_flag():
     r = GenerationRequest(PROMPT, chords_init=[0, 2, 5], sampler="euler")
     assert r.parallel_sampling == "chords" and r.chords_cores == 3 and r.chords_init == (0, 2, 5)
     assert from_json(GenerationRequest, to_json(r)) == r
+
+
+def test_cli_chords(tmp_path, capsys):
+    from fastwan import cli
+
+    out = tmp_path / "v.mp4"
+    args = ["generate", "--prompt", "a fox", "--model", "tiny", "--seed", "1", "--steps", "6", "--output", str(out)]
+    capsys.readouterr()
+    assert cli.main([*args, "--chords", "2"]) == 2 and not out.exists()  # the default scheduler
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.split("\n") if "error" in ln]
+    assert "Traceback" not in err and len(errors) == 1 and "--chords 2 (CHORDS)" in errors[0], err
+    assert "pass --sampler 'euler'" in errors[0]
+    assert cli.main([*args, "--sampler", "euler", "--chords-init", "0,2,3"]) == 0 and out.is_file()
