@@ -32,6 +32,17 @@ def test_one_core_is_the_sequential_video(gen):
     assert one.settings["chords"] == [0] and "chords" not in seq.settings
 
 
+def test_one_core_is_the_sequential_video_with_per_token_timesteps(tiny_ckpts):
+    from fastwan import VideoGenerator
+
+    ti2v = VideoGenerator.from_pretrained(tiny_ckpts["wan2.2-ti2v"], device="cpu", dtype=torch.float32)
+    kw = dict(num_inference_steps=4, guidance_scale=2.0, **EULER)
+    seq, one = ti2v.generate_video(PROMPT, **kw), ti2v.generate_video(PROMPT, chords_cores=1, **kw)
+    assert seq.frames.std() > 1 and np.abs(one.frames.astype(int) - seq.frames.astype(int)).max() <= 1
+    two = ti2v.generate_video(PROMPT, chords_init=[0, 2], **kw)  # 3 rounds instead of 4
+    assert two.num_transformer_forwards == 6 and not np.array_equal(two.frames, seq.frames)
+
+
 def test_cores_follow_the_rule_with_per_latent_velocities(gen):
     steps, cores = 12, 3
     resolved = gen.resolve(GenerationRequest(PROMPT, num_inference_steps=steps, guidance_scale=3.0, chords_cores=cores,
