@@ -43,7 +43,8 @@ PARALLEL_SAMPLING = ("chords",)
 
 
 def _published(k: int) -> int:
-    """Core k's start in the published 50-step schedule: 0, then doubling 2, 4, 8, 16, then every 8 steps."""
+    """Core k's start in the published 50-step schedule: 0, then doubling 2, 4, 8, 16, then every 8 steps (to 40
+    for the published 8 cores; continued every 8 steps for more, fastwan's extension)."""
     return 0 if k == 0 else 2 ** k if k <= 4 else 16 + 8 * (k - 4)
 
 
