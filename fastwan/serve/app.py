@@ -33,7 +33,8 @@ from fastwan.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from fastwan.serve.metrics import render as render_metrics
 from fastwan.serve.cors import add_cors
 from fastwan.serve.loras import ServedLoras
-from fastwan.serve.requests import LAST_IMAGE_KEY, Limits, accept, form_body, json_body, read_image, uploads
+from fastwan.serve.requests import (LAST_IMAGE_KEY, Limits, accept, check_video, form_body, json_body, read_image,
+                                    uploads)
 from fastwan.serve.site import add_page
 from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.worker import Worker, remove
@@ -116,14 +117,15 @@ async def _read(request: Request, cap: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-UPLOADS = ("input_reference", "last_image")  # the file fields of a create: the first and the last frame
+UPLOADS = ("input_reference", "last_image", "video")  # a create's file fields: the first and last frames, a video
 
 
 async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str, bytes]]:
     """The create body's typed fields and the uploaded files' bytes by field (:data:`UPLOADS`)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "multipart/form-data":
-        data = await _read(request, len(UPLOADS) * limits.max_upload_bytes + limits.max_body_bytes, "multipart body")
+        cap = 2 * limits.max_upload_bytes + limits.max_video_bytes + limits.max_body_bytes
+        data = await _read(request, cap, "multipart body")
 
         async def replay():
             return {"type": "http.request", "body": data, "more_body": False}
@@ -139,14 +141,16 @@ async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str
                 texts.append((key, value))
             elif key not in UPLOADS or key in files:
                 raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference "
-                                    "(and a first-last-frame video's last frame as last_image), once each.",
+                                    "(and a first-last-frame video's last frame as last_image), or the video to "
+                                    "redo as video, once each.",
                                code="unknown_parameter", param=key)
             else:
                 files[key] = await value.read()
         for key, upload in files.items():
-            if len(upload) > limits.max_upload_bytes:
-                raise ApiError(413, f"{key} is {len(upload)} bytes, over this server's cap of "
-                                    f"{limits.max_upload_bytes}.", code="upload_too_large", param=key)
+            most = limits.max_video_bytes if key == "video" else limits.max_upload_bytes
+            if len(upload) > most:
+                raise ApiError(413, f"{key} is {len(upload)} bytes, over this server's cap of {most}.",
+                               code="upload_too_large", param=key)
         return form_body(texts), files
     if kind not in ("application/json", ""):
         raise ApiError(400, f"the body's Content-Type is {kind!r}; send application/json or multipart/form-data.",
@@ -272,11 +276,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def create(request: Request):
         body, files = await _create_body(request, state.limits)
         gen = model_ready()
-        images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()}
+        images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()
+                  if key != "video"}
         video_id = new_id()
-        checked = await run_in_threadpool(accept, body, images.get("input_reference"), gen, state.model,
-                                          state.video_path(video_id), images.get("last_image"), state.loras)
-        return await run_in_threadpool(_admit, state, video_id, checked, files)
+        video = None
+        if "video" in files:  # on disk before it is read (frame by frame) and checked; removed unless admitted
+            video = state.uploads / f"{video_id}.video.mp4"
+            await run_in_threadpool(_save_upload, files.pop("video"), video)
+        try:
+            if video is not None:
+                await run_in_threadpool(check_video, video, state.limits)
+            checked = await run_in_threadpool(accept, body, images.get("input_reference"), gen, state.model,
+                                              state.video_path(video_id), images.get("last_image"), state.loras,
+                                              video)
+            return await run_in_threadpool(_admit, state, video_id, checked, files)
+        except BaseException:
+            remove(video)
+            raise
 
     @api.get("/v1/videos")
     def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = None,

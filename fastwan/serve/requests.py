@@ -44,14 +44,15 @@ OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
 SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "upload it as input_reference",
                "last_image": "upload the last frame as the file last_image (multipart), beside input_reference",
-               "video": "video-to-video inputs are not served yet",
+               "video": "upload the video as the file video (multipart)",
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
 MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt is a mistake or an attack
 MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
 LAST_IMAGE_KEY = "_last_image"  # the uploaded last frame's file in a job's stored fields
-JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY)  # a job's stored fields that are the server's, not the request's
+VIDEO_KEY = "_video"  # the uploaded video's file (video-to-video) in a job's stored fields
+JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY, VIDEO_KEY)  # a job's stored fields that are the server's, not the request's
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -62,6 +63,8 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 20 << 20
     max_image_pixels: int = 4096 * 4096
+    max_video_bytes: int = 256 << 20
+    max_video_pixels: int = 1280 * 720 * 161  # all frames' pixels: 161 frames of 720p
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,8 @@ def _size(value) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def accept(body: dict, image, gen, model: str, output: Path, last_image=None, loras=None) -> Accepted:
+def accept(body: dict, image, gen, model: str, output: Path, last_image=None, loras=None,
+           video: Path | None = None) -> Accepted:
     """Check a create ``body`` (typed values; ``image`` / ``last_image``: the uploaded first / last frame or None)
     against ``gen`` (the loaded generator, serving ``model``); ``output``: where the server writes videos (the
     request is checked with it); ``loras``: the server's :class:`~fastwan.serve.loras.ServedLoras` (None: none).
@@ -247,6 +251,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         fields["num_frames"] = frames_for(_seconds(body["seconds"]), fps, gen.vae_scale_factors[0])
     if fields.get("seed") is None:
         fields["seed"] = random_seed()
+    if video is not None:  # the uploaded video's file, checked (check_video) and read by the request's rules
+        fields[VIDEO_KEY] = str(video)
     try:
         request = build(fields, output, image, last_image)
         resolved = gen.resolve(request)
@@ -275,13 +281,47 @@ def build(fields: dict, output: Path, image, last_image=None) -> GenerationReque
     and ``last_image`` (PIL images or None)."""
     request = from_json(GenerationRequest, {**{k: v for k, v in fields.items() if k not in JOB_KEYS},
                                             "output_path": str(output), "overwrite": True})
-    images = {k: v for k, v in (("image", image), ("last_image", last_image)) if v is not None}
-    return request.replace(**images) if images else request
+    inputs = {k: v for k, v in (("image", image), ("last_image", last_image), ("video", fields.get(VIDEO_KEY)))
+              if v is not None}
+    return request.replace(**inputs) if inputs else request
 
 
-def uploads(job) -> tuple[str | None, str | None]:
-    """The files of a job's uploaded first and last frames (None: not uploaded)."""
-    return job.image, job.fields.get(LAST_IMAGE_KEY)
+def uploads(job) -> tuple[str | None, str | None, str | None]:
+    """The files of a job's uploads: its first and last frames and its video (None: not uploaded)."""
+    return job.image, job.fields.get(LAST_IMAGE_KEY), job.fields.get(VIDEO_KEY)
+
+
+def check_video(path: Path, limits: Limits) -> None:
+    """An uploaded video, decoded frame by frame (one in memory at a time) before the request is checked: 400 when
+    it is no readable video or has no frame, 413 when a frame is over the pixel cap or the frames together are over
+    ``max_video_pixels`` (or more than the frames a request may have)."""
+    import imageio.v3 as iio
+
+    from fastwan.pipelines.video import MAX_VIDEO_FRAMES
+
+    frames = total = 0
+    try:
+        for frame in iio.imiter(path):
+            frames += 1
+            pixels = int(frame.shape[0]) * int(frame.shape[1])
+            total += pixels
+            if pixels > limits.max_image_pixels:
+                raise ApiError(413, f"video's frames are {frame.shape[1]}x{frame.shape[0]}, over this server's cap "
+                                    f"of {limits.max_image_pixels} pixels a frame.", code="video_too_large",
+                               param="video")
+            if total > limits.max_video_pixels or frames > MAX_VIDEO_FRAMES:
+                raise ApiError(413, f"video holds more than {min(frames, MAX_VIDEO_FRAMES)} frames or "
+                                    f"{limits.max_video_pixels} pixels in all, over this server's caps; cut it to "
+                                    "the frames to redo (4k+1 of them, e.g. 81).", code="video_too_large",
+                               param="video")
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- any decoder failure is the upload's
+        raise ApiError(400, f"video is not a readable video ({type(exc).__name__}); upload an mp4 (or a file ffmpeg "
+                            "reads).", code="invalid_value", param="video") from None
+    if frames == 0:
+        raise ApiError(400, "video has no frames; upload a video of 4k+1 frames (e.g. 81).", code="invalid_value",
+                       param="video")
 
 
 def job_images(job) -> tuple:
@@ -289,7 +329,7 @@ def job_images(job) -> tuple:
     from PIL import Image
 
     images = []
-    for path in uploads(job):
+    for path in uploads(job)[:2]:
         if path is None:
             images.append(None)
             continue

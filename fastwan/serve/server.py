@@ -36,7 +36,7 @@ def _check_numbers(args) -> None:
                               "silent that long is presumed dead, and its job runs elsewhere).")
     if args.keep_days is not None and not 0 < args.keep_days < float("inf"):
         raise InvalidArgument(f"--keep-days {args.keep_days} must be a positive number of days, e.g. 7.")
-    for flag in ("max_queue", "max_upload_bytes", "max_image_pixels"):
+    for flag in ("max_queue", "max_upload_bytes", "max_image_pixels", "max_video_bytes", "max_video_pixels"):
         if getattr(args, flag) < 1:
             raise InvalidArgument(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
 
@@ -63,6 +63,10 @@ def add_parser(sub) -> None:
                    help="the largest image upload accepted (input_reference, last_image; 413 beyond)")
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="PIXELS",
                    help="the most pixels (width x height) an uploaded image may decode to (413 beyond)")
+    p.add_argument("--max-video-bytes", type=int, default=256 << 20, metavar="BYTES",
+                   help="the largest video upload accepted, for video-to-video (413 beyond)")
+    p.add_argument("--max-video-pixels", type=int, default=1280 * 720 * 161, metavar="PIXELS",
+                   help="the most pixels an uploaded video may decode to, all frames together (413 beyond)")
     p.add_argument("--keep-days", type=float, default=None, metavar="DAYS",
                    help="delete finished videos (and their files) this many days after they finish; sets each "
                         "video's expires_at (default: keep them)")
@@ -213,7 +217,8 @@ def run(args) -> int:
         return _run_workers(workers)
     rules = None if workers else _rules(options)
     state = ServerState(store, workers, args.model, key, args.max_queue,
-                        Limits(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels),
+                        Limits(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels,
+                               max_video_bytes=args.max_video_bytes, max_video_pixels=args.max_video_pixels),
                         data_dir=data, keep_s=keep_s, rules=rules, lease_s=args.lease_seconds,
                         loras=loras, cors_origins=origins)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info"))
