@@ -316,6 +316,11 @@ class ParallelGenerator:
     def unload_lora(self) -> None:
         self._call("unload_lora", (), {})
 
+    def set_progress_bar_config(self, *, disable: bool) -> None:
+        """On every rank (:meth:`VideoGenerator.set_progress_bar_config
+        <fastwan.pipelines.generator.VideoGenerator.set_progress_bar_config>`)."""
+        self._call("set_progress_bar_config", (), {"disable": disable})
+
     def close(self, force: bool = False) -> None:
         """End the workers: after their current request, or (``force``) at once: SIGTERM (a worker clears its
         progress bars and exits), and a kill for one still running :data:`STOP_GRACE_S` later."""

@@ -91,7 +91,7 @@ def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, h
     # does, tensor against Python float in the timesteps' precision (float32 for integer timesteps): a boundary
     # within that rounding above a timestep counts as reached
     experts = [0] * n if boundary is None else [0 if high else 1 for high in (timesteps >= boundary).tolist()]
-    for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False)):
+    for i, t in enumerate(tqdm(timesteps, desc="denoising", leave=False, disable=not gen.progress_bars)):
         expert = experts[i]
         if expert != current:
             current, delta = expert, None  # a new expert: its own guidance delta

@@ -81,6 +81,7 @@ class VideoGenerator:
                  image_processor=None, cache=None, tiny_vae=None):
         self.checkpoint = ckpt
         self.tiny_vae = tiny_vae  # vae="tiny": the decoder that replaces the VAE's (fastwan.vae.tiny), or None
+        self.progress_bars = True  # the denoising and decoding bars on stderr (set_progress_bar_config)
         self.cache = cache  # the default step cache of generate_video (a fastwan.cache config, or None)
         self._loras = [LoraState() for _ in transformers]  # per expert: the originals merged LoRAs changed
         self.device, self.dtype, self.vae_dtype = device, dtype, vae_dtype
@@ -466,4 +467,12 @@ class VideoGenerator:
         """latents [1, C, F, H, W] -> uint8 frames [T, H, W, 3] (with the tiny decoder under vae="tiny")."""
         if self.tiny_vae is not None:
             return self.tiny_vae.frames(latents, self.vae_chunk_frames)
-        return decode_frames(self.vae, latents, self.vae_chunk_frames)
+        return decode_frames(self.vae, latents, self.vae_chunk_frames, self.progress_bars)
+
+    def set_progress_bar_config(self, *, disable: bool) -> None:
+        """``disable=True``: no denoising or decoding progress bar on stderr from now on (a server writing a log,
+        a caller drawing its own progress from ``on_step``); ``False`` shows them again. The one setting of
+        diffusers' method of that name that fastwan reads."""
+        if not isinstance(disable, bool):
+            raise InvalidArgumentType(f"disable={disable!r} must be True or False.")
+        self.progress_bars = not disable

@@ -162,6 +162,7 @@ class Worker:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
+        self.gen.set_progress_bar_config(disable=True)  # progress goes to the store; the log keeps its lines
         self.rules = self.gen if hasattr(self.gen, "resolve") else _rules_of(self.gen, self.options)
         logger.info("model %s loaded on %s; serving", self.options.model, self.gen.device)
         with contextlib.suppress(Exception):  # the heartbeat says it again

@@ -56,14 +56,15 @@ def check_chunk(chunk) -> None:
 
 
 @torch.no_grad()
-def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Tensor:
+def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> torch.Tensor:
     """Decode with ``chunk`` latent frames per decoder call after the first.
 
     vae: diffusers ``AutoencoderKLWan`` (any of its decoders; fastwan's module swaps optional).
     z: [B, z_dim, F, h, w] latents, already de-normalised (what ``vae.decode`` takes).
     Returns [B, 3, T, H, W] in [-1, 1], what ``vae.decode(z, return_dict=False)[0]`` returns. With spatial tiling
     enabled and a latent larger than a tile, this is ``vae.decode`` itself (its tiled path, one call, no progress
-    bar); otherwise a progress bar ("decoding", cleared when done) counts the decoder calls.
+    bar); otherwise a progress bar ("decoding", cleared when done; none when ``bars`` is False) counts the decoder
+    calls.
     """
     from tqdm.auto import tqdm
 
@@ -82,7 +83,7 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
         x = vae.post_quant_conv(z)
         outs = []
         starts = [0] + list(range(1, num_frames, chunk))
-        for i, start in enumerate(tqdm(starts, desc="decoding", unit="call", leave=False)):
+        for i, start in enumerate(tqdm(starts, desc="decoding", unit="call", leave=False, disable=not bars)):
             stop = 1 if i == 0 else min(start + chunk, num_frames)
             vae._conv_idx = [0]
             outs.append(vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
@@ -98,14 +99,15 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto") -> torch.Ten
         vae.clear_cache()
 
 
-def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto") -> np.ndarray:
-    """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3]."""
+def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> np.ndarray:
+    """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3] (``bars``:
+    :func:`decode_latents`'s progress bar)."""
     c = vae.config
     z = latents.to(vae.dtype)
     mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     z = z / (1.0 / std) + mean
-    video = decode_latents(vae, z, chunk)  # [1, 3, T, H, W] in [-1, 1]
+    video = decode_latents(vae, z, chunk, bars)  # [1, 3, T, H, W] in [-1, 1]
     video = (video[0] / 2 + 0.5).clamp(0, 1).float()
     return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
 

@@ -178,3 +178,15 @@ def test_metrics_in_prometheus_text(server):
     assert samples["fastwan_steps_total"] >= 3 and samples['fastwan_step_seconds{device="cpu"}'] > 0
     assert samples["fastwan_model_ready"] == 1
     assert call("GET", f"{server.url}/metrics", key=None)[0] == 401
+
+
+def test_the_log_holds_lines_not_progress_bars(server):
+    """The workers' generators draw no denoising or decoding bar into the server's log (progress goes to the
+    store); one line per change of a job's state is there."""
+    client = server.client()
+    video = client.videos.create(prompt="a quiet log", size="32x32", seconds="0.5",
+                                 extra_body={"num_inference_steps": 3})
+    assert wait(client, video.id).status == "completed"
+    log = server.log.read_text()
+    assert f"video {video.id}: completed" in log
+    assert "denoising" not in log and "decoding" not in log and "\r" not in log

@@ -82,7 +82,7 @@ def test_decode_frames_denormalises_like_wan_pipeline(tiny_ckpts, monkeypatch, d
     vae = load_vae(tiny_ckpts["wan2.1"] / "vae", dtype, CPU, True, None, False)
     seen = []
 
-    def capture(vae_, z, chunk):
+    def capture(vae_, z, chunk, bars=True):
         seen.append(z)
         return torch.zeros(1, 3, 1, 2, 2, dtype=z.dtype)
 
@@ -112,7 +112,7 @@ def test_uint8_frames_are_wan_pipelines_postprocess(tiny_ckpts, monkeypatch, dty
     vae = load_vae(tiny_ckpts["wan2.1"] / "vae", dtype, CPU, False, None, False)
     values = torch.linspace(-1.1, 1.1, 3 * 2 * 40 * 64, dtype=torch.float64).to(dtype)
     video = values.view(1, 3, 2, 40, 64)  # [B, C, T, H, W]: each channel, frame and pixel a different value
-    monkeypatch.setattr(vae_decode, "decode_latents", lambda vae_, z, chunk: video)
+    monkeypatch.setattr(vae_decode, "decode_latents", lambda vae_, z, chunk, bars=True: video)
     frames = decode_frames(vae, torch.zeros(1, 16, 1, 5, 8))
     pp = VideoProcessor(vae_scale_factor=8).postprocess_video(video, output_type="np")[0]  # [T, H, W, 3] float
     want = (pp * 255).round().astype(np.uint8)
