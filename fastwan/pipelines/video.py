@@ -49,12 +49,10 @@ def read_video(video: Any, name: str = "video") -> list:
     """``video`` (a file path, a sequence of images, or an np.uint8 array [T, H, W(, C)]) -> RGB PIL frames."""
     if isinstance(video, (str, os.PathLike)):
         frames = _read_file(Path(os.fspath(video)).expanduser(), f"{name}={os.fspath(video)!r}")
-    elif isinstance(video, np.ndarray):
-        if video.dtype != np.uint8 or video.ndim not in (3, 4):
+    elif isinstance(video, (np.ndarray, Sequence)) and not isinstance(video, (str, bytes)):
+        if isinstance(video, np.ndarray) and (video.dtype != np.uint8 or video.ndim not in (3, 4)):
             raise InvalidArgument(f"{name}: an array must be np.uint8 of shape T x H x W x 3 (or x 4, x 1, or "
                                   f"T x H x W), got {video.dtype} {video.shape}.")
-        frames = [read_image(frame, f"{name}[{i}]") for i, frame in enumerate(video[:MAX_VIDEO_FRAMES + 1])]
-    elif isinstance(video, Sequence) and not isinstance(video, (str, bytes)):
         frames = [read_image(frame, f"{name}[{i}]") for i, frame in enumerate(video[:MAX_VIDEO_FRAMES + 1])]
     else:
         raise InvalidArgumentType(f"{name}={video!r} must be a video file path, a list of images, or an np.uint8 "

@@ -9,31 +9,10 @@ first. A connection that broke is opened again at the next call (the call that m
 from __future__ import annotations
 
 from fastwan.errors import InvalidArgument
-from fastwan.serve.store import COLUMNS, STALE, JobStore, _job
+from fastwan.serve.store import COLUMNS, STALE, JobStore, _job, schema
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq BIGSERIAL PRIMARY KEY,
-    id TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at BIGINT NOT NULL,
-    completed_at BIGINT,
-    model TEXT NOT NULL,
-    prompt TEXT NOT NULL,
-    size TEXT NOT NULL,
-    seconds TEXT NOT NULL,
-    fields TEXT NOT NULL,
-    image TEXT,
-    video TEXT,
-    thumbnail TEXT,
-    error TEXT,
-    claim TEXT,
-    heartbeat_at DOUBLE PRECISION
-);
-CREATE INDEX IF NOT EXISTS jobs_status_seq ON jobs (status, seq);
-CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, model TEXT NOT NULL, heartbeat_at DOUBLE PRECISION NOT NULL);
-"""
+SCHEMA = (schema("BIGSERIAL PRIMARY KEY", "BIGINT", "DOUBLE PRECISION")
+          + "CREATE INDEX IF NOT EXISTS jobs_status_seq ON jobs (status, seq);\n")
 SCHEMA_LOCK = 0x66617374  # the advisory lock key that serializes the schema's creation
 
 

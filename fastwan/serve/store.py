@@ -29,8 +29,13 @@ from typing import Any
 
 from fastwan.errors import InvalidArgument
 
-COLUMNS = ("seq", "id", "status", "progress", "created_at", "completed_at", "model", "prompt", "size", "seconds",
-           "fields", "image", "video", "thumbnail", "error", "claim", "heartbeat_at")
+# the jobs table: each column and its type, "{seq}" / "{int}" / "{real}" being the dialect's (:func:`schema`)
+TABLE = (("seq", "{seq}"), ("id", "TEXT NOT NULL UNIQUE"), ("status", "TEXT NOT NULL"),
+         ("progress", "INTEGER NOT NULL DEFAULT 0"), ("created_at", "{int} NOT NULL"), ("completed_at", "{int}"),
+         ("model", "TEXT NOT NULL"), ("prompt", "TEXT NOT NULL"), ("size", "TEXT NOT NULL"),
+         ("seconds", "TEXT NOT NULL"), ("fields", "TEXT NOT NULL"), ("image", "TEXT"), ("video", "TEXT"),
+         ("thumbnail", "TEXT"), ("error", "TEXT"), ("claim", "TEXT"), ("heartbeat_at", "{real}"))
+COLUMNS = tuple(name for name, _ in TABLE)
 SELECT = f"SELECT {', '.join(COLUMNS)} FROM jobs"
 STALE = "(status = 'in_progress' AND heartbeat_at < {now} - ?)"  # a job whose worker stopped renewing its lease
 
@@ -292,28 +297,16 @@ class JobStore:
             return ids
 
 
-SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at INTEGER NOT NULL,
-    completed_at INTEGER,
-    model TEXT NOT NULL,
-    prompt TEXT NOT NULL,
-    size TEXT NOT NULL,
-    seconds TEXT NOT NULL,
-    fields TEXT NOT NULL,
-    image TEXT,
-    video TEXT,
-    thumbnail TEXT,
-    error TEXT,
-    claim TEXT,
-    heartbeat_at REAL
-);
-CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, model TEXT NOT NULL, heartbeat_at REAL NOT NULL);
-"""
+def schema(seq: str, integer: str, real: str) -> str:
+    """The tables' DDL in a dialect: ``seq`` the auto-numbered key's type, ``integer`` a 64-bit integer's,
+    ``real`` a double's."""
+    columns = ",\n    ".join(f"{name} {kind.format(seq=seq, int=integer, real=real)}" for name, kind in TABLE)
+    return (f"CREATE TABLE IF NOT EXISTS jobs (\n    {columns}\n);\n"
+            f"CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, model TEXT NOT NULL, heartbeat_at {real} "
+            "NOT NULL);\n")
+
+
+SQLITE_SCHEMA = schema("INTEGER PRIMARY KEY AUTOINCREMENT", "INTEGER", "REAL")
 
 
 class SqliteStore(JobStore):

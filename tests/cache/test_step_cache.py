@@ -58,6 +58,15 @@ def diffusers_run(config, monkeypatch):
     return (out * 255).round().astype(np.uint8), computed
 
 
+def expert_switch(g) -> int:
+    """The first of STEPS steps that an A14B generator ``g`` runs on its low-noise expert (the timesteps of its
+    scheduler against the checkpoint's boundary)."""
+    sched = type(g.scheduler).from_config(g.scheduler.config)
+    sched.set_timesteps(STEPS)
+    boundary = g.checkpoint.boundary_ratio * sched.config.num_train_timesteps
+    return next(i for i, t in enumerate(sched.timesteps.tolist()) if t < boundary)
+
+
 def max_diff(a, b):
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
@@ -158,10 +167,7 @@ def test_cache_composes_with_cfg_gating():
 
 def test_a14b_starts_fresh_at_the_switch():
     g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32)
-    sched = type(g.scheduler).from_config(g.scheduler.config)
-    sched.set_timesteps(STEPS)
-    boundary = g.checkpoint.boundary_ratio * sched.config.num_train_timesteps
-    switch = next(i for i, t in enumerate(sched.timesteps.tolist()) if t < boundary)
+    switch = expert_switch(g)
     assert 1 < switch < STEPS - 1
     r = g.generate_video(PROMPT, negative_prompt=NEG, seed=3, num_inference_steps=STEPS, save_video=False,
                          cache=SkipSteps(tuple(range(1, STEPS))), **SIZE)

@@ -24,7 +24,7 @@ from fastwan.cache import (
 from fastwan.checkpoint.tiny import tiny_checkpoint
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.hooks import Hook, HookRegistry
-from tests.cache.test_step_cache import STEPS, diffusers_run, max_diff, run
+from tests.cache.test_step_cache import STEPS, diffusers_run, expert_switch, max_diff, run
 
 BLOCKS = [r"blocks\.\d+"]
 
@@ -113,10 +113,7 @@ def test_taylorseer_composes_with_cfg_gating(gen):
 
 def test_a14b_expert_counts_its_steps_from_the_switch():
     g = VideoGenerator.from_pretrained("tiny-wan2.2-a14b", device="cpu", dtype=torch.float32)
-    sched = type(g.scheduler).from_config(g.scheduler.config)
-    sched.set_timesteps(STEPS)
-    boundary = g.checkpoint.boundary_ratio * sched.config.num_train_timesteps
-    switch = next(i for i, t in enumerate(sched.timesteps.tolist()) if t < boundary)
+    switch = expert_switch(g)
     config = TaylorSeer(cache_interval=2, disable_cache_before_step=1)
     r = g.generate_video("a fox", negative_prompt="blurry", seed=3, num_inference_steps=STEPS, save_video=False,
                          cache=config, height=64, width=64, num_frames=9)

@@ -38,6 +38,17 @@ def call(method: str, url: str, body: bytes | dict | None = None, *, key: str | 
     return status, json.loads(raw) if kind.startswith("application/json") else raw
 
 
+def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+    """Send ``sig`` to ``process`` if it runs, and wait for it; killed when it still runs ``timeout`` s later."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class Server:
     """``python -m fastwan serve`` with ``args`` on a free port, its data in ``data_dir``, its output in
     ``data_dir``/../server.log; :meth:`start` waits until /ready answers 200."""
@@ -78,13 +89,8 @@ class Server:
         raise RuntimeError(f"the server was not ready in {START_TIMEOUT} s:\n{self.log.read_text()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, sig, timeout=20)
 
     def client(self, key: str | None = None):
         from openai import OpenAI

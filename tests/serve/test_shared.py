@@ -15,7 +15,7 @@ import imageio.v3 as iio
 import pytest
 
 from fastwan.serve.server import open_store
-from tests.serve.helpers import START_TIMEOUT, Server, wait, wait_started
+from tests.serve.helpers import START_TIMEOUT, Server, stop_process, wait, wait_started
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LEASE_S = 3
@@ -40,13 +40,7 @@ class WorkerProcess:
         return self
 
     def stop(self, sig=signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, sig, timeout=60)
 
 
 def test_a_killed_workers_job_is_finished_by_the_other_exactly_once(tmp_path, postgres):
