@@ -59,6 +59,10 @@ from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 logger = logging.getLogger("fastwan")
 
 AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
+# Rule: loads run one at a time per process. transformers and diffusers build modules under process-wide state
+# (meta-device initialisation patches, lazily imported submodules), so two loads in two threads (a server's worker
+# per GPU) corrupt each other's modules.
+_LOADS = threading.Lock()
 
 
 def cfg_batched(cfg_mode: str, device: torch.device, tokens: int) -> bool:
@@ -140,7 +144,13 @@ class VideoGenerator:
 
     @classmethod
     def load(cls, options: LoadOptions) -> VideoGenerator:
-        """A generator loaded as ``options`` say (:meth:`from_pretrained`'s arguments as one checked object)."""
+        """A generator loaded as ``options`` say (:meth:`from_pretrained`'s arguments as one checked object). Loads
+        run one at a time in a process (:data:`_LOADS`); threads may call this at once."""
+        with _LOADS:
+            return cls._load(options)
+
+    @classmethod
+    def _load(cls, options: LoadOptions) -> VideoGenerator:
         if not isinstance(options, LoadOptions):
             raise InvalidArgumentType(f"options={options!r} must be a fastwan.LoadOptions.")
         o = options

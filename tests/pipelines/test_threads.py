@@ -35,3 +35,32 @@ def test_threads_match_serial_runs(tiny_ckpts, variant):
         assert not errors, errors
         same = [np.array_equal(r, s) for r, s in zip(results, serial)]
         assert all(same), f"threaded frames differ from serial ones for jobs {same}"
+
+
+def test_loads_from_threads_at_once(tiny_ckpts):
+    """Generators loaded by several threads at once (a server's worker per GPU) load whole: the same weights as a
+    load alone, no thread failing on another's half-built modules."""
+    path, n = tiny_ckpts["wan2.1"], 4
+    alone = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    gens, errors, start = [None] * n, [], threading.Barrier(n)
+
+    def load(i):
+        try:
+            start.wait()
+            gens[i] = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for gen in gens:
+        for module in ("text_encoder", "vae"):
+            want, got = getattr(alone, module).state_dict(), getattr(gen, module).state_dict()
+            assert want.keys() == got.keys()
+            assert all(torch.equal(want[k], got[k]) for k in want), f"{module} differs from a load alone"
+        want, got = alone.transformers[0].state_dict(), gen.transformers[0].state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want), "the DiT differs from a load alone"
