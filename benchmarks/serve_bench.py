@@ -37,7 +37,7 @@ from benchmarks.harness import NEG, PROMPT, SMOKE_DIR, add_device, add_smoke, co
 PHASES = ("make", "direct", "server")
 SEED = 7
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) fastwan\.serve INFO: video (video_[0-9a-f]+): "
-                      r"(in_progress on (\S+)|completed)")
+                      r"(in_progress on (\S+)|completed(?: \(.*steps ([\d.]+) s.*\))?)")
 
 
 def request_fields(video: tuple[int, int, int], steps: int) -> dict:
@@ -54,15 +54,17 @@ def phase_direct(args, video) -> dict:
     gen = VideoGenerator.load(LoadOptions(model=str(args.ckpt), device=args.device,
                                           enable_torch_compile=args.compile))
     folder = Path(tempfile.mkdtemp(prefix="serve-bench-direct-"))
-    times = []
+    times, steps = [], []
     for k in range(1 + args.repeats):
         request = GenerationRequest(**request_fields(video, args.steps), output_path=str(folder / f"{k}.mp4"))
         start = time.perf_counter()
-        gen.generate(request)
+        result = gen.generate(request)
         times.append(time.perf_counter() - start)
-        log(f"direct call {k}: {times[-1]:.2f} s{' (warm-up)' if k == 0 else ''}")
+        steps.append(result.timings["denoising"])
+        log(f"direct call {k}: {times[-1]:.2f} s, steps {steps[-1]:.2f} s{' (warm-up)' if k == 0 else ''}")
     timed = times[1:]
-    return {"warmup_s": times[0], "runs_s": timed, "median_s": statistics.median(timed) if timed else None}
+    return {"device": str(gen.device), "warmup_s": times[0], "runs_s": timed, "steps_s": steps[1:],
+            "median_s": statistics.median(timed) if timed else None}
 
 
 def _free_port() -> int:
@@ -102,6 +104,8 @@ def _log_times(text: str) -> dict[str, dict]:
                 job.update(start=when, device=m.group(4))
             else:
                 job["done"] = when
+                if m.group(5):
+                    job["steps_s"] = float(m.group(5))
     return jobs
 
 
@@ -156,7 +160,9 @@ def phase_server(args, video) -> dict:
         result = {"gpus": args.gpus or args.device, "workers": workers, "singles_s": singles,
                   "single_median_s": statistics.median(singles) if singles else None, "queue": args.queue,
                   "queue_wall_s": wall, "jobs_per_min": None if not wall else 60 * args.queue / wall,
-                  "job_s": [jobs[v]["done"] - jobs[v]["start"] for v in queued], "idle_gaps_s": gaps,
+                  "job_s": [jobs[v]["done"] - jobs[v]["start"] for v in queued],
+                  "job_steps_s": [jobs[v].get("steps_s") for v in queued],
+                  "job_device": [jobs[v]["device"] for v in queued], "idle_gaps_s": gaps,
                   "max_gap_s": max((g for gs in gaps.values() for g in gs), default=None)}
         log(f"server queue: {args.queue} jobs in {wall:.2f} s" if wall else "server: no queue")
         return result

@@ -57,6 +57,12 @@ def write_png(frame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def spent(timings: dict[str, float]) -> str:
+    """A job's seconds for the log: ``text 0.05 s, steps 43.12 s, vae 0.83 s, file 1.21 s``."""
+    names = {"text_encoding": "text", "denoising": "steps", "decoding": "vae", "saving": "file"}
+    return ", ".join(f"{names[k]} {timings[k]:.2f} s" for k in names if k in timings)
+
+
 def _rules_of(gen, options):
     """A sequence-parallel group's rules (its ranks resolve each request; this process checks creates by the
     checkpoint's files)."""
@@ -268,7 +274,7 @@ class Worker:
             self._cancelled.discard(job.id)
             self._lost.discard(claim)
         if self.store.finish(job.id, claim, video=str(target), thumbnail=str(thumbnail)):
-            logger.info("video %s: completed", job.id)
+            logger.info("video %s: completed (%s)", job.id, spent(result.timings))
         else:  # deleted as it completed, or claimed again: the row is not this claim's
             remove(target, thumbnail)
             if self.store.get(job.id) is not None:

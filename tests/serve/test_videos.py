@@ -182,11 +182,12 @@ def test_metrics_in_prometheus_text(server):
 
 def test_the_log_holds_lines_not_progress_bars(server):
     """The workers' generators draw no denoising or decoding bar into the server's log (progress goes to the
-    store); one line per change of a job's state is there."""
+    store); one line per change of a job's state is there, a completion's with where its seconds went."""
     client = server.client()
     video = client.videos.create(prompt="a quiet log", size="32x32", seconds="0.5",
                                  extra_body={"num_inference_steps": 3})
     assert wait(client, video.id).status == "completed"
     log = server.log.read_text()
-    assert f"video {video.id}: completed" in log
+    assert re.search(rf"video {video.id}: completed \(text [\d.]+ s, steps [\d.]+ s, vae [\d.]+ s, file [\d.]+ s\)\n",
+                     log), log[-2000:]
     assert "denoising" not in log and "decoding" not in log and "\r" not in log
