@@ -5,6 +5,8 @@ Three variants, the same component layout as the published checkpoints:
 - ``wan2.1``: transformer + UMT5 text encoder + tokenizer + ``AutoencoderKLWan`` + UniPC scheduler;
 - ``wan2.2-a14b``: two experts (``transformer``, ``transformer_2``) and ``boundary_ratio`` in model_index.json;
 - ``wan2.2-ti2v``: 48-channel latents, the residual VAE (spatial factor 16) and ``expand_timesteps``.
+- ``wan2.1-vace`` / ``wan2.2-vace-a14b``: diffusers' ``WanVACEPipeline`` layout (``WanVACETransformer3DModel``,
+  3 blocks with VACE hints after blocks 0 and 2), with one or two experts.
 
 Weights are random (seeded), saved as safetensors (optionally sharded, with an index, as the published
 checkpoints are). The tokenizer is a small Unigram model built in code, so nothing is downloaded.
@@ -29,6 +31,8 @@ from fastwan.checkpoint.safetensors import HUB_COMMIT, HUB_MODEL_ID
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts
+VACE_VARIANTS = ("wan2.1-vace", "wan2.2-vace-a14b")  # WanVACEPipeline layouts (Wan2.1-VACE, Wan2.2-VACE-Fun-A14B)
+TINY_VACE_LAYERS = (0, 2)  # of 3 blocks: a hint after the first and the last, none after the middle one
 TINY_IDS = {
     "tiny": "wan2.1",
     "tiny-wan2.1": "wan2.1",
@@ -72,9 +76,9 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 def _check_variant(variant: str) -> None:
     """Rule: a tiny variant is one of :data:`VARIANTS` or :data:`IMAGE_VARIANTS`."""
-    if variant not in VARIANTS + IMAGE_VARIANTS:
+    if variant not in VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS:
         raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of "
-                              f"{', '.join(VARIANTS + IMAGE_VARIANTS)}.")
+                              f"{', '.join(VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS)}.")
 
 
 def _write_clip(path: Path, seed: int) -> None:
@@ -124,16 +128,21 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
 
 def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     """The files of a tiny checkpoint of ``variant``, into the existing empty folder ``path``."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel,
+                           WanVACETransformer3DModel)
     from transformers import UMT5Config, UMT5EncoderModel
 
     ti2v = variant == "wan2.2-ti2v"
     channels = 48 if ti2v else 16
     image = variant in IMAGE_VARIANTS
     clip = variant in ("wan2.1-i2v", "wan2.1-flf2v")
+    vace = variant in VACE_VARIANTS
+    dit_class, layers = (WanVACETransformer3DModel, 3) if vace else (WanTransformer3DModel, 2)
     tokens = (CLIP_IMAGE_SIZE // CLIP_PATCH) ** 2 + 1
     image_cfg = dict(image_dim=CLIP_DIM if clip else None, added_kv_proj_dim=24 if clip else None,
                      pos_embed_seq_len=2 * tokens if variant == "wan2.1-flf2v" else None)
+    if vace:  # the control latents: the video's inactive and reactive latents and the 8 x 8 mask's 64 channels
+        image_cfg = dict(image_cfg, vace_layers=list(TINY_VACE_LAYERS), vace_in_channels=2 * channels + 64)
 
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")
@@ -147,12 +156,13 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     _randomize(te, seed + 1, std=0.5)
     te.save_pretrained(path / "text_encoder", safe_serialization=True, **shard)
 
-    experts = ["transformer", "transformer_2"] if variant in ("wan2.2-a14b", "wan2.2-i2v-a14b") else ["transformer"]
+    two = variant in ("wan2.2-a14b", "wan2.2-i2v-a14b", "wan2.2-vace-a14b")
+    experts = ["transformer", "transformer_2"] if two else ["transformer"]
     for i, name in enumerate(experts):
-        dit = WanTransformer3DModel(
+        dit = dit_class(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
             in_channels=2 * channels + 4 if image else channels, out_channels=channels, text_dim=TEXT_DIM,
-            freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            freq_dim=256, ffn_dim=32, num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
             rope_max_seq_len=64, **image_cfg,
         )
         if variant == "fastwan2.1":  # VSA's gate projections, named as FastVideo's FastWan checkpoints name them
@@ -181,18 +191,20 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     if clip:
         _write_clip(path, seed + 30)
     index = {
-        "_class_name": "WanImageToVideoPipeline" if image else ("WanDMDPipeline" if variant == "fastwan2.1"
-                                                                else "WanPipeline"),
+        "_class_name": "WanImageToVideoPipeline" if image else "WanVACEPipeline" if vace else (
+            "WanDMDPipeline" if variant == "fastwan2.1" else "WanPipeline"),
         "_diffusers_version": "0.35.0",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": ["diffusers", "WanTransformer3DModel"] if len(experts) == 2 else [None, None],
+        "transformer": ["diffusers", dit_class.__name__],
+        "transformer_2": ["diffusers", dit_class.__name__] if len(experts) == 2 else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "boundary_ratio": 0.875 if len(experts) == 2 else None,
         "expand_timesteps": ti2v,
     }
+    if vace:  # WanVACEPipeline has no expand_timesteps
+        del index["expand_timesteps"]
     if image:
         index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]

@@ -16,7 +16,9 @@ from fastwan.errors import CheckpointError
 from fastwan.checkpoint.safetensors import read_json
 from fastwan.values import json_text
 
-WAN_CLASS_NAMES = ("WanTransformer3DModel",)
+VACE_CLASS_NAME = "WanVACETransformer3DModel"  # the DiT with VACE's control blocks (Wan2.1-VACE, Wan2.2-VACE-Fun)
+WAN_CLASS_NAMES = ("WanTransformer3DModel", VACE_CLASS_NAME)
+VACE_DEFAULTS = {"vace_layers": (0, 5, 10, 15, 20, 25, 30, 35), "vace_in_channels": 96}  # diffusers' defaults
 QK_NORMS = ("rms_norm_across_heads",)
 
 
@@ -40,6 +42,11 @@ def _patch_size(value: object) -> bool:
 def _positive_finite(value: object) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
+
+
+def _vace_layers(value: object) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) > 0 and value[0] == 0 and all(_is_int(v) for v in value)
+            and all(a < b for a, b in zip(value, value[1:])))
 
 
 def _is_bool(value: object) -> bool:
@@ -72,6 +79,8 @@ OPTIONAL_INT = Rule(_positive_int, "a positive integer or null", nullable=True)
 PATCH = Rule(_patch_size, "a list of 3 positive integers [t, h, w]")
 BOOL = Rule(_is_bool, "true or false (a JSON boolean, not a string or number)")
 EPS = Rule(_positive_finite, "a finite positive number (a JSON number, not a string)")
+VACE_LAYERS = Rule(_vace_layers, "a list of increasing block indices starting at 0 (the blocks that take a VACE "
+                   "hint)", nullable=True)
 QK_NORM = Rule(_qk_norm, f"one of {', '.join(json_text(n) for n in QK_NORMS)} (the q/k normalisation Wan uses)")
 
 
@@ -100,6 +109,15 @@ class WanConfig:
     added_kv_proj_dim: int | None = _field(None, OPTIONAL_INT)
     rope_max_seq_len: int = _field(1024, POSITIVE_INT)
     pos_embed_seq_len: int | None = _field(None, OPTIONAL_INT)
+    # VACE (WanVACETransformer3DModel only; None for the plain DiT): the blocks after which a control hint is added,
+    # and the channels of the control latents the VACE patch embedding reads
+    vace_layers: tuple[int, ...] | None = _field(None, VACE_LAYERS)
+    vace_in_channels: int | None = _field(None, OPTIONAL_INT)
+
+    @property
+    def vace(self) -> bool:
+        """Whether the DiT has VACE's control blocks."""
+        return self.vace_layers is not None
 
     @property
     def inner_dim(self) -> int:
@@ -111,18 +129,29 @@ class WanConfig:
         _check_class_name(raw, source)
         _check_not_quantized(raw, source)
         kwargs = {}
+        vace = raw.get("_class_name") == VACE_CLASS_NAME
         for f in fields(cls):
-            if f.name in raw:
+            if f.name in VACE_DEFAULTS and not vace:
+                continue  # the plain DiT has no VACE blocks, whatever its config says
+            if f.name in VACE_DEFAULTS and raw.get(f.name) is None:
+                kwargs[f.name] = VACE_DEFAULTS[f.name]
+            elif f.name in raw:
                 _check_value(source, f.name, raw[f.name], f.metadata["rule"], f.default)
                 kwargs[f.name] = raw[f.name]
-        if "patch_size" in kwargs:
-            kwargs["patch_size"] = tuple(kwargs["patch_size"])
+        for key in ("patch_size", "vace_layers"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = tuple(kwargs[key])
         if "eps" in kwargs:
             kwargs["eps"] = float(kwargs["eps"])
         if "out_channels" in kwargs and kwargs["out_channels"] is None:
             kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
         cfg = cls(**kwargs)
         _check_image_conditioning(cfg, source)
+        if vace and cfg.vace_layers[-1] >= cfg.num_layers:
+            raise CheckpointError(
+                f"{source}: \"vace_layers\": {json_text(list(cfg.vace_layers))} names block {cfg.vace_layers[-1]}, but "
+                f"the DiT has \"num_layers\": {cfg.num_layers} (blocks 0..{cfg.num_layers - 1}). Fix config.json or "
+                "download the checkpoint again.")
         return cfg
 
     @classmethod

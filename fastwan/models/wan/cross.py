@@ -111,8 +111,9 @@ class PromptCache:
         return keys, n
 
     def contexts(self, model, texts: tuple[torch.Tensor, ...], image: torch.Tensor | None = None) -> list[CrossKV]:
-        """One :class:`CrossKV` per block of ``model`` (a fast :class:`~fastwan.models.wan.WanTransformer`) for the
-        texts (each [B_i, L, text_dim]) concatenated along the batch, and the image embeddings ``image`` (as
+        """One :class:`CrossKV` per block of ``model`` (a fast :class:`~fastwan.models.wan.WanTransformer`; its main
+        blocks, then its VACE control blocks) for the texts (each [B_i, L, text_dim]) concatenated along the batch,
+        and the image embeddings ``image`` (as
         :meth:`~fastwan.models.wan.WanTransformer.image_context` takes them; one sample's are shared by the whole
         batch); cached unless autograd is on."""
         found = [self.keys(t) for t in texts]
@@ -130,7 +131,7 @@ class PromptCache:
         context = model.text_context(texts)
         image_context = None if image is None else model.image_context(image, batch=context.shape[0])
         kvs = []
-        for blk in model.blocks:
+        for blk in (*model.blocks, *model.vace_blocks):  # the main blocks, then VACE's control blocks
             k, v = blk.attn2.text_kv(context)
             k_img, v_img = (None, None) if image_context is None else blk.attn2.image_kv(image_context)
             if width is None:

@@ -27,6 +27,7 @@ from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
+from fastwan.models.wan.vace import vace_modules
 from fastwan.options import DiTOptions
 
 __all__ = ["Embedded", "WanTransformer", "keep_in_fp32"]
@@ -71,6 +72,8 @@ class WanTransformer(nn.Module):
         self.condition_embedder = TimeTextEmbedding(cfg)
         block = FastWanBlock if options.fast else WanBlock
         self.blocks = nn.ModuleList([block(cfg) for _ in range(cfg.num_layers)])
+        # VACE's control blocks (fastwan.models.wan.vace; none for a plain DiT), run by its hook
+        self.vace_patch_embedding, self.vace_blocks = vace_modules(cfg, block)
         self.norm_out = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
@@ -107,7 +110,7 @@ class WanTransformer(nn.Module):
     def compile_blocks(self, **kwargs) -> None:
         """Regional torch.compile: each block's forward, and the two halves of the first block that
         :meth:`forward_cfg` calls separately (``kwargs`` go to ``torch.compile``)."""
-        for block in self.blocks:
+        for block in (*self.blocks, *self.vace_blocks):
             block.compile(**kwargs)
         first = self.blocks[0]
         self._first_halves = (torch.compile(first.video_half, **kwargs), torch.compile(first.text_half, **kwargs))
@@ -119,7 +122,7 @@ class WanTransformer(nn.Module):
         yield from self.condition_embedder.text_embedder.parameters()
         if self.condition_embedder.image_embedder is not None:
             yield from self.condition_embedder.image_embedder.parameters()
-        for blk in self.blocks:
+        for blk in (*self.blocks, *self.vace_blocks):
             a = blk.attn2
             parts = [a.to_k, a.to_v, a.norm_k, a.to_out[0]]
             if a.add_k_proj is not None:
@@ -193,14 +196,15 @@ class WanTransformer(nn.Module):
 
     def _contexts(self, texts: tuple[torch.Tensor, ...], context: torch.Tensor | None = None,
                   image: torch.Tensor | None = None) -> list:
-        """What each block's cross-attention reads for the texts (concatenated along the batch) and the image
-        tokens: the fast block's per-prompt :class:`~fastwan.models.wan.cross.CrossKV`, or the reference block's
+        """What each block's cross-attention reads (the main blocks', then VACE's control blocks') for the texts
+        (concatenated along the batch) and the image tokens: the fast block's per-prompt
+        :class:`~fastwan.models.wan.cross.CrossKV`, or the reference block's
         :class:`~fastwan.models.wan.cross.CrossInputs` (the text embedding ``context`` if given)."""
         if self.prompts is not None:
             return self.prompts.contexts(self, texts, image)
         context = self.text_context(texts) if context is None else context
         image_context = None if image is None else self.image_context(image, context.shape[0])
-        return [CrossInputs(context, image_context)] * len(self.blocks)
+        return [CrossInputs(context, image_context)] * (len(self.blocks) + len(self.vace_blocks))
 
     def _cfg_contexts(self, text: torch.Tensor, text_uncond: torch.Tensor, image: torch.Tensor | None,
                       batched: bool) -> list:
