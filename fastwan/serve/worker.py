@@ -5,11 +5,13 @@ Rules: a job is claimed with a lease (:mod:`fastwan.serve.store`) that a heartbe
 ``lease_s``; progress (0-99 while running, 100 when complete) is written after every denoising step. The job stops
 at its next step when it is deleted (:meth:`Worker.cancel` here, or its row gone from a shared store), when its
 claim was lost (the lease lapsed and another worker took it: the job is that worker's now), and when the server
-stops (:meth:`Worker.stop`: it goes back to the queue). A claim's files carry its token in their names, and the
-video and its thumbnail appear only whole (written to a hidden name, then moved), so no partial file is visible and
-a worker that lost its claim removes only its own files. A job that fails keeps its error as OpenAI's
-``{"code", "message"}``. With a retention (``keep_s``), finished videos past it are deleted with their files while
-the queue is empty. One log line per change of a job's state.
+stops (:meth:`Worker.stop`: it goes back to the queue). A finished job's mp4 is encoded on the worker's writer
+thread while the next job runs on the device, one video at a time, under the job's lease; the job completes once its
+files are in place, and a stopping worker writes the video it holds before it ends. A claim's files carry its token
+in their names, and the video and its thumbnail appear only whole (written to a hidden name, then moved), so no
+partial file is visible and a worker that lost its claim removes only its own files. A job that fails keeps its
+error as OpenAI's ``{"code", "message"}``. With a retention (``keep_s``), finished videos past it are deleted with
+their files while the queue is empty. One log line per change of a job's state.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fastwan.errors import UserError, one_line
+from fastwan.pipelines.output import check_output_path, save_video
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.requests import build, job_images, uploads
 from fastwan.serve.store import Job, JobStore
@@ -109,7 +113,9 @@ class Worker:
         self.step_seconds: float | None = None  # the last step's duration, between two steps of one video
         self._wake = threading.Condition()
         self._cancelled: set[str] = set()
-        self._running: tuple[str, str] | None = None  # (job id, claim) of the job this worker runs
+        self._held: dict[str, str] = {}  # claim -> job id: the jobs this worker runs or writes (their leases)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastwan-serve-writer-{name}")
+        self._writing: Future | None = None  # the video being written
         self._lost: set[str] = set()  # claims the heartbeat found lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fastwan-serve-worker-{name}", daemon=True)
@@ -185,6 +191,17 @@ class Worker:
                     self._wake.wait(timeout=1.0)
                 continue
             self.run(job)
+        self._written()
+        self._writer.shutdown(wait=False)
+
+    def _written(self) -> None:
+        """Wait until the video being written is in place (or its failure recorded)."""
+        if self._writing is not None:
+            try:
+                self._writing.result()
+            except Exception:  # noqa: BLE001 -- the store was unreachable: the job's lease lapses, it runs again
+                logger.exception("completing a video failed")
+            self._writing = None
 
     def expire(self) -> None:
         """Delete the finished videos past the retention, with their files (checked while the queue is empty)."""
@@ -205,9 +222,9 @@ class Worker:
             try:
                 if self.gen is not None and not self._stop.is_set():
                     self.store.beat(self.name, self.model or self.options.model)
-                running = self._running
-                if running is not None and not self.store.heartbeat(*running):
-                    self._lost.add(running[1])
+                for claim, id in list(self._held.items()):
+                    if not self.store.heartbeat(id, claim):
+                        self._lost.add(claim)
             except Exception:  # noqa: BLE001 -- the store is unreachable for now; the lease may lapse
                 logger.warning("renewing the lease failed; retrying", exc_info=True)
 
@@ -217,7 +234,8 @@ class Worker:
         claim = job.claim
         target = self.video_path(job.id, claim)
         thumbnail = target.with_suffix(".png")
-        self._running = job.id, claim
+        self._held[claim] = job.id
+        handed = False
 
         last_step = None
 
@@ -236,10 +254,12 @@ class Worker:
                 raise Lost(job.id)
 
         try:
-            request = build(job.fields, target, *job_images(job))
+            request = build(job.fields, target, *job_images(job)).replace(save_video=False, return_frames=True)
             self.loras.use(self.gen, job.fields)  # the job's LoRAs merged, or the base weights
             result = self.gen.generate(request, on_step=on_step)
-            write_png(result.frames[0], thumbnail)
+            self._written()  # one video written at a time
+            self._writing = self._writer.submit(self._finish, job, result, target, thumbnail)
+            handed = True
         except Cancelled:
             logger.info("video %s: cancelled (deleted while in progress)", job.id)
             remove(target, thumbnail, *uploads(job))
@@ -257,26 +277,52 @@ class Worker:
                 logger.warning("video %s: stopped (its lease lapsed and another worker runs it)", job.id)
             return
         except Exception as exc:  # noqa: BLE001 -- a job's failure is its status, the worker goes on
-            if isinstance(exc, UserError):
-                error = {"code": "invalid_request", "message": one_line(exc)}
-            else:
-                logger.exception("video %s failed", job.id)
-                error = {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}
-            remove(target, thumbnail)
-            if self.store.finish(job.id, claim, error=error):
-                logger.info("video %s: failed (%s)", job.id, error["message"])
-            elif self.store.get(job.id) is not None:
-                return  # claimed again meanwhile: the uploads are the new claim's
-            remove(*uploads(job))
-            return
+            self._failed(job, exc, target, thumbnail)
         finally:
-            self._running = None
-            self._cancelled.discard(job.id)
-            self._lost.discard(claim)
-        if self.store.finish(job.id, claim, video=str(target), thumbnail=str(thumbnail)):
-            logger.info("video %s: completed (%s)", job.id, spent(result.timings))
-        else:  # deleted as it completed, or claimed again: the row is not this claim's
-            remove(target, thumbnail)
-            if self.store.get(job.id) is not None:
-                return  # the upload is the new claim's
+            if not handed:
+                self._release(job)
+
+    def _release(self, job: Job) -> None:
+        """The job is no longer this worker's to run or write."""
+        self._held.pop(job.claim, None)
+        self._cancelled.discard(job.id)
+        self._lost.discard(job.claim)
+
+    def _finish(self, job: Job, result, target: Path, thumbnail: Path) -> None:
+        """On the writer thread: the job's mp4 and thumbnail written (hidden names, then moved), then the job
+        completed; a write that fails fails the job."""
+        try:
+            start = time.perf_counter()
+            save_video(check_output_path(str(target), True), target.name, result.frames, result.settings["fps"])
+            write_png(result.frames[0], thumbnail)
+            result.timings["saving"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 -- a job's failure is its status, the worker goes on
+            try:
+                self._failed(job, exc, target, thumbnail)
+            finally:
+                self._release(job)
+            return
+        try:
+            if self.store.finish(job.id, job.claim, video=str(target), thumbnail=str(thumbnail)):
+                logger.info("video %s: completed (%s)", job.id, spent(result.timings))
+            else:  # deleted as it completed, or claimed again: the row is not this claim's
+                remove(target, thumbnail)
+                if self.store.get(job.id) is not None:
+                    return  # the upload is the new claim's
+            remove(*uploads(job))
+        finally:
+            self._release(job)
+
+    def _failed(self, job: Job, exc: Exception, target: Path, thumbnail: Path) -> None:
+        """The job failed with ``exc``: its error recorded (a user error as invalid_request), its files removed."""
+        if isinstance(exc, UserError):
+            error = {"code": "invalid_request", "message": one_line(exc)}
+        else:
+            logger.error("video %s failed", job.id, exc_info=exc)
+            error = {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}
+        remove(target, thumbnail)
+        if self.store.finish(job.id, job.claim, error=error):
+            logger.info("video %s: failed (%s)", job.id, error["message"])
+        elif self.store.get(job.id) is not None:
+            return  # claimed again meanwhile: the uploads are the new claim's
         remove(*uploads(job))
