@@ -8,7 +8,8 @@ Phases (each appends to the JSON given by --out):
           job per worker, then --repeats single jobs one after another, each timed from its create to its
           ``completed`` event (the client's view, through the SSE stream), then --queue jobs created at once: the
           wall time from the first create to the last completion, jobs per minute, and each worker's idle gaps
-          between two jobs (the server log's times: one job's completion to the next job's start on that GPU)
+          between two jobs (the server log's times: the end of one job's GPU work, its completion less its file's
+          seconds, to the next job's start on that GPU)
 The request is the same in both: 832x480, 81 frames, --steps steps, the preset's guidance, a fixed seed.
 
   python -m benchmarks.serve_bench --phase make,direct,server --ckpt /tmp/wan13b --compile --gpus 0 --repeats 3
@@ -37,7 +38,7 @@ from benchmarks.harness import NEG, PROMPT, SMOKE_DIR, add_device, add_smoke, co
 PHASES = ("make", "direct", "server")
 SEED = 7
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) fastwan\.serve INFO: video (video_[0-9a-f]+): "
-                      r"(in_progress on (\S+)|completed(?: \(.*steps ([\d.]+) s.*\))?)")
+                      r"(in_progress on (\S+)|completed(?: \(.*steps ([\d.]+) s.*file ([\d.]+) s\))?)")
 
 
 def request_fields(video: tuple[int, int, int], steps: int) -> dict:
@@ -105,16 +106,18 @@ def _log_times(text: str) -> dict[str, dict]:
             else:
                 job["done"] = when
                 if m.group(5):
-                    job["steps_s"] = float(m.group(5))
+                    job.update(steps_s=float(m.group(5)), file_s=float(m.group(6)))
     return jobs
 
 
 def idle_gaps(jobs: dict[str, dict], ids: list[str]) -> dict[str, list[float]]:
-    """Per device: the seconds between one of ``ids``' completion and the next one's start there."""
+    """Per device: the seconds it waits between two of ``ids`` there, from the end of one job's device work (its
+    completion less the seconds its file took, which the worker writes while the next job runs) to the next job's
+    start; 0 when the next job started before that."""
     by_device: dict[str, list[dict]] = {}
     for video_id in ids:
         by_device.setdefault(jobs[video_id]["device"], []).append(jobs[video_id])
-    return {device: [b["start"] - a["done"] for a, b in zip(runs, runs[1:])]
+    return {device: [max(0.0, b["start"] - (a["done"] - a.get("file_s", 0.0))) for a, b in zip(runs, runs[1:])]
             for device, runs in ((d, sorted(r, key=lambda j: j["start"])) for d, r in by_device.items())}
 
 
