@@ -52,7 +52,7 @@ from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.step_parallel import check_chords_generator
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, trained_attention
+from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, set_fp32_precision, trained_attention
 from fastwan.pipelines.text import encode_prompts
 from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 
@@ -133,6 +133,7 @@ class VideoGenerator:
         num_gpus: int | None = None,
         cfg_parallel: bool = False,
         ring_degree: int | None = None,
+        fp32_precision: str = "tf32",
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, at ``revision`` if given; Diffusers-format folder; or ``"tiny"``) onto ``device``.
 
@@ -202,6 +203,7 @@ class VideoGenerator:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         home = device if plan is None or not plan.levers() else torch.device("cpu")  # offloading loads to the host
 
+        set_fp32_precision(device, o.fp32_precision)
         # ---- loading ----
         from transformers import UMT5EncoderModel
 

@@ -33,6 +33,7 @@ from fastwan.values import python_number
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CFG_MODES = ("auto", "batched", "sequential")
+FP32_PRECISIONS = ("tf32", "ieee")  # torch.backends.cuda.matmul / cudnn.conv fp32_precision values
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -202,6 +203,12 @@ class LoadOptions:
     ``AUTO_SEQUENTIAL_TOKENS`` DiT tokens per sample, batched otherwise. Either way the part the two passes
     share (everything before the first block's cross-attention) runs once.
 
+    ``fp32_precision``: the math of fp32 matmuls and convolutions on CUDA (an fp32 VAE, text or image encoder, or an
+    fp32 DiT): "tf32" (default; TensorFloat-32 tensor cores, a 10-bit mantissa on the products, fp32 sums) or
+    "ieee" (full fp32). torch keeps one setting per process (``torch.backends.cuda.matmul.fp32_precision`` and
+    ``torch.backends.cudnn.conv.fp32_precision``); a CUDA load sets it, so the generators of one process share the
+    last load's. bf16 and fp16 math is unaffected; a CPU load changes nothing.
+
     ``vae_tiling`` decodes in overlapping spatial tiles (diffusers' ``AutoencoderKLWan.enable_tiling``): about
     5x less decode memory at 720p for about 2x the decode time; True uses diffusers' tile sizes, a dict sets
     ``tile_sample_min_height/_width`` and ``tile_sample_stride_height/_width`` (pixels, multiples of the
@@ -282,6 +289,11 @@ class LoadOptions:
                                         "on CUDA)", schema={"enum": list(CFG_MODES)},
                            check=_choice("cfg_mode", CFG_MODES, "'auto' picks per video size; 'sequential' saves "
                                                                  "memory"), flag="--cfg-mode", choices=CFG_MODES)
+    fp32_precision: str = option("tf32", help="fp32 matmuls and convolutions on CUDA: tf32 (TensorFloat-32) or ieee "
+                                              "(full fp32); torch's setting for the whole process",
+                                 schema={"enum": list(FP32_PRECISIONS)},
+                                 check=_choice("fp32_precision", FP32_PRECISIONS, "'ieee' pins full fp32 precision"),
+                                 flag="--fp32-precision", choices=FP32_PRECISIONS)
     vae_dtype: Any = option(None, help="VAE dtype (default: --dtype)", nullable=True,
                             schema={"enum": list(DTYPE_NAMES)}, check=_dtype("vae_dtype"), encode=_dtype_name,
                             decode=dtype_of, flag="--vae-dtype", parse=dtype_of, choices=tuple(DTYPE_NAMES.values()),

@@ -45,6 +45,14 @@ def check_load_options(options) -> tuple:
     return device, dtype, vae_dtype, cfg_gate_step, dit_options
 
 
+def set_fp32_precision(device: torch.device, precision: str) -> None:
+    """Rule: on CUDA, fp32 matmuls and convolutions run as ``precision`` says ("tf32" or "ieee") from this load on;
+    torch keeps one setting per process. Off CUDA nothing changes."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+
+
 def load_scheduler(ckpt: Checkpoint):
     """The checkpoint's diffusers scheduler: the class diffusers' pipeline loading builds
     (:func:`fastwan.checkpoint.components.scheduler_class`) from ``scheduler/scheduler_config.json``."""
