@@ -15,11 +15,14 @@ f = 8) with each variant:
                              temporal interleave, nearest upsample as a wide copy, 96-channel convs as a conv2d
                              over stacked time taps);
 * ``bf16+tiling``            ``vae.enable_tiling()`` (diffusers' spatial tiling, default tile sizes);
+* ``fp32+ieee`` / ``fp32+tf32`` fp32 math in full precision or on TF32 tensor cores (fastwan's ``fp32_precision``,
+                             set as a CUDA load sets it); list ``fp32+ieee`` first to get TF32's error against it;
 * any of them ``+chunkN``    decoded by ``fastwan.vae.decode.decode_latents`` with N latent frames per
                              decoder call after the first (``+chunkauto``: its size rule), instead of one.
 
 Figures: median ms of ``--iters`` decodes after one warm-up, peak allocated memory above the weights, and the
-max |difference| to the ``bf16`` decode of the same latents (tiling blends tile borders, so it is not exact).
+max |difference| to the ``bf16`` decode of the same latents (tiling blends tile borders, so it is not exact), and
+the max |difference| and PSNR (outputs in [-1, 1]) to the first variant listed.
 ``--profile`` also prints, per variant, the CUDA kernel time of one decode (torch.profiler) by group and its top
 kernels; ``--ckpt random`` builds the VAE from diffusers' default config (Wan2.1's) with random weights, and
 ``--ckpt random-wan2.2`` the Wan2.2-TI2V-5B one (48 latent channels, spatial factor 16). ``--smoke`` (CI): the tiny
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -46,7 +50,7 @@ from benchmarks.harness import (
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
             "bf16+channels-last+fused-norms+fast-convs", "bf16+channels-last+fused-norms+fast-convs+cudnn-bench",
             "bf16+tiling")
-PARTS = ("cudnn-bench", "channels-last", "fused-norms", "fast-convs", "tiling")
+PARTS = ("cudnn-bench", "channels-last", "fused-norms", "fast-convs", "tiling", "tf32", "ieee")
 # the Wan2.2-TI2V-5B VAE's config (its published vae/config.json), for --ckpt random-wan2.2
 WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
@@ -125,6 +129,12 @@ def chunk_of(variant: str):
     return None if m is None else (m.group(1) if m.group(1) == "auto" else int(m.group(1)))
 
 
+def psnr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB of ``out`` against ``ref``, both in [-1, 1] (peak-to-peak 2); inf when equal."""
+    mse = float(((out.clamp(-1, 1) - ref.clamp(-1, 1)).double() ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(4.0 / mse)
+
+
 def check_variant(variant: str) -> None:
     """ValueError unless ``variant`` is fp32 or bf16 followed by known ``+`` parts."""
     dtype, *parts = variant.split("+")
@@ -178,6 +188,11 @@ def main(argv=None) -> int:
             dtype = torch.float32 if variant.startswith("fp32") else torch.bfloat16
             parts = set(variant.split("+")[1:])
             torch.backends.cudnn.benchmark = "cudnn-bench" in parts
+            precision = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+            for mode in parts & {"tf32", "ieee"}:
+                from fastwan.pipelines.setup import set_fp32_precision
+
+                set_fp32_precision(device, mode)
             vae = load_vae(a.ckpt, dtype, device)
             z = z32.to(dtype)
             if "channels-last" in parts:
@@ -226,12 +241,14 @@ def main(argv=None) -> int:
             row = {"size": size, "frames": a.frames, "variant": variant, "ms": round(statistics.median(times), 1),
                    "times_ms": [round(t, 1) for t in times], "first_s": round(first_s, 2),
                    "peak_above_weights_gib": peak and round(peak, 2), "max_diff_vs_bf16": diff,
-                   "max_diff_vs_first_variant": float((out.float() - first).abs().max())}
+                   "max_diff_vs_first_variant": float((out.float() - first).abs().max()),
+                   "psnr_vs_first_variant": psnr(out.float(), first)}
             if a.profile:
                 row["profile"] = profile_decode(run, f"{size} {variant}", a.top)
             res["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
             del vae, run, out
+            torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = precision
             release(False, device)
         del ref, first
         torch.backends.cudnn.benchmark = False
