@@ -1,0 +1,148 @@
+"""8-bit attention: INT8 Q·K^T with smoothed K, FP8 (e4m3) P·V, fp32 softmax and accumulation (SageAttention 2's
+recipe, fastwan's own kernel).
+
+The quantization rule (:func:`quantize`, plain PyTorch, shared by both routes):
+
+* K is smoothed: ``k - mean_s(k)`` per (sample, head, channel), the mean over the key tokens. Every score of one
+  query row moves by the same amount (``q · mean``), so the softmax is unchanged, and a large per-channel offset
+  of K no longer sets its quantization step;
+* Q per block of ``BLOCK_M`` = 128 query rows and K per block of ``BLOCK_N`` = 64 key rows (per sample and head,
+  over all channels) become INT8: ``scale = max(amax(|x|), 1e-30) / 127``, ``x8 = round_half_even(x / scale)``;
+  the softmax scale (and log2(e): the scores are in log2 units) is folded into Q's block scales;
+* V per (sample, head, channel) over the key tokens becomes e4m3: ``scale = max(amax(|v|), 1e-30) / 448``,
+  ``v8 = e4m3(v / scale)`` rounded to nearest, ties to even.
+
+The attention (:func:`attention_reference` in PyTorch, the Triton kernel in :mod:`fastwan.kernels.attn8_triton`):
+an online softmax over key blocks of ``BLOCK_N`` rows; block j's scores ``s = (q8 · k8^T) * (qs * ks)`` (exact
+integers times one fp32 factor), ``m = max(m, rowmax(s))``, ``p = exp2(s - m)`` in [0, 1]; the row sum ``l`` adds
+the fp32 ``p``; P·V takes ``e4m3(448 * p)`` (a fixed scale: p <= 1) times ``v8`` with fp32 accumulation;
+finally ``out = acc / l * (vs / 448)``. Keys past the sequence end score -inf.
+
+``fastwan::attn8(q, k, v, scale, smooth_k)``: q [B, Sq, H, D], k/v [B, Skv, H, D] (D in ``HEAD_DIMS``) ->
+[B, Sq, H, D] in q's dtype; the Triton kernel where :func:`fastwan.kernels.triton_runs` allows (CUDA, fp16 /
+bf16), else :func:`attention_reference`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fastwan.kernels import HALF, triton_runs
+
+BLOCK_M = 128  # query rows per INT8 scale (and per kernel program)
+BLOCK_N = 64  # key rows per INT8 scale (and per kernel step)
+HEAD_DIMS = (64, 128)  # the kernel's head dims (tl.arange needs a power of two)
+INT8_MAX = 127.0
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+P_SCALE = E4M3_MAX  # p in [0, 1] is stored as e4m3(448 p)
+TINY = 1e-30  # an all-zero block's amax, so that its scale divides
+
+
+class Quantized(NamedTuple):
+    """The 8-bit inputs of one attention call (:func:`quantize`).
+
+    q8 int8 [B, Sq, H, D]; qs fp32 [B, ceil(Sq / BLOCK_M), H]: Q's block scales times softmax scale times log2(e);
+    k8 int8 [B, Skv, H, D] (smoothed K); ks fp32 [B, ceil(Skv / BLOCK_N), H]; v8 e4m3 [B, Skv, H, D], its
+    memory laid out token-fastest ([B, H, D, Skv]: the layout FP8 tensor cores read P·V's right operand in);
+    vs fp32 [B, H, D]: V's channel scales divided by ``P_SCALE``."""
+    q8: torch.Tensor
+    qs: torch.Tensor
+    k8: torch.Tensor
+    ks: torch.Tensor
+    v8: torch.Tensor
+    vs: torch.Tensor
+
+
+def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [B, S, H, D] -> (int8 [B, S, H, D], scales fp32 [B, ceil(S / block), H]) per block of rows."""
+    B, S, H, D = x.shape
+    nb = -(-S // block)
+    amax = F.pad(x, (0, 0, 0, 0, 0, nb * block - S)).view(B, nb, block, H, D).abs().amax(dim=(2, 4))
+    scale = amax.clamp_min(TINY) / INT8_MAX
+    full = scale.repeat_interleave(block, dim=1)[:, :S, :, None]
+    return torch.round(x / full).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool = True) -> Quantized:
+    """The rule in the module docstring; q [B, Sq, H, D], k/v [B, Skv, H, D], ``scale`` the softmax scale."""
+    kf = k.float()
+    if smooth_k:
+        kf = kf - kf.mean(dim=1, keepdim=True)
+    q8, qs = _int8_blocks(q.float(), BLOCK_M)
+    k8, ks = _int8_blocks(kf, BLOCK_N)
+    vf = v.float()
+    vscale = vf.abs().amax(dim=1).clamp_min(TINY) / E4M3_MAX  # [B, H, D]
+    v8 = (vf / vscale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # token-fastest memory, same shape
+    return Quantized(q8, qs * (scale * math.log2(math.e)), k8, ks, v8, vscale / P_SCALE)
+
+
+def attention_reference(t: Quantized) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch fp32, block by block (the same online softmax, the same roundings of p):
+    :class:`Quantized` -> out fp32 [B, Sq, H, D]."""
+    B, Sq, H, D = t.q8.shape
+    Skv = t.k8.shape[1]
+    q = t.q8.float().permute(0, 2, 1, 3)  # [B, H, Sq, D]
+    qs = t.qs.repeat_interleave(BLOCK_M, dim=1)[:, :Sq].permute(0, 2, 1)[..., None]  # [B, H, Sq, 1]
+    m = torch.full((B, H, Sq, 1), -math.inf, device=q.device)
+    l_sum = torch.zeros(B, H, Sq, 1, device=q.device)
+    acc = torch.zeros(B, H, Sq, D, device=q.device)
+    for j, start in enumerate(range(0, Skv, BLOCK_N)):
+        stop = min(start + BLOCK_N, Skv)
+        k = t.k8[:, start:stop].float().permute(0, 2, 3, 1)  # [B, H, D, n]
+        v = t.v8[:, start:stop].float().permute(0, 2, 1, 3)  # [B, H, n, D]
+        s = (q @ k) * (qs * t.ks[:, j, :, None, None])  # integer products: exact in fp32 (|sum| < 2^24)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp2(s - m_new)
+        alpha = torch.exp2(m - m_new)
+        l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
+        p8 = (p * P_SCALE).to(E4M3).float()
+        acc = acc * alpha + p8 @ v
+        m = m_new
+    out = (acc / l_sum) * t.vs[:, :, None, :]
+    return out.permute(0, 2, 1, 3)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"attn8: q [B, Sq, H, D] and k, v [B, Skv, H, D] expected, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0:
+        raise ValueError("attn8: k and v hold no tokens (Skv = 0); attention needs at least one key")
+
+
+def kernel_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs: :func:`fastwan.kernels.triton_runs` for q, k, v (one dtype) and a head dim
+    in ``HEAD_DIMS``."""
+    return q.shape[-1] in HEAD_DIMS and k.dtype == v.dtype == q.dtype and triton_runs(q, k, v, dtypes=HALF)
+
+
+@functools.cache
+def _kernels():
+    from fastwan.kernels import attn8_triton  # imports Triton
+
+    return attn8_triton
+
+
+@torch.library.custom_op("fastwan::attn8", mutates_args=())
+def attn8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool) -> torch.Tensor:
+    """8-bit attention (the module docstring's rule): q [B, Sq, H, D], k/v [B, Skv, H, D], ``scale`` the softmax
+    scale, ``smooth_k`` K minus its token mean -> [B, Sq, H, D] in q's dtype."""
+    check_inputs(q, k, v)
+    t = quantize(q, k, v, scale, smooth_k)
+    if not kernel_runs(q, k, v):
+        return attention_reference(t).to(q.dtype).contiguous()
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if out.numel():
+        _kernels().launch(t, out)
+    return out
+
+
+@attn8.register_fake
+def _(q, k, v, scale, smooth_k):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
