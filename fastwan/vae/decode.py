@@ -16,6 +16,8 @@ cached frame) also covers a chunk of several frames: each frame sees the zero-pa
 
 It also collects the chunks' outputs and concatenates them once (diffusers concatenates the growing output with
 each new chunk: quadratic in the frame count), and shows a progress bar over the decoder calls ("decoding").
+:func:`iter_decode_latents` and :func:`iter_decode_frames` yield each call's frames as soon as they exist (a
+stream's consumer takes them chunk by chunk).
 
 :func:`vae_tiling_kwargs` checks the ``vae_tiling`` option against the VAE's config before anything is loaded.
 """
@@ -66,6 +68,17 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: bool =
     bar); otherwise a progress bar ("decoding", cleared when done; none when ``bars`` is False) counts the decoder
     calls.
     """
+    outs = list(iter_decode_latents(vae, z, chunk, bars))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+@torch.no_grad()
+def iter_decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: bool = True):
+    """:func:`decode_latents` one decoder call at a time: yields [B, 3, t, H, W] in [-1, 1], the frames of each call
+    as soon as it returns (1 frame, then ``chunk`` x the temporal factor, the last call fewer); their concatenation
+    over time is :func:`decode_latents`'s video. Under spatial tiling (a latent larger than a tile) the one tiled
+    ``vae.decode`` yields the whole video. The decoder's feature cache lives until the last chunk or until the
+    caller closes the generator."""
     from tqdm.auto import tqdm
 
     check_chunk(chunk)
@@ -75,26 +88,25 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: bool =
     if getattr(vae, "use_tiling", False):
         s = vae.spatial_compression_ratio
         if w > vae.tile_sample_min_width // s or h > vae.tile_sample_min_height // s:
-            return vae.decode(z, return_dict=False)[0]
+            yield vae.decode(z, return_dict=False)[0]
+            return
     if chunk == "auto":
         chunk = auto_chunk(vae, h * vae.spatial_compression_ratio, w * vae.spatial_compression_ratio, batch)
+    patch = vae.config.patch_size
+    if patch is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     vae.clear_cache()
     try:
         x = vae.post_quant_conv(z)
-        outs = []
         starts = [0] + list(range(1, num_frames, chunk))
         for i, start in enumerate(tqdm(starts, desc="decoding", unit="call", leave=False, disable=not bars)):
             stop = 1 if i == 0 else min(start + chunk, num_frames)
             vae._conv_idx = [0]
-            outs.append(vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                    first_chunk=i == 0))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-        del outs
-        if vae.config.patch_size is not None:
-            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-            out = unpatchify(out, patch_size=vae.config.patch_size)
-        return torch.clamp(out, min=-1.0, max=1.0)
+            out = vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                              first_chunk=i == 0)
+            if patch is not None:
+                out = unpatchify(out, patch_size=patch)
+            yield torch.clamp(out, min=-1.0, max=1.0)
     finally:
         vae.clear_cache()
 
@@ -102,12 +114,27 @@ def decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: bool =
 def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> np.ndarray:
     """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3] (``bars``:
     :func:`decode_latents`'s progress bar)."""
+    return _uint8(decode_latents(vae, _denormalised(vae, latents), chunk, bars))
+
+
+def iter_decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True):
+    """:func:`decode_frames` as the frames are made: yields uint8 [t, H, W, 3] per decoder call
+    (:func:`iter_decode_latents`); their concatenation is :func:`decode_frames`'s video."""
+    for video in iter_decode_latents(vae, _denormalised(vae, latents), chunk, bars):
+        yield _uint8(video)
+
+
+def _denormalised(vae, latents: torch.Tensor) -> torch.Tensor:
+    """WanPipeline's ``latents / (1 / std) + mean``, the reciprocal taken in the VAE's dtype."""
     c = vae.config
     z = latents.to(vae.dtype)
     mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-    z = z / (1.0 / std) + mean
-    video = decode_latents(vae, z, chunk, bars)  # [1, 3, T, H, W] in [-1, 1]
+    return z / (1.0 / std) + mean
+
+
+def _uint8(video: torch.Tensor) -> np.ndarray:
+    """[1, 3, T, H, W] in [-1, 1] -> uint8 [T, H, W, 3] (diffusers' postprocess, then x 255 rounded)."""
     video = (video[0] / 2 + 0.5).clamp(0, 1).float()
     return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
 

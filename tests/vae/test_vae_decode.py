@@ -199,3 +199,32 @@ def test_tiled_and_untiled_videos_get_different_automatic_names(gen, tiny_ckpts,
     assert a.video_path != b.video_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.rsplit("/", 1)[-1] for p in (a.video_path, b.video_path))
+
+
+@pytest.mark.parametrize("variant", ["wan2.1", "wan2.2-ti2v"])
+def test_frames_leave_as_each_decoder_call_makes_them(tiny_ckpts, variant):
+    """iter_decode_frames yields each decoder call's frames before the next call runs (1 frame, then chunk x 4), and
+    the chunks make diffusers' decode of the whole video."""
+    ref, fast = vaes(tiny_ckpts[variant] / "vae")
+    z = torch.randn(1, ref.config.z_dim, 6, 3, 5, generator=torch.Generator().manual_seed(1))
+    calls = []
+    hook = fast.decoder.register_forward_hook(lambda module, args, out: calls.append(out.shape[2]))
+    try:
+        chunks = vae_decode.iter_decode_frames(fast, z, chunk=2, bars=False)
+        got = []
+        for i, frames in enumerate(chunks):
+            assert len(calls) == i + 1  # this chunk's call ran, the next one not yet
+            got.append(frames)
+    finally:
+        hook.remove()
+    sizes = [len(f) for f in got]
+    assert sizes == [1, 8, 8, 4] and calls[0] == 1
+    c = ref.config
+    mean = torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        want = ref.decode(z * std + mean).sample[0]  # [3, T, H, W] in [-1, 1]
+    want = ((want / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
+    whole = np.concatenate(got)
+    assert whole.shape == want.shape and int(np.abs(whole.astype(int) - want.astype(int)).max()) <= 1
+    assert np.array_equal(whole, decode_frames(fast, z, chunk=2, bars=False))
