@@ -38,12 +38,12 @@ I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V
 # FastVideo's DMD-distilled image-to-video (fastvideo/pipelines/basic/wan/wan_i2v_dmd_pipeline.py, class spelled
 # so): the image-to-video layout, DMD sampling
 I2V_DMD_PIPELINE = "WanImageToVideoDmdPipeline"
-PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE)
+VACE_PIPELINE = "WanVACEPipeline"  # Wan2.1-VACE, Wan2.2-VACE-Fun-A14B: a WanVACETransformer3DModel DiT
+PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE, VACE_PIPELINE)
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders transformers' from_pretrained reads
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
-OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("VACE", "VACE (video editing)"),
-               ("Animate", "character animation"),
+OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("Animate", "character animation"),
                # FastVideo's WanCausalPipeline / WanCausalDMDPipeline (Self-Forcing, e.g. SFWan2.1-T2V-1.3B): a
                # causal DiT that generates frame blocks one after another with a KV cache
                ("Causal", "causal (autoregressive, Self-Forcing) generation"))
@@ -158,7 +158,7 @@ def _check_pipeline_class(index: dict, path: Path) -> None:
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
         f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\", \"{I2V_DMD_PIPELINE}\") "
-        f"checkpoints, and {task} is not supported yet. Use a text- or image-to-video checkpoint."
+        f"and VACE (\"{VACE_PIPELINE}\") checkpoints, and {task} is not supported yet. Use one of those."
     )
 
 
@@ -308,6 +308,15 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     return configs
 
 
+def _check_vace(pipeline: bool, cfg: WanConfig, source: Path) -> None:
+    """Rule: a VACE pipeline (model_index.json) has VACE DiTs, and only a VACE pipeline has them."""
+    if pipeline != cfg.vace:
+        raise CheckpointError(
+            f"{source} describes a {'plain' if pipeline else 'VACE'} Wan DiT, but model_index.json names "
+            f"{'' if pipeline else 'no '}VACE pipeline; a VACE checkpoint has \"_class_name\": \"{VACE_PIPELINE}\" "
+            "with a \"WanVACETransformer3DModel\" DiT. Fix model_index.json or download the checkpoint again.")
+
+
 def checkpoint_label(name: str, root: Path, hub: bool) -> str:
     """The checkpoint's own name, lower case: a Hub id as given, else its folder's name (not a parent's; for a
     Hub-cache snapshot folder ``models--owner--name/snapshots/<commit>``, the repository's)."""
@@ -351,6 +360,7 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
                                 tuple(c for c in components if c not in weighted), allow_pickle)
     check_components(root, index_path, components)
     configs = _expert_configs(root, meta)
+    _check_vace(index.get("_class_name") == VACE_PIPELINE, configs[0], root / meta.experts[0] / "config.json")
     check_latent_channels(root, configs[0])
     check_text_width(root, configs[0])
     if meta.image_encoder:

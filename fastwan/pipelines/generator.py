@@ -54,6 +54,7 @@ from fastwan.pipelines.step_parallel import check_chords_generator
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, set_fp32_precision, trained_attention
 from fastwan.pipelines.text import encode_prompts
+from fastwan.pipelines.vace import VaceRequest, check_vace_generator, vace_run
 from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 
 logger = logging.getLogger("fastwan")
@@ -168,6 +169,8 @@ class VideoGenerator:
             raise InvalidArgument(f"max_gpu_memory={budget!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
         ckpt = resolve(model, allow_pickle=allow_pickle, revision=o.revision)
+        if ckpt.transformer_config.vace:
+            check_vace_generator(launch != "single", budget)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device, o.ring_degree)
@@ -322,6 +325,9 @@ class VideoGenerator:
         image: Any = None,
         last_image: Any = None,
         video: Any = None,
+        mask: Any = None,
+        reference_images: Any = None,
+        conditioning_scale: Any = None,
         strength: float | None = None,
         negative_prompt: str | None = None,
         height: int | None = None,
@@ -393,6 +399,8 @@ class VideoGenerator:
             settings.update(video=plan.video.digest, strength=plan.video.strength)
         if plan.chords is not None:  # CHORDS's frames are its own: its cores are part of the video's identity
             settings.update(chords=list(plan.chords))
+        if plan.vace is not None:  # VACE's inputs (video, mask, references, scales) are part of the video's identity
+            settings.update(vace=plan.vace.digest)
         save_video = r.save_video
         if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)
@@ -402,7 +410,7 @@ class VideoGenerator:
         with self._lock:
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
                                                                      (cache, plan.coefficients), on_step,
-                                                                     plan.video, plan.chords)
+                                                                     plan.video, plan.chords, plan.vace)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -419,7 +427,8 @@ class VideoGenerator:
 
     def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
                   cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None,
-                  video: VideoRequest | None = None, chords: tuple[int, ...] | None = None):
+                  video: VideoRequest | None = None, chords: tuple[int, ...] | None = None,
+                  vace: VaceRequest | None = None):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
@@ -442,8 +451,9 @@ class VideoGenerator:
         _sync(dev)
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
-        with self._phase("denoising"):
-            latents, forwards = self._denoise(emb, s, seed, do_cfg, cond, run, on_step, start, chords)
+        with self._phase("denoising"), vace_run(self, vace, s) as (denoised, crop):  # VACE: its control, frames
+            latents, forwards = self._denoise(emb, denoised, seed, do_cfg, cond, run, on_step, start, chords)
+            latents = crop(latents)
         _sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None

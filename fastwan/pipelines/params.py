@@ -176,12 +176,37 @@ def _decode_image(value):
     return image
 
 
-def _video(value):
-    """None, a file path, a sequence of images or an np.uint8 array of frames (read when the request is resolved)."""
-    if value is None or isinstance(value, (str, os.PathLike, np.ndarray, list, tuple)):
-        return value
-    raise InvalidArgumentType(f"video={value!r} must be a video file path, a list of images, or an np.uint8 array "
-                              "T x H x W x 3.")
+def _frames(name: str):
+    """The rule of a video-like field: None, a file path, a sequence of images or an np.uint8 array of frames (read
+    when the request is resolved)."""
+    def check(value):
+        if value is None or isinstance(value, (str, os.PathLike, np.ndarray, list, tuple)):
+            return value
+        raise InvalidArgumentType(f"{name}={value!r} must be a video file path, a list of images, or an np.uint8 "
+                                  "array T x H x W x 3.")
+    return check
+
+
+def _images(value):
+    """VACE's reference images: None, or one image or a list of them (paths, PIL images, np.uint8 arrays) -> a
+    tuple (each read when the request is resolved)."""
+    if value is None:
+        return None
+    images = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return images or None
+
+
+def _conditioning_scale(value):
+    """None (1 for every VACE layer), a number, or one number per VACE layer; finite."""
+    if value is None:
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    numbers = [python_number(v) for v in items]
+    if not numbers or any(isinstance(v, bool) or not isinstance(v, (int, float)) or finite_float(v) is None
+                          for v in numbers):
+        raise InvalidArgumentType(f"conditioning_scale={value!r} must be a finite number (e.g. 1.0) or a list of "
+                                  "them, one per VACE layer.")
+    return tuple(float(v) for v in numbers) if isinstance(value, (list, tuple)) else float(numbers[0])
 
 
 def _encode_video(value):
@@ -245,8 +270,23 @@ class GenerationRequest:
     last_image: Any = option(None, help="last frame (first-last-frame checkpoints): an image file", nullable=True,
                              schema=_IMAGE_SCHEMA, encode=_encode_image, decode=_decode_image, flag="--last-image")
     video: Any = option(None, help="video-to-video: the video to redo (a file, e.g. .mp4; its frame count is the "
-                                   "video's; text-to-video checkpoints)", nullable=True, schema=_VIDEO_SCHEMA,
-                        check=_video, encode=_encode_video, decode=_decode_video, flag="--video")
+                                   "video's; text-to-video checkpoints); VACE: the control video", nullable=True,
+                        schema=_VIDEO_SCHEMA,
+                        check=_frames("video"), encode=_encode_video, decode=_decode_video, flag="--video")
+    mask: Any = option(None, help="VACE: which pixels of --video are generated (white) or kept (black), a video of "
+                                  "its frames and size", nullable=True, schema=_VIDEO_SCHEMA, check=_frames("mask"),
+                       encode=_encode_video, decode=_decode_video, flag="--mask")
+    reference_images: Any = option(None, help="VACE: a reference image (repeat the flag for more)", nullable=True,
+                                   schema={"type": "array", "items": _IMAGE_SCHEMA, "minItems": 1}, check=_images,
+                                   encode=lambda v: [_encode_image(i) for i in v],
+                                   decode=lambda v: [_decode_image(i) for i in v], flag="--reference-image",
+                                   action="append", metavar="PATH")
+    conditioning_scale: Any = option(None, help="VACE: the control hints' scale, a number or one per VACE layer "
+                                                "(default 1)", nullable=True,
+                                     schema={"anyOf": [{"type": "number"}, {"type": "array", "items":
+                                                                          {"type": "number"}, "minItems": 1}]},
+                                     check=_conditioning_scale, encode=lambda v: list(v) if isinstance(v, tuple)
+                                     else v, flag="--conditioning-scale", parse=number_text)
     strength: float | None = option(None, help="video-to-video: how much of the video is redone, in (0, 1] (1: "
                                                "from pure noise; default 0.8)", nullable=True,
                                     schema={"type": "number", "exclusiveMinimum": 0, "maximum": 1},

@@ -17,6 +17,7 @@ from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
 from fastwan.pipelines.step_parallel import check_chords_request
+from fastwan.pipelines.vace import VaceRequest, check_vace_composes, check_vace_grid, check_vace_request
 from fastwan.pipelines.video import VideoRequest, check_steps, check_video_request, steps_run
 from fastwan.vae.decode import scale_factors
 
@@ -42,6 +43,7 @@ class ResolvedRequest:
     coefficients: tuple | None
     video: VideoRequest | None = None
     chords: tuple[int, ...] | None = None
+    vace: VaceRequest | None = None  # a VACE checkpoint's control input (fastwan.pipelines.vace)
 
     @property
     def negative_prompt(self) -> str:
@@ -57,8 +59,9 @@ class ResolvedRequest:
         video = "" if v is None else (f", from a video at strength {v.strength:g} (its last "
                                       f"{steps_run(s.num_inference_steps, v.strength)} steps)")
         chords = "" if self.chords is None else f", CHORDS on {len(self.chords)} cores from steps {list(self.chords)}"
+        vace = "" if self.vace is None else f", VACE with {len(self.vace.references)} reference images"
         return (f"{s.width}x{s.height}, {s.num_frames} frames at {s.fps} fps, {s.num_inference_steps} steps, "
-                f"guidance {guidance}{sampler}{cache}{video}{chords}")
+                f"guidance {guidance}{sampler}{cache}{video}{chords}{vace}")
 
 
 def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], request: GenerationRequest,
@@ -71,8 +74,11 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
     height, width = r.height, r.width
     req = check_image_request(ckpt, r.image, r.last_image)
-    video = check_video_request(ckpt, r.video, r.strength, r.image, r.num_frames)
+    vace = check_vace_request(ckpt, r, vae_factors[1] * cfg.patch_size[1])
+    video = None if vace is not None else check_video_request(ckpt, r.video, r.strength, r.image, r.num_frames)
     num_frames = r.num_frames if video is None else len(video.frames)
+    if vace is not None and vace.video is not None:  # VACE makes a video of the control video's frames and size
+        num_frames, (height, width) = vace.frames, vace.size
     if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
         multiple = vae_factors[1] * cfg.patch_size[1]
         height, width = default_size(req.first, preset.height * preset.width, multiple, height, width,
@@ -95,8 +101,11 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     if video is not None:
         check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
+    if vace is not None:
+        check_vace_grid(vace, grid, cfg.patch_size, cfg.rope_max_seq_len)
+        check_vace_composes(vace, cache, r.parallel_sampling)
     chords = check_chords_request(r, s, cache, req, video, len(ckpt.experts))
-    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords)
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace)
 
 
 def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:

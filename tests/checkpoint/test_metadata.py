@@ -76,7 +76,6 @@ BAD_INDEX = [
     ("wan2.1", "_class_name", 5, "not a Wan pipeline"),
     ("wan2.1", "image_encoder", ["transformers", "CLIPVisionModel"], "named together"),
     ("wan2.1", "image_processor", "CLIPImageProcessor", "[library, class]"),
-    ("wan2.1", "_class_name", "WanVACEPipeline", "fastwan runs text-to-video"),
     ("wan2.1", "_class_name", "WanVideoToVideoPipeline", "fastwan runs text-to-video"),
     ("wan2.1", "_class_name", "WanAnimatePipeline", "fastwan runs text-to-video"),
     ("wan2.1", "_class_name", "WanSpeechToVideoPipeline", "fastwan runs text-to-video"),
