@@ -52,7 +52,8 @@ from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.step_parallel import check_chords_generator
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, set_fp32_precision, trained_attention
+from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, on_device, set_fp32_precision
+from fastwan.pipelines.setup import trained_attention
 from fastwan.pipelines.text import encode_prompts
 from fastwan.pipelines.vace import VaceRequest, check_vace_generator, vace_run
 from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
@@ -407,7 +408,7 @@ class VideoGenerator:
         save_video = save_video and (self.parallel is None or self.parallel.writes)
         logger.info("video: %s, seed %d", plan.describe(), seed)
 
-        with self._lock:
+        with self._lock, on_device(self.device):
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
                                                                      (cache, plan.coefficients), on_step,
                                                                      plan.video, plan.chords, plan.vace)

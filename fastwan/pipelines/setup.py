@@ -3,6 +3,7 @@ flags, DiT options, device), the scheduler class, torch.compile's arguments, the
 checkpoint runs, and the attention config argument."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Mapping
@@ -43,6 +44,13 @@ def check_load_options(options) -> tuple:
     cfg_gate_step = envs.cfg_gate_step() if options.cfg_gate_step is None else options.cfg_gate_step
     dit_options = DiTOptions() if options.dit_options is None else options.dit_options
     return device, dtype, vae_dtype, cfg_gate_step, dit_options
+
+
+def on_device(device: torch.device):
+    """A context in which ``device`` is the calling thread's current CUDA device (nothing off CUDA). Rule: a
+    generator's work runs inside it: Triton kernels launch on the current device, which CUDA keeps per thread (a
+    thread's is cuda:0 until set), so a generator on cuda:1 called from any thread needs it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def set_fp32_precision(device: torch.device, precision: str) -> None:
