@@ -73,8 +73,8 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
         raise InvalidArgumentType(f"request={request!r} must be a fastwan.GenerationRequest.")
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
     height, width = r.height, r.width
-    req = check_image_request(ckpt, r.image, r.last_image)
     vace = check_vace_request(ckpt, r, vae_factors[1] * cfg.patch_size[1])
+    req = check_image_request(ckpt, r.image, r.last_image)
     video = None if vace is not None else check_video_request(ckpt, r.video, r.strength, r.image, r.num_frames)
     num_frames = r.num_frames if video is None else len(video.frames)
     if vace is not None and vace.video is not None:  # VACE makes a video of the control video's frames and size
@@ -97,13 +97,13 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
                         max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))
     check_frames(req, s.num_frames)
     cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
+    if vace is not None:
+        check_vace_grid(vace, grid, cfg.patch_size, cfg.rope_max_seq_len)
+        check_vace_composes(vace, cache, r.parallel_sampling)
     # TeaCache's coefficients, and whether the cache can skip any of the request's steps
     if video is not None:
         check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
-    if vace is not None:
-        check_vace_grid(vace, grid, cfg.patch_size, cfg.rope_max_seq_len)
-        check_vace_composes(vace, cache, r.parallel_sampling)
     chords = check_chords_request(r, s, cache, req, video, len(ckpt.experts))
     return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace)
 
