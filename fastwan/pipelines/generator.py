@@ -170,8 +170,7 @@ class VideoGenerator:
             raise InvalidArgument(f"max_gpu_memory={budget!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
         ckpt = resolve(model, allow_pickle=allow_pickle, revision=o.revision)
-        if ckpt.transformer_config.vace:
-            check_vace_generator(launch != "single", budget)
+        check_vace_generator(ckpt, launch != "single", budget)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device, o.ring_degree)
@@ -326,9 +325,7 @@ class VideoGenerator:
         image: Any = None,
         last_image: Any = None,
         video: Any = None,
-        mask: Any = None,
-        reference_images: Any = None,
-        conditioning_scale: Any = None,
+        mask: Any = None, reference_images: Any = None, conditioning_scale: Any = None,  # VACE
         strength: float | None = None,
         negative_prompt: str | None = None,
         height: int | None = None,
