@@ -44,3 +44,35 @@ def test_fp8_dit_runs_the_hints(vace_ckpts):
         with vace_control(dense, control, 1.0), vace_control(fp8, control, 1.0):
             want, got = dense(x, t, text), fp8(x, t, text)
     assert rel_err(got, want) < 0.1 * rel_err(plain, want)  # e4m3 rounding, far below the hints' effect
+
+
+def test_lora_on_the_wan_blocks_gives_diffusers_frames(vace_ckpts, tmp_path, monkeypatch):
+    """A diffusers-format LoRA on every Wan block linear, merged by fastwan and loaded as an adapter by diffusers'
+    WanVACEPipeline: frames within 1, final latents within 1e-4, and the LoRA changes the video."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from fastwan import GenerationRequest, VideoGenerator
+    from tests.lora.helpers import random_lora
+    from tests.vace.test_vace_pipeline import NEGATIVE, PROMPT, RUN, TASKS, reference
+
+    path = vace_ckpts["wan2.1-vace"]
+    gen = VideoGenerator.from_pretrained(path, device="cpu", dtype=torch.float32)
+    gen.set_progress_bar_config(disable=True)
+    lora = tmp_path / "style.safetensors"
+    save_file(random_lora(gen.transformers[0], "diffusers"), str(lora))
+    kw = TASKS["inpainting"]
+    request = GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE, seed=4, save_video=False, **RUN, **kw)
+    base = gen.generate(request).frames
+    gen.load_lora(lora)
+    denoised, denoise = [], gen._denoise
+    monkeypatch.setattr(gen, "_denoise", lambda *a, **k: denoised.append(denoise(*a, **k)) or denoised[-1])
+    got = gen.generate(request).frames
+
+    def with_lora(pipe):
+        pipe.load_lora_weights(str(lora), adapter_name="x", low_cpu_mem_usage=False)
+
+    want, latents = reference(path, 4, setup=with_lora, **kw)
+    assert np.abs(got.astype(int) - base.astype(int)).max() > 3
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    assert ((denoised[0][0].double() - latents.double()).norm() / latents.double().norm()).item() <= 1e-4

@@ -57,10 +57,13 @@ TASKS = {
 RUN = dict(num_inference_steps=6, guidance_scale=5.0)
 
 
-def reference(path, seed, **kw):
-    """diffusers' frames (uint8) and final latents (the reference images' latent frames first)."""
+def reference(path, seed, setup=None, **kw):
+    """diffusers' frames (uint8) and final latents (the reference images' latent frames first); ``setup(pipe)``
+    runs on the pipeline first (e.g. to load a LoRA)."""
     pipe = WanVACEPipeline.from_pretrained(path, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe)
     final = {}
 
     def keep(pipe, i, t, tensors):
