@@ -1,5 +1,6 @@
-"""What composes with VACE: compiled blocks (fullgraph, the control blocks too) give the eager DiT's output, and an
-FP8 DiT (the main blocks' linears in e4m3, the control blocks dense) runs with the control hints."""
+"""What composes with VACE: compiled blocks (fullgraph, the control blocks too) give the eager DiT's output; an FP8
+DiT (the main blocks' linears in e4m3, the control blocks dense) runs with the control hints; a LoRA gives diffusers'
+frames; sparse backends order the control tokens as the stream."""
 from __future__ import annotations
 
 import torch
@@ -76,3 +77,21 @@ def test_lora_on_the_wan_blocks_gives_diffusers_frames(vace_ckpts, tmp_path, mon
     assert np.abs(got.astype(int) - base.astype(int)).max() > 3
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
     assert ((denoised[0][0].double() - latents.double()).norm() / latents.double().norm()).item() <= 1e-4
+
+
+def test_sparse_backends_put_the_control_tokens_in_the_stream_order(vace_ckpts):
+    """Dense-equivalent configs of the sparse backends (their compact token order, the attention over all tokens)
+    give the dense VACE DiT's output: the control tokens and hints are permuted as the stream is."""
+    from fastwan.attention import AttentionDispatch, create_backend
+
+    model = load(vace_ckpts["wan2.1-vace"] / "transformer", "reference")
+    x, control, (text, _) = inputs(model.config)
+    t = torch.tensor([800.0])
+    kw = dict(step_index=3, num_steps=10)
+    with torch.no_grad(), vace_control(model, control, [0.9, 1.2]):
+        want = model(x, t, text, **kw)
+        for name, conf in [("SLIDING_TILE_ATTN", {"tile": [2, 2, 4], "window": 99}),
+                           ("NEIGHBORHOOD_ATTN", {"tile": [2, 2, 4], "kernel_size": -1})]:
+            model.set_attention(AttentionDispatch(create_backend(name, conf), create_backend("TORCH_SDPA")))
+            got = model(x, t, text, **kw)
+            assert rel_err(got, want) <= 1e-5, name
