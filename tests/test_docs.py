@@ -243,7 +243,7 @@ def test_env_table_values_are_the_ones_envs_accepts():
     from fastwan.attention.registry import BACKENDS, create_backend
 
     rows = env_rows()
-    backends = set(re.findall(r"`([A-Z_]+)`", rows["FASTVIDEO_ATTENTION_BACKEND"].split(".")[0]))
+    backends = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", rows["FASTVIDEO_ATTENTION_BACKEND"].split(".")[0]))
     assert backends == set(BACKENDS)
     for name in backends:
         assert create_backend(envs.attention_backend({"FASTWAN_ATTENTION_BACKEND": name.lower()})).name == name

@@ -44,7 +44,9 @@ class AttentionMetadata:
     the layout's real tokens only, in its compact order (``layout.permute_compact``), and
     :class:`~fastwan.attention.AttentionDispatch` pads them to the layout's slots for the backend (a backend
     itself always takes the slots); ``step_index``/``num_steps`` are the denoising step (None outside a loop);
-    ``layer_index`` is the DiT block index; ``extra``: backend inputs by name.
+    ``layer_index`` is the DiT block index; ``extra``: backend inputs by name; ``lossless``: this call is one of a
+    hybrid schedule's lossless steps (:meth:`~fastwan.attention.AttentionDispatch.step_meta`, a dense dispatch's
+    only metadata).
     """
 
     grid: tuple[int, int, int] | None = None
@@ -54,6 +56,7 @@ class AttentionMetadata:
     layout: TokenLayout | None = None
     extra: dict = field(default_factory=dict)
     compact: bool = False
+    lossless: bool = False
 
 
 TOKEN_EXTRAS = ("gate_compress",)  # AttentionMetadata.extra entries that are per token: [B, S, H, D] like q
@@ -189,6 +192,14 @@ class AttentionBackend:
     # Constructor keywords a config (attention_config / FASTWAN_ATTENTION_CONFIG) may set; any other key is
     # rejected by registry.create_backend before the backend is built.
     KEYS: ClassVar[tuple[str, ...]] = ()
+    # Serves self-attention only: the dispatch sends cross-attention, and the steps of lossless_steps(), to the
+    # automatic (lossless) dense backend.
+    self_attention_only: ClassVar[bool] = False
+
+    def lossless_steps(self) -> tuple[int, int]:
+        """(first, last): how many of the first and of the last denoising steps a lossy backend leaves to the
+        lossless one (a hybrid schedule; only with ``self_attention_only``); (0, 0): none."""
+        return (0, 0)
 
     def reasons(
         self,

@@ -22,6 +22,11 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 
 class AttentionDispatch:
     def __init__(self, self_backend: AttentionBackend, cross_backend: AttentionBackend | None = None):
+        # backends are duck-typed here: an object without these attributes is a plain dense backend
+        if cross_backend is None and getattr(self_backend, "self_attention_only", False):
+            raise InvalidArgument(f"{self_backend.name} serves self-attention only; pass a dense backend (e.g. "
+                                  "create_backend('TORCH_SDPA')) as cross_backend, or build the dispatch with "
+                                  "AttentionDispatch.resolve.")
         if cross_backend is None:
             cross_backend = self_backend
         if cross_backend.sparse:
@@ -29,6 +34,9 @@ class AttentionDispatch:
                                   "dense one (e.g. create_backend('TORCH_SDPA')) as cross_backend.")
         self.self_backend = self_backend
         self.cross_backend = cross_backend
+        # a hybrid schedule: the first / last steps' self-attention runs on the cross backend (step_meta)
+        steps = getattr(self_backend, "lossless_steps", None)
+        self.lossless_steps = steps() if steps is not None else (0, 0)
         # A sparse backend's call runs outside torch.compile graphs (one graph break per block): its block tables
         # are cached per (grid, config, step, layer) in Python objects and VSA builds its table from a top-k on
         # every call; none of that traces as a static graph. The work around the call (norms, RoPE, projections,
@@ -57,8 +65,9 @@ class AttentionDispatch:
         if backend.sparse and model is not None:
             backend.check_model(model.num_attention_heads, model.num_layers)
         cross = None
-        if backend.sparse:
-            # sparse backends serve self-attention only; text cross-attention picks the best dense kernel
+        if backend.sparse or backend.self_attention_only:
+            # sparse (and self-attention-only) backends serve self-attention; text cross-attention, and a hybrid
+            # schedule's lossless steps, pick the best dense kernel
             cross = auto_backend(device=device, dtype=dtype, head_dim=head_dim)
         return cls(backend, cross)
 
@@ -70,8 +79,20 @@ class AttentionDispatch:
         """Human-readable name of the kernels that run, e.g. 'FLASH_ATTN (flash_attn.cute FA4 sm90)'."""
         s = f"{self.self_backend.name} ({self.self_backend.kernel_name(device)})"
         if self.cross_backend is not self.self_backend:
-            s += f"; cross-attention {self.cross_backend.name} ({self.cross_backend.kernel_name(device)})"
+            hybrid = " and the lossless steps" if any(self.lossless_steps) else ""
+            s += f"; cross-attention{hybrid} {self.cross_backend.name} ({self.cross_backend.kernel_name(device)})"
         return s
+
+    def step_meta(self, step_index: int | None, num_steps: int | None) -> AttentionMetadata | None:
+        """A dense dispatch's metadata for denoising step ``step_index`` of ``num_steps`` (computed by the DiT outside
+        compiled code): None without a hybrid schedule; else whether the step is one of its lossless steps, the
+        first ``first`` or the last ``last`` of :attr:`lossless_steps` (outside a loop, step_index None: no)."""
+        first, last = self.lossless_steps
+        if self.sparse or not (first or last):
+            return None
+        lossless = step_index is not None and (
+            step_index < first or (num_steps is not None and step_index >= num_steps - last))
+        return AttentionMetadata(lossless=lossless)
 
     def layout_for(self, grid: tuple[int, int, int], device: torch.device):
         """TokenLayout for a sparse backend (built once per grid, cached by the backend), else None."""
@@ -84,6 +105,8 @@ class AttentionDispatch:
         slots, or its compact order with ``meta.compact``)."""
         if self._sparse_call is not None:
             return self._sparse_call(self.self_backend, q, k, v, meta)
+        if meta is not None and meta.lossless:  # a hybrid schedule's lossless step
+            return self.cross_backend(q, k, v)
         return self.self_backend(q, k, v, meta=None)
 
     def cross_attention(self, q, k, v) -> torch.Tensor:

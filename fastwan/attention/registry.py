@@ -29,6 +29,7 @@ BACKENDS: dict[str, str] = {
     "TORCH_SDPA": "fastwan.attention.backends.sdpa:TorchSDPABackend",
     "FLASH_ATTN": "fastwan.attention.backends.flash:FlashAttnBackend",
     "SAGE_ATTN": "fastwan.attention.backends.sage:SageAttnBackend",
+    "ATTN_8BIT": "fastwan.attention.backends.attn8:Attn8Backend",
     "SLIDING_TILE_ATTN": "fastwan.attention.sparse.sta:SlidingTileBackend",
     "VIDEO_SPARSE_ATTN": "fastwan.attention.sparse.vsa:VideoSparseBackend",
     "NEIGHBORHOOD_ATTN": "fastwan.attention.sparse.neighborhood:NeighborhoodBackend",
@@ -77,6 +78,8 @@ OTHER_NAMES: dict[str, str] = {
     "STA": "sliding tile attention is SLIDING_TILE_ATTN",
     "VSA": "video sparse attention is VIDEO_SPARSE_ATTN",
     "NATTEN": "neighborhood attention is NEIGHBORHOOD_ATTN",
+    "FP8_ATTN": "fastwan's 8-bit attention (INT8 Q·K, FP8 P·V) is ATTN_8BIT",
+    "INT8_ATTN": "fastwan's 8-bit attention (INT8 Q·K, FP8 P·V) is ATTN_8BIT",
 }
 
 

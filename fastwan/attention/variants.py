@@ -30,7 +30,7 @@ VARIANT_CONFIGS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
 }
 
 # Backends whose results differ from exact attention (quantized or sparse): never the "exact" fastest.
-APPROXIMATE = frozenset({"SAGE_ATTN"})
+APPROXIMATE = frozenset({"SAGE_ATTN", "ATTN_8BIT"})
 
 
 @dataclass(frozen=True)

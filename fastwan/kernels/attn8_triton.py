@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastwan.kernels.attn8 import BLOCK_M, BLOCK_N, P_SCALE, Quantized
-
 
 @triton.jit
 def _e4m3_round(x):
@@ -88,15 +86,16 @@ def attn8_fwd(Q8, QS, K8, KS, V8, VS, OUT, sqb, sqs, sqh, skb, sks, skh, svb, sv
     tl.store(optr, out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
 
-def launch(t: Quantized, out: torch.Tensor) -> None:
-    """Run :func:`attn8_fwd` on the quantized inputs ``t`` into ``out`` [B, Sq, H, D] (channel stride 1)."""
+def launch(t, out: torch.Tensor, block_m: int, block_n: int, p_scale: float) -> None:
+    """Run :func:`attn8_fwd` on the quantized inputs ``t`` (:class:`fastwan.kernels.attn8.Quantized`, blocks of
+    ``block_m`` / ``block_n`` rows, P stored as e4m3(``p_scale`` p)) into ``out`` [B, Sq, H, D] (channel stride 1)."""
     B, Sq, H, D = t.q8.shape
     Skv = t.k8.shape[1]
     qs, ks, vs = t.qs.contiguous(), t.ks.contiguous(), t.vs.contiguous()
-    grid = (triton.cdiv(Sq, BLOCK_M), B * H)
+    grid = (triton.cdiv(Sq, block_m), B * H)
     attn8_fwd[grid](
         t.q8, qs, t.k8, ks, t.v8, vs, out, t.q8.stride(0), t.q8.stride(1), t.q8.stride(2), t.k8.stride(0),
         t.k8.stride(1), t.k8.stride(2), t.v8.stride(0), t.v8.stride(1), t.v8.stride(2), t.v8.stride(3),
         out.stride(0), out.stride(1), out.stride(2), qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1),
-        Sq, Skv, H, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, P_SCALE=P_SCALE, ROUND_BY_BITS=out.device.type != "cuda",
+        Sq, Skv, H, D=D, BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=p_scale, ROUND_BY_BITS=out.device.type != "cuda",
         num_warps=8, num_stages=3)

@@ -267,9 +267,9 @@ class LoadOptions:
                         nullable=True, schema={"enum": list(DTYPE_NAMES)}, check=_dtype("dtype"),
                         encode=_dtype_name, decode=dtype_of, flag="--dtype", parse=dtype_of,
                         choices=tuple(DTYPE_NAMES.values()), metavar="{" + ",".join(DTYPE_NAMES) + "}")
-    attention_backend: Any = option(None, help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, SLIDING_TILE_ATTN, "
-                                               "VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN (default: automatic, or "
-                                               "FASTVIDEO_ATTENTION_BACKEND)", nullable=True,
+    attention_backend: Any = option(None, help="TORCH_SDPA, FLASH_ATTN, SAGE_ATTN, ATTN_8BIT, "
+                                               "SLIDING_TILE_ATTN, VIDEO_SPARSE_ATTN, NEIGHBORHOOD_ATTN (default: "
+                                               "automatic, or FASTVIDEO_ATTENTION_BACKEND)", nullable=True,
                                     schema={"type": "string"}, check=_backend,
                                     encode=lambda b: b if isinstance(b, str) else b.name,
                                     flag="--attention-backend")

@@ -90,7 +90,7 @@ def test_flash_attn_on_cpu_states_the_device_and_keeps_every_reason_with_install
 # A configuration of each registered backend that cannot run on the CPU (None: the backend as registered).
 CPU_REFUSED = {"TORCH_SDPA": {"kernel": "cudnn"}, "FLASH_ATTN": None, "SAGE_ATTN": None,
                "SLIDING_TILE_ATTN": {"kernel": "fa4"}, "VIDEO_SPARSE_ATTN": {"kernel": "fa4"},
-               "NEIGHBORHOOD_ATTN": {"kernel": "fa4"}}
+               "NEIGHBORHOOD_ATTN": {"kernel": "fa4"}, "ATTN_8BIT": None}
 
 
 def test_every_registered_backend_has_a_cpu_refusal_case():

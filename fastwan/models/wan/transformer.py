@@ -238,9 +238,9 @@ class WanTransformer(nn.Module):
         return Embedded(x, rope, temb, mod, grid, layout)
 
     def attention_meta(self, e: Embedded, i: int, step_index, num_steps) -> AttentionMetadata | None:
-        """Block ``i``'s attention metadata (a sparse backend's; None for a dense one)."""
+        """Block ``i``'s attention metadata (a sparse backend's; for a dense one None, or a hybrid schedule's step)."""
         if not self.attention.sparse:
-            return None
+            return self.attention.step_meta(step_index, num_steps)
         return AttentionMetadata(grid=e.grid, step_index=step_index, num_steps=num_steps, layer_index=i,
                                  layout=e.layout, compact=True)
 
