@@ -48,6 +48,19 @@ SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "up
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
+
+
+def names_files(schema) -> bool:
+    """Rule: a field whose JSON form may be a path (a string the schema describes as a path, in any alternative or
+    item) reads a file of the server's host; a client never names one: files come as multipart uploads."""
+    if not isinstance(schema, dict):
+        return False
+    if schema.get("type") == "string" and "path" in schema.get("description", ""):
+        return True
+    return any(names_files(s) for s in schema.get("anyOf", ())) or names_files(schema.get("items"))
+
+
+HOST_FILE_FIELDS = frozenset(name for name, opt in REQUEST_FIELDS.items() if names_files(opt.schema))
 MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt is a mistake or an attack
 MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
 LAST_IMAGE_KEY = "_last_image"  # the uploaded last frame's file in a job's stored fields
@@ -212,9 +225,13 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         if key in SERVER_ONLY:
             raise ApiError(400, f"{key!r} cannot be set by a client: {SERVER_ONLY[key]}.", code="unsupported_parameter",
                            param=key)
+        if key in HOST_FILE_FIELDS:
+            raise ApiError(400, f"{key!r} cannot be set by a client: it reads a file, and this server takes files only "
+                           "as the uploads input_reference, last_image and video (multipart); it does not take "
+                           f"{key!r} yet.", code="unsupported_parameter", param=key)
         if key not in REQUEST_FIELDS and key not in OPENAI_FIELDS and key not in SERVER_FIELDS:
-            known = OPENAI_FIELDS + SERVER_FIELDS + tuple(k for k in REQUEST_FIELDS
-                                                          if k not in SERVER_ONLY and k != "prompt")
+            known = OPENAI_FIELDS + SERVER_FIELDS + tuple(
+                k for k in REQUEST_FIELDS if k not in SERVER_ONLY and k not in HOST_FILE_FIELDS and k != "prompt")
             raise ApiError(400, f"{key!r} is not a field of this API; the fields are: {', '.join(known)}.",
                            code="unknown_parameter", param=key)
     if "prompt" not in body:

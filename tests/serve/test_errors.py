@@ -44,6 +44,9 @@ def videos(server) -> list:
     ({"prompt": "a cat", "output_path": "/etc/cron.d/x.mp4"}, "output_path", "unsupported_parameter"),
     ({"prompt": "a cat", "image": "/etc/passwd"}, "image", "unsupported_parameter"),
     ({"prompt": "a cat", "overwrite": True}, "overwrite", "unsupported_parameter"),
+    ({"prompt": "a cat", "mask": "/etc/passwd"}, "mask", "unsupported_parameter"),  # a file of the server's host
+    ({"prompt": "a cat", "reference_images": ["/etc/passwd"]}, "reference_images", "unsupported_parameter"),
+    ({"prompt": "a cat", "mask": [["/etc/passwd"]]}, "mask", "unsupported_parameter"),
     ({"prompt": "a cat", "input_reference": "/etc/passwd"}, "input_reference", "invalid_value"),
     ({"prompt": "a cat", "model": "sora-2"}, "model", "model_not_found"),
     ({"prompt": "a cat " * 5000}, "prompt", "invalid_value"),  # far past the 512 tokens the text encoder reads
