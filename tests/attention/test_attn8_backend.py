@@ -119,3 +119,25 @@ def test_hybrid_steps_run_on_the_lossless_backend(tiny_ckpts):
         eight.calls = 0
         model(x, t, text)  # outside a loop (no step): the 8-bit backend
         assert eight.calls == layers
+
+
+def test_hybrid_dit_compiles_once_per_kind_of_step(tiny_ckpts):
+    """Blocks compiled with fullgraph=True under a hybrid dispatch: two graphs (the 8-bit steps' and the lossless
+    steps'), none per step, with the eager DiT's predictions."""
+    from torch._dynamo.utils import counters
+
+    folder = tiny_ckpts["wan2.1"] / "transformer"
+    hybrid = AttentionDispatch(Attn8Backend(bf16_steps=[1, 1]), create_backend("TORCH_SDPA"))
+    model = load_transformer(folder, dtype=torch.float32, device="cpu", attention=hybrid)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, model.config.in_channels, 3, 6, 10, generator=g)
+    text = torch.randn(1, 7, model.config.text_dim, generator=g)
+    t = torch.tensor([500.0])
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        eager = [model(x, t, text, step_index=i, num_steps=4) for i in range(4)]
+        model.compile_blocks(fullgraph=True)
+        for i in range(4):
+            torch.testing.assert_close(model(x, t, text, step_index=i, num_steps=4), eager[i], rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2
