@@ -84,6 +84,9 @@ def test_control_rules(vace_ckpts, tiny_ckpts):
     with pytest.raises(InvalidArgument, match=r"conditioning_scale=\[1.0, 2.0, 3.0\] must be .* list of 2"):
         with vace_control(ours, control, [1.0, 2.0, 3.0]):
             pass
+    with pytest.raises(InvalidArgument, match=r"conditioning_scale=a list of 99 numbers must be .* list of 2"):
+        with vace_control(ours, control, [1.0] * 99):  # a long list is counted, not printed
+            pass
     with pytest.raises(InvalidArgument, match=r"\[1, 8, 3, 6, 10\] must be \[1, 96"), torch.no_grad():
         with vace_control(ours, control[:, :8], 1.0):
             ours(x, t, text)

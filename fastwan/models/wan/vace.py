@@ -57,7 +57,8 @@ def control_scales(scale, layers: int) -> tuple[float, ...]:
     if isinstance(scale, torch.Tensor):
         scale = scale.flatten().tolist()
     if not (isinstance(scale, Sequence) and len(scale) == layers):
-        raise InvalidArgument(f"conditioning_scale={scale!r} must be a number or a list of {layers} numbers (one per "
+        given = f"a list of {len(scale)} numbers" if isinstance(scale, Sequence) and len(scale) > 8 else repr(scale)
+        raise InvalidArgument(f"conditioning_scale={given} must be a number or a list of {layers} numbers (one per "
                               "VACE layer of this DiT).")
     return tuple(float(s) for s in scale)
 
