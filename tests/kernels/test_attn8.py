@@ -132,3 +132,30 @@ print(f"WORST {worst:.3e}")
 def test_kernel_matches_reference_under_the_interpreter():
     """B=1, H=2, S=200 (not a multiple of either block), D=128; and cross-attention lengths, D=64, strided q."""
     assert worst_error(SCRIPT) <= 1e-4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_kernel_compiles_for_sm90_on_tensor_cores():
+    """Triton compiles the kernel for sm90 (no GPU needed: its CUDA backend and ptxas) with both products on
+    Hopper's tensor cores: Q·K^T as an INT8 wgmma, P·V as an e4m3 one."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastwan.kernels import attn8_triton
+
+    pointers = dict(zip(("Q8", "QS", "K8", "KS", "V8", "VS", "OUT"),
+                        ("*i8", "*fp32", "*i8", "*fp32", "*fp8e4nv", "*fp32", "*bf16")))
+    ints = ("sqb sqs sqh skb sks skh svb svs svh svd sob sos soh sqsb sqsm sksb sksn Sq Skv H").split()
+    consts = {"D": 128, "BLOCK_M": A.BLOCK_M, "BLOCK_N": A.BLOCK_N, "P_SCALE": A.P_SCALE, "ROUND_BY_BITS": False}
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=attn8_triton.attn8_fwd, signature=signature, constexprs=consts)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    except (RuntimeError, FileNotFoundError) as exc:  # no CUDA backend / ptxas in this Triton install
+        pytest.skip(f"Triton cannot compile for sm90 here: {exc}")
+    mmas = set(re.findall(r"wgmma\.mma_async\.[\w.]+", kernel.asm["ptx"]))
+    assert any(m.endswith(".s32.s8.s8") for m in mmas), mmas
+    assert any(m.endswith(".f32.e4m3.e4m3") for m in mmas), mmas
