@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -195,6 +195,11 @@ class AttentionBackend:
     # Serves self-attention only: the dispatch sends cross-attention, and the steps of lossless_steps(), to the
     # automatic (lossless) dense backend.
     self_attention_only: ClassVar[bool] = False
+
+    def settings(self) -> dict[str, Any]:
+        """This instance's config values (its ``KEYS`` it holds as attributes): what sets its output beside its name
+        (the automatic file name's identity)."""
+        return {k: getattr(self, k) for k in self.KEYS if hasattr(self, k)}
 
     def lossless_steps(self) -> tuple[int, int]:
         """(first, last): how many of the first and of the last denoising steps a lossy backend leaves to the

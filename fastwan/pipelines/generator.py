@@ -290,11 +290,11 @@ class VideoGenerator:
 
     def _identity(self, negative_prompt: str, settings: Mapping[str, Any], images: str | None) -> dict[str, Any]:
         """Everything but the prompt and seed that determines the video (for the automatic file name's digest)."""
-        a = self.attention
+        backends = (self.attention.self_backend, self.attention.cross_backend)
         return {"model": str(Path(self.checkpoint.root).resolve()), "negative_prompt": negative_prompt,
                 "settings": dict(settings), "dtype": str(self.dtype), "vae_dtype": str(self.vae_dtype),
                 "quantization": self.quantization, "vae_tiling": tiling_state(self.vae),
-                "attention": [a.self_backend.name, a.cross_backend.name], "images": images,
+                "attention": [repr((b.name, b.settings())) for b in backends], "images": images,
                 "loras": [state.loaded for state in self._loras],
                 **({"tiny_vae": self.tiny_vae.digest} if self.tiny_vae is not None else {})}
 
