@@ -167,6 +167,10 @@ def _generate(args) -> int:
     loras = [_lora_arg(a) for a in args.lora]  # each --lora parsed once
     options = LoadOptions(**flag_values(args, LoadOptions), lora=loras, num_gpus=_num_gpus(args))
     resolved = _resolve_early(args, request, options)
+    if resolved is not None and resolved.chords is not None:  # CHORDS's cores over the processes, before loading
+        from fastwan.parallel.chords_ranks import check_layout
+
+        check_layout(len(resolved.chords), options.num_gpus, options.cfg_parallel)
     gen = VideoGenerator.load(options)
     quiet = gen.parallel is not None and not gen.parallel.writes  # a launcher's rank other than 0 prints nothing
     if gen.memory_plan is not None and not quiet:

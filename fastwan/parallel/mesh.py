@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ def check_parallel_request(heads: int, num_gpus, cfg_parallel, cache, ring_degre
 class Mesh:
     """This rank's place in the layout: ``rank`` of ``world``; ``sp``: its CFG group as a
     :class:`SequenceParallel` (None when ``sp`` = 1); ``cfg_group``: the ranks of its sequence rank, one per CFG
-    group (None without CFG parallelism); ``cfg_index``: its CFG group (0: conditional pass)."""
+    group (None without CFG parallelism); ``cfg_index``: its CFG group (0: conditional pass); ``groups``: the process
+    groups made later for this layout (CHORDS's cores: :func:`fastwan.parallel.chords_ranks.core_layout`)."""
 
     rank: int
     world: int
@@ -103,6 +104,7 @@ class Mesh:
     cfg_group: object
     cfg_index: int
     cfg_size: int
+    groups: dict = field(default_factory=dict, repr=False)  # CHORDS's core layouts by core count (chords_ranks)
 
     @classmethod
     def create(cls, sp: int, cfg: int, ring: int = 1) -> Mesh:

@@ -1,10 +1,13 @@
-"""Step-parallel sampling of one request in one process: CHORDS (:mod:`fastwan.parallel.chords`), each round one
+"""Step-parallel sampling of one request: CHORDS (:mod:`fastwan.parallel.chords`). In one process each round is one
 batched DiT call over the cores' latents (with CFG a batch of 2 x cores: the conditional passes, then the
-unconditional ones).
+unconditional ones); a generator of several processes runs each core on its own ranks
+(:mod:`fastwan.parallel.chords_ranks`: N = cores x S processes, S a core with sequence parallelism), each call
+one latent (a batch of 2 with CFG).
 
 Rule: CHORDS runs a text-to-video request of one expert with fastwan's ``euler`` sampler, without a step cache,
-video-to-video, an image, CFG gating, several processes or a sparse attention backend: each of those reads the
-step as one point of one trajectory, which CHORDS's cores do not share. They are refused before any compute.
+video-to-video, an image, CFG gating or a sparse attention backend: each of those reads the step as one point of
+one trajectory, which CHORDS's cores do not share; over processes, the layout's rule
+(:func:`~fastwan.parallel.chords_ranks.check_layout`). They are refused before any compute.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from fastwan.errors import InvalidArgument
 from fastwan.parallel.chords import check_chords, chords, rounds_needed
+from fastwan.parallel.chords_ranks import check_layout, run_ranks
 from fastwan.pipelines.sampling import Schedule
 
 
@@ -35,20 +39,23 @@ def check_chords_request(r, s, cache, image, video, experts: int) -> tuple[int, 
 
 
 def check_chords_generator(gen, cores: int) -> None:
-    """Rule: CHORDS (``cores`` cores) runs in one process, without CFG gating, on a dense attention backend."""
-    why = ("several processes (num_gpus > 1)" if gen.parallel is not None else
-           "cfg_gate_step" if gen.cfg_gate_step is not None else
+    """Rule: CHORDS (``cores`` cores) runs without CFG gating, on a dense attention backend, in one process or over
+    processes as :func:`~fastwan.parallel.chords_ranks.check_layout` says."""
+    why = ("cfg_gate_step" if gen.cfg_gate_step is not None else
            "a sparse attention backend" if gen.attention.sparse else None)
     if why is not None:
-        raise InvalidArgument(f"chords_cores={cores} (CHORDS) cannot run with {why}: it batches its cores' steps "
-                              "in one process; use a one-process dense generator without cfg_gate_step.")
+        raise InvalidArgument(f"chords_cores={cores} (CHORDS) cannot run with {why}: its cores sample at different "
+                              "steps at once; use a dense generator without cfg_gate_step.")
+    if gen.parallel is not None:
+        check_layout(cores, gen.parallel.world, gen.parallel.cfg_size == 2)
 
 
 def chords_denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, init: tuple[int, ...],
                    on_step: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
     """:func:`fastwan.pipelines.denoise.denoise` for CHORDS with start steps ``init``: the same start latents (the
     seed's noise) and sampler grid -> final latents [1, C, F, H, W] fp32 and the forward count (the batched
-    calls, one per round, two with CFG); ``on_step(done, total)`` counts rounds."""
+    calls, one per round, two with CFG; over processes the same count: the rounds of the returned core);
+    ``on_step(done, total)`` counts rounds. Over processes the latents are rank 0's (None elsewhere)."""
     dev = gen.device
     ckpt = gen.checkpoint
     cfg = ckpt.transformer_config
@@ -84,10 +91,19 @@ def chords_denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, init: tup
         else:
             pred = model(x, t, cond.expand(n, -1, -1), **kw)
             counts["forwards"] += 1
+        return pred.to(torch.float32).unsqueeze(1)
+
+    if gen.parallel is not None:  # each core on its own ranks, one latent a call
+        out = run_ranks(gen.parallel, gen.transformers, lambda x, step: velocity(x[None], (step,))[0], latents,
+                        schedule.sigmas, init, cfg.num_attention_heads, on_step)
+        return out, total * (2 if step_cfg else 1)
+
+    def batched(xs: torch.Tensor, steps: tuple[int, ...]) -> torch.Tensor:
+        out = velocity(xs, steps)
         counts["rounds"] += 1
         if on_step is not None:
             on_step(counts["rounds"], total)
-        return pred.to(torch.float32).unsqueeze(1)
+        return out
 
-    result = chords(velocity, latents, schedule.sigmas, len(init), init)
+    result = chords(batched, latents, schedule.sigmas, len(init), init)
     return result.latents, counts["forwards"]
