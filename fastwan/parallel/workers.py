@@ -47,7 +47,8 @@ from fastwan.quiet import quiet_libraries
 GRACE_S = 5.0  # after one rank's error, how long the others get to report theirs before all are ended
 STOP_GRACE_S = 5.0  # how long workers sent SIGTERM get to exit before they are killed
 MAIN_REIMPORT_EXIT = 78  # a spawned process's exit code: its main module asked for workers while being re-imported
-ABORT = "abort"  # the parent to rank 0: stop the running call at its next step
+ABORT = "abort"  # the parent to rank 0, its verdict on a step report: stop the running call at this step
+GO = "go"  # the parent to rank 0, its verdict on a step report: go on
 REPORT_STEPS = "_report_steps"  # a call's keyword: give the ranks a step callback that reports to the parent
 
 
@@ -128,7 +129,7 @@ def _worker(rank: int, world: int, store: str, loader, model, kwargs: dict, devi
         msg = conn.recv()
         if msg is None:
             break
-        if msg == ABORT:  # the parent's stop for a call that ended before it arrived
+        if msg in (ABORT, GO):  # a verdict is read by the step that asked for it; none is left between calls
             continue
         name, args, kw = msg
         try:
@@ -146,18 +147,18 @@ class Aborted(Exception):
 
 
 def _step_reporter(rank: int, conn, device):
-    """The ranks' ``on_step``: rank 0 sends ``("step", done, total)`` to the parent and reads whether the parent
-    asked to stop (:data:`ABORT`, sent when the parent's own callback raised); rank 0 broadcasts that decision, so
-    every rank raises :class:`Aborted` at the same step (no rank is left waiting in a collective)."""
+    """The ranks' ``on_step``: rank 0 sends ``("step", done, total)`` to the parent and waits for its verdict on
+    that step (:data:`GO`, or :data:`ABORT` when the parent's own callback raised); rank 0 broadcasts it, so every
+    rank raises :class:`Aborted` at the step whose report the callback refused (no rank is left waiting in a
+    collective, and no later step runs). The wait overlaps the step's queued device work."""
     where = device if dist.get_backend() == "nccl" else "cpu"
 
     def on_step(done: int, total: int) -> None:
         stop = torch.zeros(1, dtype=torch.int32, device=where)
         if rank == 0:
             conn.send(("step", done, total))
-            while conn.poll():
-                if conn.recv() == ABORT:
-                    stop.fill_(1)
+            if conn.recv() == ABORT:
+                stop.fill_(1)
         dist.broadcast(stop, src=0)
         if stop.item():
             raise Aborted(f"stopped at step {done} of {total}")
@@ -276,14 +277,16 @@ class ParallelGenerator:
         return replies, waiting
 
     def _step(self, report: tuple, on_step, stopped: list) -> None:
-        """Rank 0's step report to ``on_step``; the first exception it raises is kept and stops the ranks."""
-        if on_step is None or stopped:
-            return
-        try:
-            on_step(report[1], report[2])
-        except Exception as exc:  # noqa: BLE001 -- the caller's reason to stop, raised once every rank stopped
-            stopped.append(exc)
-            self._conns[0].send(ABORT)
+        """Rank 0's step report to ``on_step``, answered with the verdict rank 0 waits for: the first exception the
+        callback raises is kept and stops the ranks at this step (:data:`ABORT`), else :data:`GO`."""
+        if on_step is not None and not stopped:
+            try:
+                on_step(report[1], report[2])
+            except Exception as exc:  # noqa: BLE001 -- the caller's reason to stop, raised once every rank stopped
+                stopped.append(exc)
+                self._conns[0].send(ABORT)
+                return
+        self._conns[0].send(ABORT if stopped else GO)
 
     def _call(self, name: str, args, kwargs, on_step=None):
         if not self._procs:
@@ -306,8 +309,8 @@ class ParallelGenerator:
         """:meth:`VideoGenerator.generate <fastwan.pipelines.generator.VideoGenerator.generate>` on every rank
         (a request resolved in this process is sent as its GenerationRequest: each rank resolves it again, against
         the same checkpoint); rank 0's result. ``on_step(done, total)`` is called here after each denoising step
-        (rank 0's); when it raises, every rank stops at its next step and the exception is raised here, the
-        workers kept."""
+        (rank 0's), which waits for it: when it raises, every rank stops at that step (no later step runs) and the
+        exception is raised here, the workers kept."""
         return self._call("generate", (getattr(request, "request", request),), {}, on_step)
 
     def load_lora(self, path, scale: float = 1.0, expert: int | None = None, *, allow_pickle: bool = False) -> None:
