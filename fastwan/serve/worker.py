@@ -270,8 +270,8 @@ class Worker:
             return
         except Lost:
             remove(target, thumbnail)
-            if self.store.get(job.id) is None:
-                logger.info("video %s: stopped (deleted while in progress)", job.id)
+            if self.store.get(job.id) is None:  # deleted here before cancel() or by another host
+                logger.info("video %s: cancelled (deleted while in progress)", job.id)
                 remove(*uploads(job))
             else:
                 logger.warning("video %s: stopped (its lease lapsed and another worker runs it)", job.id)
