@@ -55,8 +55,10 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -
 
 
 def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device: torch.device,
-                theta: float = 10000.0) -> torch.Tensor:
-    """3D RoPE table for a (T, H, W) token grid -> fp32 [1, T*H*W, 1, 2 * head_dim].
+                theta: float = 10000.0, start: int = 0) -> torch.Tensor:
+    """3D RoPE table for a (T, H, W) token grid -> fp32 [1, T*H*W, 1, 2 * head_dim]; ``start``: the first frame's
+    position (a causal stream's chunk at frame ``start``; positions past ``max_len`` follow the same formula, so a
+    stream has no length limit, while one grid's own sizes stay within ``max_len``).
 
     The head dim is split t/h/w as Wan does: h = w = 2*(D//6), t = D - h - w; each interleaved channel pair
     (2i, 2i+1) rotates by the angle of its axis position (angles in fp64, stored fp32). The table holds
@@ -71,9 +73,10 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, max_len: int, device:
     hw = 2 * (head_dim // 6)
     dims = (head_dim - 2 * hw, hw, hw)
     angles = []
-    for n, d, shape in zip(grid, dims, ((T, 1, 1), (1, H, 1), (1, 1, W))):
+    for axis, (n, d, shape) in enumerate(zip(grid, dims, ((T, 1, 1), (1, H, 1), (1, 1, W)))):
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device)[: d // 2] / d))
-        a = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv)  # [n, d/2]
+        first = start if axis == 0 else 0
+        a = torch.outer(torch.arange(first, first + n, dtype=torch.float64, device=device), inv)  # [n, d/2]
         angles.append(a.view(*shape, d // 2).expand(T, H, W, d // 2))
     ang = torch.cat(angles, dim=-1).reshape(1, T * H * W, 1, head_dim // 2)
     cos = ang.cos().repeat_interleave(2, dim=-1)
