@@ -63,16 +63,24 @@ class CausalRecipe:
                 "sinks are kept only when a window drops older frames.")
 
     def sigma(self, t: float) -> float:
-        """The noise level of timestep ``t`` (0..1000) in this recipe's schedule: t / 1000 (the flow's sigma)."""
-        return float(t) / 1000.0
+        """The noise level of timestep ``t``: the sigma of the nearest of the shifted 1000-step schedule's timesteps
+        (the published code looks sigmas up so; a warped step is one of them exactly)."""
+        table = self._table()
+        i = min(range(len(table)), key=lambda j: abs(table[j] - float(t)))
+        return table[i] / 1000.0
+
+    def _table(self) -> tuple[float, ...]:
+        """The shifted 1000-step schedule's timesteps, 1000 sigma_i for s_i = 1 - i / 1000, i = 0 .. 999."""
+        out = []
+        for i in range(1000):
+            s = 1.0 - i / 1000.0
+            out.append(1000.0 * self.shift * s / (1.0 + (self.shift - 1.0) * s))
+        return tuple(out)
 
     def schedule(self) -> tuple[float, ...]:
         """Each step's timestep (0..1000] after the warp: with ``warp``, entry ``1000 - t`` of the shifted
         1000-step schedule, s_i = 1 - i / 1000, sigma_i = shift s_i / (1 + (shift - 1) s_i), timestep 1000 sigma_i."""
         if not self.warp:
             return tuple(float(t) for t in self.timesteps)
-        out = []
-        for t in self.timesteps:
-            s = 1.0 - (1000 - int(t)) / 1000.0
-            out.append(1000.0 * self.shift * s / (1.0 + (self.shift - 1.0) * s))
-        return tuple(out)
+        table = self._table()
+        return tuple(table[1000 - int(t)] for t in self.timesteps)

@@ -1,0 +1,249 @@
+"""Streaming video from a causal Wan checkpoint: :func:`stream_video` and its per-chunk rule :func:`sample_chunk`.
+
+The video is made ``recipe.frames_per_chunk`` latent frames at a time (:class:`fastwan.checkpoint.causal.
+CausalRecipe`). Each chunk (Self-Forcing's inference loop):
+
+1. starts from fresh noise and runs the recipe's steps ``t_0 > t_1 > ...`` (after the warp); at step ``i`` the DiT's
+   flow prediction ``v`` gives the clean estimate ``x0 = x - sigma_i v`` (``recipe.sigma``), and, before any step
+   but the last, the next input is ``x0`` noised again to the next level with fresh noise,
+   ``(1 - sigma_{i+1}) x0 + sigma_{i+1} noise``;
+2. the last ``x0`` is the chunk; the DiT runs once more on it at timestep ``context_noise`` with ``write=True``, so
+   the cache holds the clean chunk's keys and values (:class:`fastwan.models.wan.causal.CausalRun`);
+3. the VAE decodes the chunk with its causal feature cache (:class:`fastwan.vae.stream.StreamDecoder`) and its
+   frames leave at once.
+
+The stream has no length limit when ``num_frames`` is None: with the recipe's (or the caller's) window of frames
+the caches stay one size. :meth:`VideoStream.switch_prompt` changes the text of the chunks that follow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastwan.checkpoint.causal import CausalRecipe
+from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.models.wan.causal import CausalRun
+from fastwan.pipelines.setup import on_device
+from fastwan.pipelines.text import encode_prompts
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One chunk of a stream: ``frames`` uint8 [t, H, W, 3], the index of its first frame in the video
+    (``first_frame``), its chunk ``index``, the ``prompt`` it was made from, and ``timings`` in seconds: ``text``
+    (encoding a new prompt, else 0), ``dit`` (the denoising steps), ``kv_write`` (the clean chunk's cache write),
+    ``decode``, and ``elapsed`` (from the start of the stream until these frames were ready)."""
+    frames: np.ndarray
+    first_frame: int
+    index: int
+    prompt: str
+    timings: dict
+
+
+def sample_chunk(run: CausalRun, noise: torch.Tensor, text: torch.Tensor, recipe: CausalRecipe,
+                 generator: torch.Generator) -> torch.Tensor:
+    """One chunk by the recipe's rule (steps 1 and 2 of the module docstring): ``noise`` [B, C, f, h, w] fp32 at
+    the run's next frame -> the clean chunk [B, C, f, h, w] fp32, written into the run's cache. ``generator``
+    draws the noise of each re-noising, in order."""
+    schedule = recipe.schedule()
+    x = noise
+    x0 = None
+    dtype = next(run.model.parameters()).dtype
+    for i, t in enumerate(schedule):
+        flow = run.forward(x.to(dtype), torch.tensor([t], device=x.device, dtype=torch.float32), text)
+        x0 = x - recipe.sigma(t) * flow.float()
+        if i + 1 < len(schedule):
+            s = recipe.sigma(schedule[i + 1])
+            fresh = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            x = (1.0 - s) * x0 + s * fresh
+    run.forward(x0.to(dtype), torch.tensor([recipe.context_noise], device=x.device, dtype=torch.float32), text,
+                write=True)
+    return x0
+
+
+def chunk_plan(num_frames: int | None, recipe: CausalRecipe, temporal: int) -> int | None:
+    """The number of chunks of a ``num_frames`` video (None: endless). Rule: the video's latent frames,
+    (num_frames - 1) / temporal + 1, are a whole number of chunks."""
+    if num_frames is None:
+        return None
+    f = recipe.frames_per_chunk
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int):
+        raise InvalidArgumentType(f"num_frames={num_frames!r} must be an int or None (endless).")
+    latent, rest = divmod(num_frames - 1, temporal)
+    if num_frames < 1 or rest or (latent + 1) % f:
+        step = temporal * f  # video frames per chunk after the first chunk's
+        below = (num_frames + temporal - 1) // step
+        options = [step * k - (temporal - 1) for k in (below, below + 1) if k >= 1]
+        raise InvalidArgument(
+            f"num_frames={num_frames}: a causal stream makes {f} latent frames per chunk, so num_frames must be "
+            f"{step} x chunks - {temporal - 1} ({step - temporal + 1}, {2 * step - temporal + 1}, ...); use "
+            f"{' or '.join(map(str, options))}, or None to stream without end.")
+    return (latent + 1) // f
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """A stream's checked settings (see :func:`stream_video`)."""
+    height: int
+    width: int
+    num_frames: int | None
+    seed: int
+    fps: int
+    recipe: CausalRecipe
+
+
+def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
+                    window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe") -> StreamSettings:
+    """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix)."""
+    recipe = getattr(gen, "causal", None)
+    if recipe is None:
+        raise InvalidArgument(
+            f"{gen.checkpoint.root} is not a causal checkpoint: stream_video needs a causal (Self-Forcing, "
+            "CausVid) DiT; load one (a WanCausalDMDPipeline folder, or causal_weights=<generator file>), or use "
+            "generate_video for this one.")
+    if gen.parallel is not None:
+        raise InvalidArgument("stream_video runs in one process: num_gpus > 1 is not supported for causal "
+                              "streams; load with num_gpus=1.")
+    if gen.cache is not None:
+        raise InvalidArgument(f"a step cache (cache={gen.cache!r}) does not apply to a causal stream's few steps; "
+                              "load without cache=.")
+    if getattr(gen.attention, "sparse", False):
+        raise InvalidArgument("a causal stream needs a dense attention backend (its chunks attend to a cache); "
+                              "load with a dense attention_backend (e.g. TORCH_SDPA, FLASH_ATTN).")
+    preset = gen.preset
+    height = preset.height if height is None else height
+    width = preset.width if width is None else width
+    _, spatial = gen.vae_scale_factors
+    patch = gen.checkpoint.transformer_config.patch_size
+    for name, value, unit in (("height", height, spatial * patch[1]), ("width", width, spatial * patch[2])):
+        if isinstance(value, bool) or not isinstance(value, int) or value < unit or value % unit:
+            raise InvalidArgument(f"{name}={value!r} must be a positive multiple of {unit} (the VAE's factor "
+                                  f"{spatial} x the DiT's patch {unit // spatial}); round it to a multiple of {unit}.")
+    chunk_plan(num_frames, recipe, gen.vae_scale_factors[0])
+    changes = {}
+    if window_frames != "recipe":
+        changes["window_frames"] = window_frames
+    if sink_frames != "recipe":
+        changes["sink_frames"] = sink_frames
+    recipe = dataclasses.replace(recipe, **changes) if changes else recipe
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise InvalidArgument(f"seed={seed!r} must be an int in [0, 2**63) or None (a random one).")
+    fps = preset.fps if fps is None else fps
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+        raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+    return StreamSettings(height, width, num_frames, seed, fps, recipe)
+
+
+class VideoStream:
+    """An iterator of :class:`StreamChunk` (see :func:`stream_video`); ``switch_prompt`` changes the text of the
+    chunks made after it; ``close()`` (or leaving a ``with`` block, or the end) frees the caches and the
+    generator."""
+
+    def __init__(self, gen, prompt: str, settings: StreamSettings):
+        self.gen, self.settings = gen, settings
+        self.seed = settings.seed
+        self._prompt = _check_prompt(prompt)
+        self._chunks = self._run()
+
+    def switch_prompt(self, prompt: str) -> None:
+        """The chunks made from now on follow ``prompt`` (the frames already made, and the cache, stay)."""
+        self._prompt = _check_prompt(prompt)
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+
+    def __enter__(self) -> VideoStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self) -> Iterator[StreamChunk]:
+        from fastwan.vae.stream import StreamDecoder
+
+        gen, s = self.gen, self.settings
+        recipe, dev = s.recipe, gen.device
+        model = gen.transformers[0]
+        temporal, spatial = gen.vae_scale_factors
+        chunks = chunk_plan(s.num_frames, recipe, temporal)
+        shape = (1, model.config.in_channels, recipe.frames_per_chunk, s.height // spatial, s.width // spatial)
+        start = time.perf_counter()
+        with gen._lock, on_device(dev), torch.no_grad():
+            generator = torch.Generator(device=dev).manual_seed(self.seed)
+            decoder = StreamDecoder(gen.tiny_vae if gen.tiny_vae is not None else gen.vae)
+            texts: dict[str, torch.Tensor] = {}
+            with CausalRun(model, recipe.window_frames, recipe.sink_frames) as run, decoder:
+                timed = _Timed(run)
+                index, first = 0, 0
+                while chunks is None or index < chunks:
+                    prompt = self._prompt
+                    t0 = time.perf_counter()
+                    if prompt not in texts:  # one encoding per prompt (the DiT keys its text once per prompt)
+                        texts.clear()
+                        texts[prompt] = encode_prompts([prompt], gen.tokenizer, gen.text_encoder, device=dev,
+                                                       dtype=gen.dtype)
+                    _sync(dev)
+                    t1 = time.perf_counter()
+                    noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
+                    x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
+                    _sync(dev)
+                    t2 = time.perf_counter()
+                    frames = decoder.push(x0)
+                    t3 = time.perf_counter()
+                    timings = {"text": t1 - t0, "dit": t2 - t1 - timed.write_seconds,
+                               "kv_write": timed.write_seconds,
+                               "decode": t3 - t2, "elapsed": t3 - start}
+                    yield StreamChunk(frames, first, index, prompt, timings)
+                    first += len(frames)
+                    index += 1
+
+
+class _Timed:
+    """A :class:`CausalRun` whose write forwards are timed (``write_seconds``: the last one)."""
+
+    def __init__(self, run: CausalRun):
+        self._run, self.model = run, run.model
+        self.write_seconds = 0.0
+
+    def forward(self, latents, timestep, text, *, write: bool = False):
+        if not write:
+            return self._run.forward(latents, timestep, text)
+        _sync(latents.device)
+        t0 = time.perf_counter()
+        out = self._run.forward(latents, timestep, text, write=True)
+        _sync(latents.device)
+        self.write_seconds = time.perf_counter() - t0
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_prompt(prompt) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidArgument(f"prompt={prompt!r} must be a non-empty string.")
+    return prompt
+
+
+def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
+    """A :class:`VideoStream` of ``prompt`` from the causal generator ``gen``; every argument is checked before any
+    compute (:func:`stream_settings`). ``num_frames`` None streams without end (stop by closing the stream);
+    ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame)."""
+    return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
+
+
+__all__ = ["StreamChunk", "VideoStream", "chunk_plan", "sample_chunk", "stream_settings", "stream_video"]
