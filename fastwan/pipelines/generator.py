@@ -40,6 +40,7 @@ from fastwan.vae.tiny_weights import read_tiny_for
 from fastwan.pipelines import output
 from fastwan.pipelines.output import GenerationResult
 from fastwan.checkpoint.resolver import Checkpoint, resolve
+from fastwan.checkpoint.causal_files import causal_checkpoint
 from fastwan.checkpoint.components import tokenizer_class
 from fastwan.pipelines.denoise import cache_report, denoise
 from fastwan.pipelines.load_options import LoadOptions
@@ -53,6 +54,7 @@ from fastwan.pipelines.setup import attention_config as attention_config_arg
 from fastwan.pipelines.step_parallel import check_chords_generator
 from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, on_device, set_fp32_precision
+from fastwan.pipelines.setup import cfg_batched, sync
 from fastwan.pipelines.setup import trained_attention
 from fastwan.pipelines.text import encode_prompts
 from fastwan.pipelines.vace import VaceRequest, check_vace_generator, vace_run
@@ -60,23 +62,10 @@ from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 
 logger = logging.getLogger("fastwan")
 
-AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
 # Rule: loads run one at a time per process. transformers and diffusers build modules under process-wide state
 # (meta-device initialisation patches, lazily imported submodules), so two loads in two threads (a server's worker
 # per GPU) corrupt each other's modules.
 _LOADS = threading.Lock()
-
-
-def cfg_batched(cfg_mode: str, device: torch.device, tokens: int) -> bool:
-    """``cfg_mode``'s rule (see ``VideoGenerator._cfg_batched``) for ``tokens`` video tokens per sample."""
-    if cfg_mode != "auto":
-        return cfg_mode == "batched"
-    return not (device.type == "cuda" and tokens >= AUTO_SEQUENTIAL_TOKENS)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class VideoGenerator:
@@ -96,7 +85,7 @@ class VideoGenerator:
         self.text_encoder, self.tokenizer, self.vae, self.scheduler = text_encoder, tokenizer, vae, scheduler
         self.cfg_gate_step, self.cfg_mode, self.vae_chunk_frames = cfg_gate_step, cfg_mode, vae_chunk_frames
         self.image_encoder, self.image_processor = image_encoder, image_processor  # CLIP (Wan2.1 I2V / FLF2V)
-        self.preset = ckpt.preset
+        self.preset, self.causal = ckpt.preset, ckpt.causal  # causal: a causal checkpoint's CausalRecipe, or None
         # set by from_pretrained(max_gpu_memory=...); _weight_bytes: memory.weight_bytes, computed once
         self.memory_plan = self.max_gpu_memory = self.placement = self._weight_bytes = None
         self.parallel = None  # a fastwan.parallel.Mesh: this process is one rank of from_pretrained(num_gpus=N)
@@ -136,6 +125,7 @@ class VideoGenerator:
         cfg_parallel: bool = False,
         ring_degree: int | None = None,
         fp32_precision: str = "tf32",
+        causal_weights: str | Path | None = None, causal_recipe=None,
     ) -> VideoGenerator:
         """Load ``model`` (Hub id, at ``revision`` if given; Diffusers-format folder; or ``"tiny"``) onto ``device``.
 
@@ -169,7 +159,7 @@ class VideoGenerator:
         if budget is not None and device.type != "cuda":
             raise InvalidArgument(f"max_gpu_memory={budget!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
-        ckpt = resolve(model, allow_pickle=allow_pickle, revision=o.revision)
+        ckpt = causal_checkpoint(resolve(model, allow_pickle=allow_pickle, revision=o.revision), o)
         check_vace_generator(ckpt, launch != "single", budget)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
@@ -212,7 +202,8 @@ class VideoGenerator:
 
         transformers_ = [
             load_transformer(ckpt.folder(e), dtype=dtype, device=home, attention=attention, options=dit_options,
-                             allow_pickle=allow_pickle, quantization=quantization, compute_device=device)
+                             allow_pickle=allow_pickle, quantization=quantization, compute_device=device,
+                             tensors=ckpt.dit_weights)
             for e in ckpt.experts
         ]
         if enable_torch_compile:
@@ -446,16 +437,16 @@ class VideoGenerator:
             if video is not None:
                 start = (start_latents(self.vae, video, s.height, s.width, self.vae_scale_factors[1]),
                          steps_run(s.num_inference_steps, video.strength))
-        _sync(dev)
+        sync(dev)
         t1 = time.perf_counter()
         run = None if cache[0] is None else CacheRun(cache[0], s.num_inference_steps, cache[1])
         with self._phase("denoising"), vace_run(self, vace, s) as (denoised, crop):  # VACE: its control, frames
             latents, forwards = self._denoise(emb, denoised, seed, do_cfg, cond, run, on_step, start, chords)
             latents = crop(latents)
-        _sync(dev)
+        sync(dev)
         t2 = time.perf_counter()
         frames = self._decode(latents) if self.parallel is None or self.parallel.writes else None
-        _sync(dev)
+        sync(dev)
         t3 = time.perf_counter()
         timings = {"text_encoding": t1 - t0, "denoising": t2 - t1, "decoding": t3 - t2, "total": t3 - t0}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None

@@ -46,6 +46,22 @@ def check_load_options(options) -> tuple:
     return device, dtype, vae_dtype, cfg_gate_step, dit_options
 
 
+AUTO_SEQUENTIAL_TOKENS = 16384  # cfg_mode="auto": sequential CFG on CUDA from this many video tokens per sample
+
+
+def cfg_batched(cfg_mode: str, device: torch.device, tokens: int) -> bool:
+    """``cfg_mode``'s rule (see ``VideoGenerator._cfg_batched``) for ``tokens`` video tokens per sample."""
+    if cfg_mode != "auto":
+        return cfg_mode == "batched"
+    return not (device.type == "cuda" and tokens >= AUTO_SEQUENTIAL_TOKENS)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA; nothing elsewhere): a host timing's end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def on_device(device: torch.device):
     """A context in which ``device`` is the calling thread's current CUDA device (nothing off CUDA). Rule: a
     generator's work runs inside it: Triton kernels launch on the current device, which CUDA keeps per thread (a

@@ -28,7 +28,7 @@ import torch
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
-from fastwan.pipelines.setup import on_device
+from fastwan.pipelines.setup import on_device, sync
 from fastwan.pipelines.text import encode_prompts
 
 
@@ -194,11 +194,11 @@ class VideoStream:
                         texts.clear()
                         texts[prompt] = encode_prompts([prompt], gen.tokenizer, gen.text_encoder, device=dev,
                                                        dtype=gen.dtype)
-                    _sync(dev)
+                    sync(dev)
                     t1 = time.perf_counter()
                     noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
                     x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
-                    _sync(dev)
+                    sync(dev)
                     t2 = time.perf_counter()
                     frames = decoder.push(x0)
                     t3 = time.perf_counter()
@@ -220,17 +220,12 @@ class _Timed:
     def forward(self, latents, timestep, text, *, write: bool = False):
         if not write:
             return self._run.forward(latents, timestep, text)
-        _sync(latents.device)
+        sync(latents.device)
         t0 = time.perf_counter()
         out = self._run.forward(latents, timestep, text, write=True)
-        _sync(latents.device)
+        sync(latents.device)
         self.write_seconds = time.perf_counter() - t0
         return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_prompt(prompt) -> str:

@@ -142,7 +142,7 @@ def test_auto_cfg_mode(tiny_ckpts):
     assert gen.cfg_mode == "auto"
     assert gen._cfg_batched(10**6)  # off CUDA: one batch
     gen.device = torch.device("cuda")  # the decision alone (nothing runs)
-    from fastwan.pipelines.generator import AUTO_SEQUENTIAL_TOKENS
+    from fastwan.pipelines.setup import AUTO_SEQUENTIAL_TOKENS
     assert gen._cfg_batched(AUTO_SEQUENTIAL_TOKENS - 1) and not gen._cfg_batched(AUTO_SEQUENTIAL_TOKENS)
 
 
