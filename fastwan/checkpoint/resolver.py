@@ -16,6 +16,14 @@ from fastwan.checkpoint.components import (
     check_text_width,
     scheduler_class,
 )
+from fastwan.checkpoint.causal import CausalRecipe
+from fastwan.checkpoint.causal_layouts import (
+    CAUSAL_DMD_PIPELINE,
+    CAUSAL_MULTISTEP_PIPELINE,
+    causal_preset,
+    check_causal_dit,
+    fastvideo_recipe,
+)
 from fastwan.checkpoint.hub import download, fetch_components
 from fastwan.checkpoint.presets import IMAGE_VARIANTS, Preset, checkpoint_preset
 from fastwan.checkpoint.safetensors import (
@@ -39,14 +47,15 @@ I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V
 # so): the image-to-video layout, DMD sampling
 I2V_DMD_PIPELINE = "WanImageToVideoDmdPipeline"
 VACE_PIPELINE = "WanVACEPipeline"  # Wan2.1-VACE, Wan2.2-VACE-Fun-A14B: a WanVACETransformer3DModel DiT
-PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE, VACE_PIPELINE)
+# FastVideo's causal few-step text-to-video (Self-Forcing, SFWan2.1-T2V-1.3B-Diffusers): :mod:`.causal_layouts`
+PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE, VACE_PIPELINE, CAUSAL_DMD_PIPELINE)
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders transformers' from_pretrained reads
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
 OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("Animate", "character animation"),
-               # FastVideo's WanCausalPipeline / WanCausalDMDPipeline (Self-Forcing, e.g. SFWan2.1-T2V-1.3B): a
-               # causal DiT that generates frame blocks one after another with a KV cache
-               ("Causal", "causal (autoregressive, Self-Forcing) generation"))
+               # FastVideo's WanCausalPipeline: a causal DiT sampled with a full UniPC schedule per chunk
+               ("Causal", f"causal multi-step generation ({CAUSAL_MULTISTEP_PIPELINE}: a full UniPC schedule per "
+                          "chunk)"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,12 @@ class Checkpoint:
     # it to diffusers / transformers
     variants: dict = dataclasses.field(default_factory=dict)
     image_to_video: bool = False  # an image-to-video pipeline class (model_index.json), whatever the DiT's kind
+    # a causal checkpoint's sampling rule (FastVideo's WanCausalDMDPipeline, or a Self-Forcing / CausVid generator
+    # file loaded over a base checkpoint: fastwan.checkpoint.causal_files); None: the DiT samples the whole video
+    causal: CausalRecipe | None = None
+    # the DiT's tensors from a file other than transformer/ (a causal generator file: keys() / items() by the DiT's
+    # names, fastwan.checkpoint.causal_files.GeneratorWeights); None: the folder's
+    dit_weights: object | None = None
 
     @property
     def needs_image(self) -> bool:
@@ -87,6 +102,7 @@ class PipelineIndex:
     image_to_video: bool = False
     image_encoder: bool = False
     distilled: bool = False
+    causal: bool = False  # FastVideo's WanCausalDMDPipeline
 
 
 def _locate(name: str, revision: str | None = None) -> tuple[Path, str | None, bool]:
@@ -158,7 +174,8 @@ def _check_pipeline_class(index: dict, path: Path) -> None:
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
         f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\", \"{I2V_DMD_PIPELINE}\") "
-        f"and VACE (\"{VACE_PIPELINE}\") checkpoints, and {task} is not supported yet. Use one of those."
+        f"and VACE (\"{VACE_PIPELINE}\") and causal (\"{CAUSAL_DMD_PIPELINE}\") checkpoints, and {task} is not "
+        "supported yet. Use one of those."
     )
 
 
@@ -246,8 +263,14 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
     experts = _index_experts(index, path)
     cls = index.get("_class_name")
     i2v = cls in (I2V_PIPELINE, I2V_DMD_PIPELINE)
+    causal = cls == CAUSAL_DMD_PIPELINE
+    if causal and len(experts) == 2:
+        raise CheckpointError(
+            f"{path}: \"_class_name\": \"{cls}\" with two experts (\"transformer_2\"): FastVideo's causal Wan2.2 "
+            "A14B pipelines (a first chunk of one frame, the experts switching per step) are not supported; causal "
+            "checkpoints run with one DiT (SFWan2.1-T2V-1.3B).")
     return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path), i2v,
-                         i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE))
+                         i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE), causal)
 
 
 def pipeline_index(model: str, revision: str | None = None) -> PipelineIndex:
@@ -360,7 +383,11 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
                                 tuple(c for c in components if c not in weighted), allow_pickle)
     check_components(root, index_path, components)
     configs = _expert_configs(root, meta)
-    _check_vace(index.get("_class_name") == VACE_PIPELINE, configs[0], root / meta.experts[0] / "config.json")
+    dit_path = root / meta.experts[0] / "config.json"
+    _check_vace(index.get("_class_name") == VACE_PIPELINE, configs[0], dit_path)
+    dit_raw = read_json(dit_path, missing="")
+    check_causal_dit(meta.causal, dit_raw.get("_class_name"), str(dit_path))
+    recipe = fastvideo_recipe(dit_raw, str(dit_path)) if meta.causal else None
     check_latent_channels(root, configs[0])
     check_text_width(root, configs[0])
     if meta.image_encoder:
@@ -380,6 +407,8 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
     else:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")
     preset = checkpoint_preset(variant, configs[0].inner_dim, checkpoint_label(name, root, hub), meta.distilled)
+    if recipe is not None:
+        preset = causal_preset(preset, recipe, configs[0].inner_dim)
     return Checkpoint(root, variant, preset, index, configs[0], meta.experts, meta.boundary_ratio, expand,
                       meta.image_encoder, meta.distilled, gates[0],
-                      {comp: weight_variant(fs) for comp, fs in files.items()}, meta.image_to_video)
+                      {comp: weight_variant(fs) for comp, fs in files.items()}, meta.image_to_video, recipe)

@@ -7,6 +7,11 @@ Three variants, the same component layout as the published checkpoints:
 - ``wan2.2-ti2v``: 48-channel latents, the residual VAE (spatial factor 16) and ``expand_timesteps``.
 - ``wan2.1-vace`` / ``wan2.2-vace-a14b``: diffusers' ``WanVACEPipeline`` layout (``WanVACETransformer3DModel``,
   3 blocks with VACE hints after blocks 0 and 2), with one or two experts.
+- ``sfwan2.1``: FastVideo's causal layout (``WanCausalDMDPipeline``, a ``CausalWanTransformer3DModel`` DiT whose
+  config.json holds FastVideo's causal keys at their defaults: 3 frames per chunk, no window, no sinks).
+
+:func:`write_generator_file` writes a Self-Forcing / CausVid style generator file (original Wan names under
+``model.``, nested under ``generator`` / ``generator_ema``) of a tiny checkpoint's DiT shapes.
 
 Weights are random (seeded), saved as safetensors (optionally sharded, with an index, as the published
 checkpoints are). The tokenizer is a small Unigram model built in code, so nothing is downloaded.
@@ -27,11 +32,16 @@ import torch
 
 from fastwan.errors import InvalidArgument, MissingFileError, OutputExistsError
 from fastwan.checkpoint.files import new_file_mode, new_temp_folder, set_file_modes
-from fastwan.checkpoint.safetensors import HUB_COMMIT, HUB_MODEL_ID
+from fastwan.checkpoint.safetensors import HUB_COMMIT, HUB_MODEL_ID, PICKLE_SUFFIXES, header_tensors
+
+CAUSAL_PIPELINE, CAUSAL_DIT_CLASS = "WanCausalDMDPipeline", "CausalWanTransformer3DModel"  # FastVideo's names
 
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts
 VACE_VARIANTS = ("wan2.1-vace", "wan2.2-vace-a14b")  # WanVACEPipeline layouts (Wan2.1-VACE, Wan2.2-VACE-Fun-A14B)
+CAUSAL_VARIANTS = ("sfwan2.1",)  # FastVideo's causal layout (SFWan2.1-T2V-1.3B-Diffusers)
+# the causal keys FastVideo's causal DiT config carries (fastwan.checkpoint.causal_layouts.FASTVIDEO_DIT_DEFAULTS)
+TINY_CAUSAL_DIT = {"num_frames_per_block": 3, "local_attn_size": -1, "sink_size": 0, "sliding_window_num_frames": 21}
 TINY_VACE_LAYERS = (0, 2)  # of 3 blocks: a hint after the first and the last, none after the middle one
 TINY_IDS = {
     "tiny": "wan2.1",
@@ -76,9 +86,9 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 def _check_variant(variant: str) -> None:
     """Rule: a tiny variant is one of :data:`VARIANTS` or :data:`IMAGE_VARIANTS`."""
-    if variant not in VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS:
-        raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of "
-                              f"{', '.join(VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS)}.")
+    known = VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS + CAUSAL_VARIANTS
+    if variant not in known:
+        raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of {', '.join(known)}.")
 
 
 def _write_clip(path: Path, seed: int) -> None:
@@ -171,6 +181,10 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
                 blk.to_gate_compress = torch.nn.Linear(dim, dim)
         _randomize(dit, seed + 10 + i, std=0.1)
         dit.save_pretrained(path / name, safe_serialization=True, **shard)
+        if variant in CAUSAL_VARIANTS:  # the same tensors; FastVideo's causal class and keys in the config
+            cfg_path = path / name / "config.json"
+            cfg = {**json.loads(cfg_path.read_text()), "_class_name": CAUSAL_DIT_CLASS, **TINY_CAUSAL_DIT}
+            cfg_path.write_text(json.dumps(cfg, indent=2))
 
     if ti2v:
         vae = AutoencoderKLWan(
@@ -192,12 +206,13 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
         _write_clip(path, seed + 30)
     index = {
         "_class_name": "WanImageToVideoPipeline" if image else "WanVACEPipeline" if vace else (
-            "WanDMDPipeline" if variant == "fastwan2.1" else "WanPipeline"),
+            "WanDMDPipeline" if variant == "fastwan2.1" else CAUSAL_PIPELINE if variant in CAUSAL_VARIANTS
+            else "WanPipeline"),
         "_diffusers_version": "0.35.0",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", dit_class.__name__],
+        "transformer": ["diffusers", CAUSAL_DIT_CLASS if variant in CAUSAL_VARIANTS else dit_class.__name__],
         "transformer_2": ["diffusers", dit_class.__name__] if len(experts) == 2 else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "boundary_ratio": 0.875 if len(experts) == 2 else None,
@@ -322,3 +337,58 @@ def write_hub_cache(src: str | Path, cache_dir: str | Path, repo_id: str, *, rev
     ref_file.parent.mkdir(parents=True, exist_ok=True)
     ref_file.write_text(revision)
     return snapshot
+
+
+def original_wan_names(num_layers: int) -> list[str]:
+    """The tensor names of the original Wan release's text-to-video DiT (``WanModel``) of ``num_layers`` blocks, as
+    its state dict (and Self-Forcing's / CausVid's wrappers, under ``model.``) holds them."""
+    linear = ("weight", "bias")
+    names = [f"patch_embedding.{t}" for t in linear]
+    for module in ("text_embedding.0", "text_embedding.2", "time_embedding.0", "time_embedding.2",
+                   "time_projection.1", "head.head"):
+        names += [f"{module}.{t}" for t in linear]
+    names.append("head.modulation")
+    for i in range(num_layers):
+        b = f"blocks.{i}"
+        for attn in ("self_attn", "cross_attn"):
+            names += [f"{b}.{attn}.{m}.{t}" for m in "qkvo" for t in linear]
+            names += [f"{b}.{attn}.norm_q.weight", f"{b}.{attn}.norm_k.weight"]
+        names += [f"{b}.norm3.{t}" for t in linear] + [f"{b}.ffn.{m}.{t}" for m in "02" for t in linear]
+        names.append(f"{b}.modulation")
+    return names
+
+
+def write_generator_file(path: str | Path, base: str | Path, *, entries: tuple[str, ...] = ("generator",
+                         "generator_ema"), prefix: str = "model.", seed: int = 0) -> Path:
+    """Write a generator file as Self-Forcing and CausVid release theirs, for the DiT of the tiny checkpoint folder
+    ``base`` (its transformer/ shapes): random tensors (one draw per entry, ``seed`` first) under the original Wan
+    names (:func:`original_wan_names`) with ``prefix``, each entry a state dict under its name (``entries`` empty:
+    one flat state dict). A pickle (``.pt``, ...) nests them as ``torch.save`` does, with a ``critic`` entry as
+    Self-Forcing's training saves; ``.safetensors`` spells the nesting as name prefixes. Returns ``path``."""
+    from fastwan.models.wan.names import dit_name
+
+    path = Path(path)
+    shapes = {k: shape for k, (shape, _) in header_tensors(sorted((Path(base) / "transformer").glob(
+        "*.safetensors"))).items()}
+    layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))
+    original = {dit_name(n): n for n in original_wan_names(layers)}
+    if set(original) != set(shapes):
+        raise InvalidArgument(f"{base}'s DiT is not a plain Wan2.1 text-to-video DiT (its tensors "
+                              f"{sorted(set(shapes) ^ set(original))[:3]} ...); pass a tiny wan2.1 checkpoint.")
+    g = torch.Generator().manual_seed(seed)
+    states = [{f"{prefix}{original[k]}": torch.randn(shape, generator=g) * 0.1 for k, shape in sorted(shapes.items())}
+              for _ in entries or ("",)]
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        flat = {f"{e}.{k}" if e else k: v for e, sd in zip(entries or ("",), states) for k, v in sd.items()}
+        save_file(flat, str(path))
+    elif path.suffix in PICKLE_SUFFIXES:
+        tree = dict(zip(entries, states)) if entries else states[0]
+        if entries:
+            tree["critic"] = {f"{prefix}head.modulation": torch.zeros(1, 2, 4)}  # another model's, never read
+        torch.save(tree, path)
+    else:
+        raise InvalidArgument(f"path={str(path)!r} must end in .safetensors or a pickle suffix "
+                              f"({', '.join(PICKLE_SUFFIXES)}).")
+    return path

@@ -7,38 +7,11 @@ import re
 import torch
 
 from fastwan.kernels.fp8 import Fp8Linear
+from fastwan.models.wan.names import ORIGINAL_NAMES
 
-WAN_NAMES = (  # original Wan module name -> the model's (diffusers') name
-    (r"blocks\.(\d+)\.self_attn\.([qkv])", r"blocks.\1.attn1.to_\2"),
-    (r"blocks\.(\d+)\.self_attn\.o", r"blocks.\1.attn1.to_out.0"),
-    (r"blocks\.(\d+)\.cross_attn\.([qkv])", r"blocks.\1.attn2.to_\2"),
-    (r"blocks\.(\d+)\.cross_attn\.o", r"blocks.\1.attn2.to_out.0"),
-    (r"blocks\.(\d+)\.cross_attn\.k_img", r"blocks.\1.attn2.add_k_proj"),
-    (r"blocks\.(\d+)\.cross_attn\.v_img", r"blocks.\1.attn2.add_v_proj"),
-    (r"blocks\.(\d+)\.ffn\.0", r"blocks.\1.ffn.net.0.proj"),
-    (r"blocks\.(\d+)\.ffn\.2", r"blocks.\1.ffn.net.2"),
-    (r"text_embedding\.0", "condition_embedder.text_embedder.linear_1"),
-    (r"text_embedding\.2", "condition_embedder.text_embedder.linear_2"),
-    (r"time_embedding\.0", "condition_embedder.time_embedder.linear_1"),
-    (r"time_embedding\.2", "condition_embedder.time_embedder.linear_2"),
-    (r"time_projection\.1", "condition_embedder.time_proj"),
-    (r"head\.head", "proj_out"),
-    (r"img_emb\.proj\.1", "condition_embedder.image_embedder.ff.net.0.proj"),
-    (r"img_emb\.proj\.3", "condition_embedder.image_embedder.ff.net.2"),
-    # norms (their deltas are not merged, as in diffusers; named so that they read as norms, not unknown keys)
-    (r"blocks\.(\d+)\.self_attn\.norm_([qk])", r"blocks.\1.attn1.norm_\2"),
-    (r"blocks\.(\d+)\.cross_attn\.norm_([qk])", r"blocks.\1.attn2.norm_\2"),
-    (r"blocks\.(\d+)\.cross_attn\.norm_k_img", r"blocks.\1.attn2.norm_added_k"),
-    (r"head\.norm", "norm_out"),
-    (r"img_emb\.proj\.0", "condition_embedder.image_embedder.norm1"),
-    (r"img_emb\.proj\.4", "condition_embedder.image_embedder.norm2"),
-    # parameters outside the layers (modulation tables, FLF2V's image position embedding): their deltas are not
-    # merged, as in diffusers
-    (r"blocks\.(\d+)\.modulation", r"blocks.\1.scale_shift_table"),
-    (r"head\.modulation", "scale_shift_table"),
-    (r"img_emb\.emb_pos", "condition_embedder.image_embedder.pos_embed"),
-)
-# the parameters (not layers) whose deltas a file may carry, as the model names them: not merged (see above)
+WAN_NAMES = ORIGINAL_NAMES  # original Wan module name -> the model's (diffusers') name
+# the parameters (not layers) whose deltas a file may carry, as the model names them: not merged (see
+# fastwan.models.wan.names)
 TABLES = ("scale_shift_table", "pos_embed")
 PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.", "model.")
 KOHYA_PREFIX = "lora_unet_"

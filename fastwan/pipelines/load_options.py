@@ -171,6 +171,35 @@ def _ring_degree(value):
     return check_ring_degree(python_number(value))
 
 
+def _causal_recipe(value):
+    from fastwan.checkpoint.causal_files import family_recipe
+
+    if value is not None and not isinstance(value, str):
+        family_recipe(value)  # a CausalRecipe, or the type error naming the choices
+    elif value is not None:
+        family_recipe(value.strip().lower())
+        value = value.strip().lower()
+    return value
+
+
+def _encode_recipe(value):
+    return value if isinstance(value, str) else {k: list(v) if isinstance(v, tuple) else v
+                                                 for k, v in dataclasses.asdict(value).items()}
+
+
+def _decode_recipe(value):
+    if not isinstance(value, Mapping):
+        return value
+    from fastwan.checkpoint.causal import CausalRecipe
+
+    fields = {f.name for f in dataclasses.fields(CausalRecipe)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise InvalidArgument(f"causal_recipe={dict(value)!r}: {unknown[0]!r} is not a CausalRecipe field; the fields "
+                              f"are {sorted(fields)}.")
+    return CausalRecipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+
+
 def _encode_lora(value):
     return [list(item) for item in value]
 
@@ -250,6 +279,15 @@ class LoadOptions:
     taew2_2 for Wan2.2 TI2V's 48; safetensors, or a pickle with ``allow_pickle``), checked against the checkpoint
     before any weight loads (:mod:`fastwan.vae.tiny_weights`). The full VAE still loads (image-to-video encodes
     with it).
+
+    ``causal_weights``: a Self-Forcing or CausVid generator file (their released ``self_forcing_dmd.pt`` /
+    ``model.pt``, or the same tensors as .safetensors; a pickle only with ``allow_pickle``, read weights-only) whose DiT
+    replaces ``model``'s: ``model`` is then the Wan2.1 text-to-video checkpoint the generator was trained from (it
+    gives the config, text encoder and VAE; Wan-AI/Wan2.1-T2V-1.3B-Diffusers for both families), and the generator
+    samples causally, chunk after chunk (``gen.causal``). ``causal_recipe``: which family's sampling rule, as the
+    files do not say: "self-forcing" (None, the default: 4 warped steps at shift 5) or "causvid" (1000/757/522,
+    shift 8), or a :class:`~fastwan.checkpoint.causal.CausalRecipe`; only with ``causal_weights`` (FastVideo's
+    causal checkpoints carry their own rule). :mod:`fastwan.checkpoint.causal_files` says how the file is read.
 
     ``vae_chunk_frames``: latent frames per VAE decoder call after the first (diffusers decodes one at a time;
     the result is the same, :mod:`fastwan.vae.decode`). "auto" (default) takes as many as keep a call's
@@ -343,6 +381,17 @@ class LoadOptions:
                                             "LoRA files, for sources you trust (unpickling can run code)",
                                 schema={"type": "boolean"}, check=boolean("allow_pickle"), flag="--allow-pickle",
                                 action="store_true")
+    causal_weights: Any = option(None, help="a Self-Forcing / CausVid generator file whose DiT replaces the model's "
+                                            "(the model: the Wan2.1 T2V base it was trained from); the generator "
+                                            "becomes causal (.safetensors; .pt with --allow-pickle)", nullable=True,
+                                 schema={"type": "string"}, check=_optional_str("causal_weights",
+                                                                                "'self_forcing_dmd.pt'"),
+                                 encode=os.fspath, flag="--causal-weights", metavar="FILE")
+    causal_recipe: Any = option(None, help="the sampling rule of --causal-weights' family: self-forcing (default) or "
+                                           "causvid", nullable=True,
+                                schema={"anyOf": [{"type": "string"}, {"type": "object"}]}, check=_causal_recipe,
+                                encode=_encode_recipe, decode=_decode_recipe, flag="--causal-recipe",
+                                metavar="{self-forcing,causvid}")
     revision: str | None = option(None, help="Hub branch, tag or commit of the model (Hub ids only)", nullable=True,
                                   schema={"type": "string"}, check=_optional_str("revision", "'main'"),
                                   flag="--revision")
@@ -363,6 +412,14 @@ class LoadOptions:
         check_repeats(loras)  # one file twice for one DiT: a slip (load_lora adds a file again on purpose)
         object.__setattr__(self, "lora", loras)
         check_tiny_options(self.vae, self.vae_path, self.allow_pickle)
+        if self.causal_weights is not None:
+            from fastwan.checkpoint.causal_files import check_generator_path
+
+            check_generator_path(self.causal_weights, self.allow_pickle)
+        elif self.causal_recipe is not None:
+            raise InvalidArgument(f"causal_recipe={self.causal_recipe!r} is the sampling rule of a causal_weights "
+                                  "file, and none is given; pass causal_weights= (CLI --causal-weights), or drop "
+                                  "causal_recipe (FastVideo's causal checkpoints carry their own rule).")
         if self.torch_compile_kwargs and not self.enable_torch_compile:
             raise InvalidArgument(f"torch_compile_kwargs={self.torch_compile_kwargs!r} apply only when the DiT is "
                                   "compiled; pass enable_torch_compile=True with them, or drop them.")

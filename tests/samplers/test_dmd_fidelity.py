@@ -261,8 +261,9 @@ def test_text_to_video_dmd_pipeline_refuses_an_image(tiny_ckpts, tmp_path, varia
 
 
 @pytest.mark.parametrize("cls,message", [
-    ("WanCausalDMDPipeline", "causal (autoregressive, Self-Forcing) generation is not supported"),
-    ("WanCausalPipeline", "causal (autoregressive, Self-Forcing) generation is not supported"),
+    ("WanCausalDMDPipeline", 'causal pipeline, whose DiT is "CausalWanTransformer3DModel"'),
+    ("WanCausalPipeline", "causal multi-step generation (WanCausalPipeline: a full UniPC schedule per chunk) is not "
+                          "supported"),
     ("wandmdpipeline", 'by its exact name, "WanDMDPipeline"'),
     ("WanImageToVideoDMDPipeline", 'by its exact name, "WanImageToVideoDmdPipeline"'),
 ])

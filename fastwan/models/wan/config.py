@@ -17,7 +17,9 @@ from fastwan.checkpoint.safetensors import read_json
 from fastwan.values import json_text
 
 VACE_CLASS_NAME = "WanVACETransformer3DModel"  # the DiT with VACE's control blocks (Wan2.1-VACE, Wan2.2-VACE-Fun)
-WAN_CLASS_NAMES = ("WanTransformer3DModel", VACE_CLASS_NAME)
+# FastVideo's causal DiT (Self-Forcing): the parameters of the plain one; the pipeline decides how it samples
+CAUSAL_CLASS_NAME = "CausalWanTransformer3DModel"
+WAN_CLASS_NAMES = ("WanTransformer3DModel", VACE_CLASS_NAME, CAUSAL_CLASS_NAME)
 VACE_DEFAULTS = {"vace_layers": (0, 5, 10, 15, 20, 25, 30, 35), "vace_in_channels": 96}  # diffusers' defaults
 QK_NORMS = ("rms_norm_across_heads",)
 
@@ -161,13 +163,8 @@ class WanConfig:
 
 
 def _check_class_name(raw: dict, source: str) -> None:
-    """Rule: ``_class_name`` names the Wan DiT class."""
+    """Rule: ``_class_name`` names a Wan DiT class (whether the pipeline may hold it is the resolver's rule)."""
     name = raw.get("_class_name")
-    if isinstance(name, str) and name.startswith("Causal") and name.endswith("WanTransformer3DModel"):
-        raise CheckpointError(
-            f"{source}: \"_class_name\": {json_text(name)} is a causal Wan DiT (FastVideo's Self-Forcing models, which "
-            "generate frame blocks one after another with a KV cache); fastwan runs the bidirectional "
-            f"{WAN_CLASS_NAMES[0]}. Use a Wan2.1/Wan2.2 or FastWan checkpoint.")
     if not (isinstance(name, str) and name in WAN_CLASS_NAMES):
         raise CheckpointError(
             f"{source}: \"_class_name\": {json_text(name)} describes a model that is not a Wan DiT (expected "

@@ -118,7 +118,7 @@ def check_transformer_files(files: list[Path], cfg: WanConfig, source: str) -> b
 
 def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptions | None = None,
                      allow_pickle: bool = False, quantization: str | None = None,
-                     compute_device: torch.device | str | None = None) -> WanTransformer:
+                     compute_device: torch.device | str | None = None, tensors=None) -> WanTransformer:
     """``folder``: a Diffusers ``transformer/`` (or ``transformer_2/``) folder (config.json + safetensors)
     -> the :class:`WanTransformer` in eval mode without gradients, built as ``options`` (default
     ``DiTOptions()``) resolve for the device it will run on, ``compute_device`` (default: ``device``, where the
@@ -126,15 +126,20 @@ def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptio
 
     ``quantization="fp8"``: the block linears get e4m3 weights, quantized tensor by tensor while loading (on the
     compute device; the FP8 route is chosen for activations of ``dtype`` there). A folder fastwan saved in FP8
-    loads as FP8 whatever ``quantization``."""
+    loads as FP8 whatever ``quantization``.
+
+    ``tensors``: the DiT's tensors from elsewhere than the folder's files (``keys()`` and ``items()`` by the DiT's
+    names, e.g. a causal generator file: :class:`fastwan.checkpoint.causal_files.GeneratorWeights`); the folder then
+    gives the config alone."""
     folder = Path(folder)
     quantization = check_quantization(quantization)
     cfg = WanConfig.from_file(folder / "config.json")
-    files = weight_files(folder, allow_pickle=allow_pickle)
     compute = torch.device(compute_device or device)
     with torch.device("meta"):
         model = WanTransformer(cfg, attention, (options or DiTOptions()).resolve(compute, dtype))
-    state = UsedTensors(CheckpointTensors(files), str(folder))
+    source = str(folder) if tensors is None else str(getattr(tensors, "path", folder))
+    state = UsedTensors(tensors if tensors is not None else
+                        CheckpointTensors(weight_files(folder, allow_pickle=allow_pickle)), source)
     if has_vsa_gates(state.keys()):
         with torch.device("meta"):
             model.add_gate_compress()
@@ -146,6 +151,6 @@ def load_transformer(folder, *, dtype, device, attention=None, options: DiTOptio
         use_fp8(model, layers, device=compute, dtype=dtype)
     if quantization == "fp8" and not saved:
         state = QuantizingTensors(state, layers, compute)
-    load_into(model, state, dtype=dtype, device=device, source=str(folder),
+    load_into(model, state, dtype=dtype, device=device, source=source,
               keep_fp32=lambda name: keep_in_fp32(name) or name.endswith(SCALE_SUFFIX))
     return model.eval().requires_grad_(False)
