@@ -85,30 +85,49 @@ def iter_decode_latents(vae, z: torch.Tensor, chunk: int | str = "auto", bars: b
     if z.dim() != 5:
         raise ValueError(f"latents of shape {tuple(z.shape)} must be [B, C, F, h, w].")
     batch, _, num_frames, h, w = z.shape
-    if getattr(vae, "use_tiling", False):
-        s = vae.spatial_compression_ratio
-        if w > vae.tile_sample_min_width // s or h > vae.tile_sample_min_height // s:
-            yield vae.decode(z, return_dict=False)[0]
-            return
+    if tiles_latent(vae, h, w):
+        yield vae.decode(z, return_dict=False)[0]
+        return
     if chunk == "auto":
         chunk = auto_chunk(vae, h * vae.spatial_compression_ratio, w * vae.spatial_compression_ratio, batch)
-    patch = vae.config.patch_size
-    if patch is not None:
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     vae.clear_cache()
     try:
         x = vae.post_quant_conv(z)
-        starts = [0] + list(range(1, num_frames, chunk))
-        for i, start in enumerate(tqdm(starts, desc="decoding", unit="call", leave=False, disable=not bars)):
-            stop = 1 if i == 0 else min(start + chunk, num_frames)
-            vae._conv_idx = [0]
-            out = vae.decoder(x[:, :, start:stop], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                              first_chunk=i == 0)
-            if patch is not None:
-                out = unpatchify(out, patch_size=patch)
-            yield torch.clamp(out, min=-1.0, max=1.0)
+        calls = decoder_calls(0, num_frames, chunk)
+        for start, stop in tqdm(calls, desc="decoding", unit="call", leave=False, disable=not bars):
+            yield decoder_call(vae, x[:, :, start:stop], vae._feat_map, first=start == 0)
     finally:
         vae.clear_cache()
+
+
+def tiles_latent(vae, h: int, w: int) -> bool:
+    """Whether ``vae`` decodes an ``h`` x ``w`` latent by diffusers' spatial tiling: tiling on and the latent larger
+    than a tile on either axis (each tile then has its own feature cache inside one ``vae.decode``)."""
+    if not getattr(vae, "use_tiling", False):
+        return False
+    s = vae.spatial_compression_ratio
+    return w > vae.tile_sample_min_width // s or h > vae.tile_sample_min_height // s
+
+
+def decoder_calls(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """The (start, stop) latent frames of each decoder call over frames [start, stop) of a video: latent frame 0
+    alone (the first call, whose temporal upsamplers leave it undoubled), then at most ``chunk`` frames a call."""
+    out = [(0, 1)] if start == 0 else []
+    first = max(start, 1)
+    return out + [(i, min(i + chunk, stop)) for i in range(first, stop, chunk)]
+
+
+def decoder_call(vae, x: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
+    """One call of ``vae``'s decoder on post-quant latents ``x`` [B, C, f, h, w] with the feature cache ``cache``
+    (one slot per causal convolution, updated in place; ``first``: latent frame 0 alone, the cache empty) ->
+    [B, 3, t, H, W] in [-1, 1]."""
+    out = vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first)
+    patch = vae.config.patch_size
+    if patch is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=patch)
+    return torch.clamp(out, min=-1.0, max=1.0)
 
 
 def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> np.ndarray:

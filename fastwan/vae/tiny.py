@@ -134,22 +134,32 @@ class TinyDecoder(nn.Module):
         check_chunk(chunk)
         if z.dim() != 5 or z.shape[1] != self.latent_channels:
             raise ValueError(f"latents of shape {tuple(z.shape)} must be [B, {self.latent_channels}, F, h, w].")
+        return self.decode_part(z, chunk, {})[:, :, TRIMMED:]
+
+    @torch.no_grad()
+    def decode_part(self, z: torch.Tensor, chunk: int | str, carry: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The next latent frames ``z`` [B, C, F, h, w] of a video whose earlier frames left the memory blocks'
+        state ``carry`` (empty at the start; updated) -> its 4F next frames [B, 3, 4F, H, W] in [0, 1], the first
+        ``TRIMMED`` of a video not dropped. Over consecutive parts the frames are :meth:`decode`'s (its rule)."""
         batch, channels, num_frames, h, w = z.shape
         scale = SPATIAL_UPSAMPLING * self.patch
         if chunk == "auto":
             chunk = auto_chunk_frames(h * scale, w * scale, TEMPORAL, batch)
         x = z.to(self.dtype).permute(0, 2, 1, 3, 4)  # [B, F, C, h, w]
-        carry: dict[int, torch.Tensor] = {}
         outs = []
         for start in range(0, num_frames, chunk):
             part = x[:, start:start + chunk]
             y = self._pass(part.reshape(-1, channels, h, w), batch, carry)
             y = F.pixel_shuffle(y, self.patch) if self.patch > 1 else y
             outs.append(y.view(batch, -1, *y.shape[1:]))
-        video = torch.cat(outs, 1)[:, TRIMMED:]
+        video = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return video.clamp(0, 1).permute(0, 2, 1, 3, 4)
 
     def frames(self, latents: torch.Tensor, chunk: int | str = "auto") -> np.ndarray:
         """The denoiser's latents [1, C, F, h, w] -> uint8 video frames [T, H, W, 3]."""
-        video = self.decode(latents, chunk)[0].float()
-        return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+        return uint8_frames(self.decode(latents, chunk))
+
+
+def uint8_frames(video: torch.Tensor) -> np.ndarray:
+    """[1, 3, T, H, W] in [0, 1] -> uint8 [T, H, W, 3] (x 255 rounded)."""
+    return (video[0].float() * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
