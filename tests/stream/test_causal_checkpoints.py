@@ -237,3 +237,22 @@ def test_a_corrupt_pickle_is_refused_naming_the_file(tiny_causal, tmp_path):
     bad.write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match="bad.pt cannot be read as a weights-only torch checkpoint"):
         load(tiny_causal.base, causal_weights=str(bad), allow_pickle=True)
+
+
+# ---- streaming takes causal checkpoints only ----------------------------------------------------------------------
+def test_streaming_refuses_a_non_causal_checkpoint_naming_it(tiny_causal):
+    from fastwan.pipelines.stream import stream_video
+
+    with pytest.raises(InvalidArgument, match="is not a causal checkpoint") as e:
+        stream_video(load(tiny_causal.base), "a fox", num_frames=9, seed=1)
+    assert str(tiny_causal.base) in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["fastvideo", "self_forcing"])
+def test_each_causal_layout_streams(tiny_causal, layout):
+    from fastwan.pipelines.stream import stream_video
+
+    gen = (load(tiny_causal.fastvideo) if layout == "fastvideo" else
+           load(tiny_causal.base, causal_weights=str(tiny_causal.self_forcing), allow_pickle=True))
+    chunks = list(stream_video(gen, "a fox", num_frames=9, height=32, width=32, seed=1))
+    assert sum(len(c.frames) for c in chunks) == 9
