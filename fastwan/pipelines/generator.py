@@ -57,6 +57,7 @@ from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae
 from fastwan.pipelines.setup import cfg_batched, sync
 from fastwan.pipelines.setup import trained_attention
 from fastwan.pipelines.text import encode_prompts
+from fastwan.pipelines.stream import VideoStream, causal_frames, stream_video
 from fastwan.pipelines.vace import VaceRequest, check_vace_generator, vace_run
 from fastwan.pipelines.video import VideoRequest, start_latents, steps_run
 
@@ -421,6 +422,8 @@ class VideoGenerator:
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
+        if self.checkpoint.causal is not None:  # a causal checkpoint: its stream's chunks, joined
+            return causal_frames(self, prompt, s, seed, on_step)
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -479,6 +482,10 @@ class VideoGenerator:
         if self.tiny_vae is not None:
             return self.tiny_vae.frames(latents, self.vae_chunk_frames)
         return decode_frames(self.vae, latents, self.vae_chunk_frames, self.progress_bars)
+
+    def stream_video(self, prompt: str, **kwargs) -> VideoStream:
+        """A causal checkpoint's video as it is made: :func:`fastwan.pipelines.stream.stream_video`."""
+        return stream_video(self, prompt, **kwargs)
 
     def set_progress_bar_config(self, *, disable: bool) -> None:
         """``disable=True``: no denoising or decoding progress bar on stderr from now on (a server writing a log,

@@ -17,6 +17,7 @@ from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
 from fastwan.pipelines.sampling import check_sampling, check_training_grid, fresh_scheduler, sampler_shift
 from fastwan.pipelines.step_parallel import check_chords_request
+from fastwan.pipelines.stream import check_causal_request
 from fastwan.pipelines.vace import VaceRequest, check_vace_composes, check_vace_grid, check_vace_request
 from fastwan.pipelines.video import VideoRequest, check_steps, check_video_request, steps_run
 from fastwan.vae.decode import scale_factors
@@ -72,6 +73,8 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     if not isinstance(request, GenerationRequest):
         raise InvalidArgumentType(f"request={request!r} must be a fastwan.GenerationRequest.")
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
+    if ckpt.causal is not None:  # its recipe decides the steps; a whole number of chunks
+        check_causal_request(r, ckpt.causal, vae_factors[0])
     height, width = r.height, r.width
     vace = check_vace_request(ckpt, r, vae_factors[1] * cfg.patch_size[1])
     req = check_image_request(ckpt, r.image, r.last_image)

@@ -17,6 +17,7 @@ the caches stay one size. :meth:`VideoStream.switch_prompt` changes the text of 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -100,7 +101,7 @@ class StreamSettings:
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
                     window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe") -> StreamSettings:
     """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix)."""
-    recipe = getattr(gen, "causal", None)
+    recipe = gen.checkpoint.causal
     if recipe is None:
         raise InvalidArgument(
             f"{gen.checkpoint.root} is not a causal checkpoint: stream_video needs a causal (Self-Forcing, "
@@ -131,8 +132,8 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
     if sink_frames != "recipe":
         changes["sink_frames"] = sink_frames
     recipe = dataclasses.replace(recipe, **changes) if changes else recipe
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise InvalidArgument(f"seed={seed!r} must be an int in [0, 2**63) or None (a random one).")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise InvalidArgument(f"seed={seed!r} must be an int in [0, 2**64) or None (a random one).")
     fps = preset.fps if fps is None else fps
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
@@ -145,11 +146,15 @@ class VideoStream:
     chunks made after it; ``close()`` (or leaving a ``with`` block, or the end) frees the caches and the
     generator."""
 
-    def __init__(self, gen, prompt: str, settings: StreamSettings):
+    def __init__(self, gen, prompt: str, settings: StreamSettings, *, locked: bool = False):
         self.gen, self.settings = gen, settings
         self.seed = settings.seed
         self._prompt = _check_prompt(prompt)
-        self._chunks = self._run()
+        from fastwan.vae.stream import StreamDecoder
+
+        vae = gen.tiny_vae if gen.tiny_vae is not None else gen.vae  # its tiling rule checked here, before compute
+        self._decoder = StreamDecoder(vae, gen.vae_chunk_frames, height=settings.height, width=settings.width)
+        self._chunks = self._run(contextlib.nullcontext() if locked else gen._lock)
 
     def switch_prompt(self, prompt: str) -> None:
         """The chunks made from now on follow ``prompt`` (the frames already made, and the cache, stay)."""
@@ -163,6 +168,7 @@ class VideoStream:
 
     def close(self) -> None:
         self._chunks.close()
+        self._decoder.close()
 
     def __enter__(self) -> VideoStream:
         return self
@@ -170,31 +176,30 @@ class VideoStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self) -> Iterator[StreamChunk]:
-        from fastwan.vae.stream import StreamDecoder
-
-        gen, s = self.gen, self.settings
+    def _run(self, lock) -> Iterator[StreamChunk]:
+        gen, s, decoder = self.gen, self.settings, self._decoder
         recipe, dev = s.recipe, gen.device
         model = gen.transformers[0]
         temporal, spatial = gen.vae_scale_factors
         chunks = chunk_plan(s.num_frames, recipe, temporal)
         shape = (1, model.config.in_channels, recipe.frames_per_chunk, s.height // spatial, s.width // spatial)
         start = time.perf_counter()
-        with gen._lock, on_device(dev), torch.no_grad():
+        with lock, on_device(dev), torch.no_grad():
             generator = torch.Generator(device=dev).manual_seed(self.seed)
-            decoder = StreamDecoder(gen.tiny_vae if gen.tiny_vae is not None else gen.vae)
             texts: dict[str, torch.Tensor] = {}
             with CausalRun(model, recipe.window_frames, recipe.sink_frames) as run, decoder:
                 timed = _Timed(run)
                 index, first = 0, 0
                 while chunks is None or index < chunks:
                     prompt = self._prompt
-                    t0 = time.perf_counter()
+                    text_s = 0.0
                     if prompt not in texts:  # one encoding per prompt (the DiT keys its text once per prompt)
+                        t0 = time.perf_counter()
                         texts.clear()
                         texts[prompt] = encode_prompts([prompt], gen.tokenizer, gen.text_encoder, device=dev,
                                                        dtype=gen.dtype)
-                    sync(dev)
+                        sync(dev)
+                        text_s = time.perf_counter() - t0
                     t1 = time.perf_counter()
                     noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
                     x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
@@ -202,7 +207,7 @@ class VideoStream:
                     t2 = time.perf_counter()
                     frames = decoder.push(x0)
                     t3 = time.perf_counter()
-                    timings = {"text": t1 - t0, "dit": t2 - t1 - timed.write_seconds,
+                    timings = {"text": text_s, "dit": t2 - t1 - timed.write_seconds,
                                "kv_write": timed.write_seconds,
                                "decode": t3 - t2, "elapsed": t3 - start}
                     yield StreamChunk(frames, first, index, prompt, timings)
@@ -241,4 +246,51 @@ def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 
-__all__ = ["StreamChunk", "VideoStream", "chunk_plan", "sample_chunk", "stream_settings", "stream_video"]
+# the request fields a causal checkpoint's recipe decides (steps, sampling, guidance) or that it has no input for
+NOT_CAUSAL = ("image", "last_image", "video", "mask", "reference_images", "conditioning_scale", "strength",
+              "negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2", "sampler", "timesteps",
+              "flow_shift", "parallel_sampling", "chords_cores", "chords_init")
+
+
+def check_causal_request(request, recipe: CausalRecipe, temporal: int) -> None:
+    """A generation request for a causal checkpoint: none of :data:`NOT_CAUSAL` set, no step cache, and a
+    ``num_frames`` that is a whole number of chunks (:func:`chunk_plan`)."""
+    for name in NOT_CAUSAL:
+        value = getattr(request, name)
+        if value is not None:
+            raise InvalidArgument(
+                f"{name}={value!r} does not apply to a causal checkpoint: it makes text-to-video chunk by chunk with "
+                f"its own recipe ({len(recipe.timesteps)} steps per chunk of {recipe.frames_per_chunk} latent "
+                "frames, no guidance); leave it unset.")
+    if request.cache not in (None, "none"):
+        raise InvalidArgument(f"cache={request.cache!r} does not apply to a causal checkpoint's few steps per chunk; "
+                              "leave it unset.")
+    if request.num_frames is not None:
+        chunk_plan(request.num_frames, recipe, temporal)
+
+
+def causal_frames(gen, prompt: str, s, seed: int, on_step=None):
+    """``generate``'s compute for a causal checkpoint (the caller holds the generator's lock): the stream of
+    ``s``'s size and frames, its chunks joined -> (frames uint8 [T, H, W, 3], DiT forwards, timings, peak CUDA
+    bytes or None, None). ``on_step(done, total)`` is called after each chunk (chunks, not steps)."""
+    dev = gen.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    settings = stream_settings(gen, height=s.height, width=s.width, num_frames=s.num_frames, seed=seed, fps=s.fps)
+    total = chunk_plan(s.num_frames, settings.recipe, gen.vae_scale_factors[0])
+    parts, sums = [], {"text": 0.0, "dit": 0.0, "kv_write": 0.0, "decode": 0.0}
+    for chunk in VideoStream(gen, prompt, settings, locked=True):
+        parts.append(chunk.frames)
+        for key in sums:
+            sums[key] += chunk.timings[key]
+        if on_step is not None:
+            on_step(chunk.index + 1, total)
+    timings = {"text_encoding": sums["text"], "denoising": sums["dit"] + sums["kv_write"],
+               "decoding": sums["decode"], "total": sum(sums.values())}
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    forwards = total * (len(settings.recipe.timesteps) + 1)
+    return np.concatenate(parts), forwards, timings, peak, None
+
+
+__all__ = ["NOT_CAUSAL", "StreamChunk", "VideoStream", "causal_frames", "check_causal_request", "chunk_plan",
+           "sample_chunk", "stream_settings", "stream_video"]
