@@ -30,6 +30,7 @@ import unicodedata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,9 @@ DIGEST_HEX = 10  # hex digits of the settings digest in an automatic name
 MAX_NUMBERED = 10_000  # "-2" ... "-N" variants tried when an automatic name is taken
 TEMP_PREFIX = ".fastwan-"  # hidden temporary files in the target folder (the encoder picks mp4 by the ".mp4" end)
 TEMP_SUFFIX = ".partial.mp4"
+# The encoder of every mp4 fastwan writes (imageio's ffmpeg writer arguments: H.264, yuv420p, its quality 8 = CRF 10,
+# any frame size); the streamed writer (fastwan.pipelines.stream_output) uses the same.
+ENCODER = MappingProxyType({"codec": "libx264", "quality": 8, "macro_block_size": 1, "ffmpeg_log_level": "error"})
 
 
 @dataclass(frozen=True)
@@ -251,8 +255,7 @@ def write_frames(path: Path, frames: np.ndarray, fps: int, *, dest: Path) -> Non
     import imageio.v2 as imageio
 
     try:
-        with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=8, macro_block_size=1,
-                                ffmpeg_log_level="error") as writer:
+        with imageio.get_writer(str(path), fps=fps, **ENCODER) as writer:
             for frame in frames:
                 writer.append_data(frame)
     except Exception as exc:
