@@ -152,3 +152,18 @@ def test_bad_runs_are_refused():
             run.forward(latents[:, :, :F_CHUNK, :2], t[:1], text)
     with pytest.raises(RuntimeError, match="outside its"):
         run.forward(latents[:, :, :F_CHUNK], t[:1], text)
+
+
+def test_the_fast_block_streams_as_the_reference_block_does():
+    from fastwan.options import DiTOptions
+
+    ref = model().float()
+    fast = WanTransformer(ref.config, options=DiTOptions(block="fast"))
+    fast.load_state_dict(ref.state_dict())
+    fast.set_attention(AttentionDispatch.resolve("TORCH_SDPA", device="cpu", dtype=torch.float32, head_dim=12))
+    ref.set_attention(fast.attention)
+    latents, text, t = inputs(chunks=3)
+    latents, text, t = latents.float(), text.float(), t.float()
+    window = {"window_frames": 4, "sink_frames": 1}
+    torch.testing.assert_close(chunked(fast, latents, text, t, **window), chunked(ref, latents, text, t, **window),
+                               rtol=1e-4, atol=1e-4)
