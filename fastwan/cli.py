@@ -123,6 +123,7 @@ def _resolve_early(args, request, options):
     Hub id would be downloaded first, so its request is resolved once the generator has it), or None: a size, step
     count, guidance, sampler or step-cache mistake fails in seconds, and the generator does not check the resolved
     request again."""
+    from fastwan.checkpoint.causal_files import causal_checkpoint
     from fastwan.checkpoint.resolver import pipeline_index, resolve
     from fastwan.checkpoint.tiny import TINY_IDS
 
@@ -131,7 +132,7 @@ def _resolve_early(args, request, options):
         if any(expert is not None for _, _, expert in loras):  # a Hub id: its model_index.json alone is fetched
             _check_lora_experts(args.lora, loras, len(pipeline_index(model, options.revision).experts), model)
         return None
-    ckpt = resolve(model, allow_pickle=options.allow_pickle, revision=options.revision)
+    ckpt = causal_checkpoint(resolve(model, allow_pickle=options.allow_pickle, revision=options.revision), options)
     _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
     return _resolve(ckpt, request, options)
 

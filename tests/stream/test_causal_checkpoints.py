@@ -256,3 +256,17 @@ def test_each_causal_layout_streams(tiny_causal, layout):
            load(tiny_causal.base, causal_weights=str(tiny_causal.self_forcing), allow_pickle=True))
     chunks = list(stream_video(gen, "a fox", num_frames=9, height=32, width=32, seed=1))
     assert sum(len(c.frames) for c in chunks) == 9
+
+
+def test_the_cli_resolves_a_request_with_the_causal_checkpoints_defaults(tiny_causal):
+    """The CLI resolves its request before loading: with --causal-weights, against the causal checkpoint (its steps,
+    no CFG), not the base's preset."""
+    from types import SimpleNamespace
+
+    from fastwan import cli
+    from fastwan.pipelines.params import GenerationRequest
+
+    options = LoadOptions(str(tiny_causal.base), causal_weights=str(tiny_causal.flat), causal_recipe="causvid")
+    resolved = cli._resolve_early(SimpleNamespace(lora=[]), GenerationRequest("a fox", save_video=False), options)
+    s = resolved.settings
+    assert (s.num_inference_steps, s.guidance_scale, s.num_frames) == (3, 1.0, 21)
