@@ -9,6 +9,7 @@ import logging
 import math
 from pathlib import Path
 
+from fastwan.checkpoint.causal_layouts import CAUSAL_DMD_PIPELINE
 from fastwan.checkpoint.safetensors import PICKLE_SUFFIXES, file_variant, read_json
 from fastwan.errors import CheckpointError, MissingFileError
 from fastwan.models.wan.config import WanConfig
@@ -17,6 +18,11 @@ from fastwan.values import json_text
 logger = logging.getLogger("fastwan")
 
 SHIFT_KEYS = ("flow_shift", "shift")  # a diffusers scheduler's flow shift: UniPC's, FlowMatchEuler's
+# FastVideo's scheduler of its causal checkpoints (SFWan2.1-T2V-1.3B-Diffusers: shift 5, 1000 steps, sigma_min 0,
+# extra_one_step), a class diffusers does not have: in a causal pipeline it reads as diffusers'
+# FlowMatchEulerDiscreteScheduler at its shift (a causal checkpoint samples by its CausalRecipe, whose warp is that
+# schedule)
+SELF_FORCING_SCHEDULER = "SelfForcingFlowMatchScheduler"
 
 # the configuration file (a JSON object) of each component loaded by diffusers / transformers; the DiTs' configs
 # and the scheduler's are read by their own checks
@@ -151,6 +157,9 @@ def scheduler_class(index: dict, root: Path, *, warn: bool = False):
                        "builds it; set the class you want in both files", path, json_text(own),
                        root / "model_index.json", named, named)
     name = named or own
+    if name == SELF_FORCING_SCHEDULER and index.get("_class_name") == CAUSAL_DMD_PIPELINE:
+        name, cfg = "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": cfg.get("num_train_timesteps", 1000),
+                                                        "shift": cfg.get("shift", 3.0)}
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
         raise CheckpointError(

@@ -42,6 +42,8 @@ VACE_VARIANTS = ("wan2.1-vace", "wan2.2-vace-a14b")  # WanVACEPipeline layouts (
 CAUSAL_VARIANTS = ("sfwan2.1",)  # FastVideo's causal layout (SFWan2.1-T2V-1.3B-Diffusers)
 # the causal keys FastVideo's causal DiT config carries (fastwan.checkpoint.causal_layouts.FASTVIDEO_DIT_DEFAULTS)
 TINY_CAUSAL_DIT = {"num_frames_per_block": 3, "local_attn_size": -1, "sink_size": 0, "sliding_window_num_frames": 21}
+TINY_CAUSAL_SCHEDULER = {"_class_name": "SelfForcingFlowMatchScheduler", "num_inference_steps": 1000, "shift": 5.0,
+                         "sigma_min": 0.0, "extra_one_step": True, "training": True}
 TINY_VACE_LAYERS = (0, 2)  # of 3 blocks: a hint after the first and the last, none after the middle one
 TINY_IDS = {
     "tiny": "wan2.1",
@@ -201,6 +203,8 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                     num_train_timesteps=1000)
     sched.save_pretrained(path / "scheduler")
+    if variant in CAUSAL_VARIANTS:  # FastVideo's own scheduler class, as SFWan2.1-T2V-1.3B-Diffusers saves it
+        (path / "scheduler" / "scheduler_config.json").write_text(json.dumps(TINY_CAUSAL_SCHEDULER, indent=2))
 
     if clip:
         _write_clip(path, seed + 30)
@@ -209,7 +213,8 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
             "WanDMDPipeline" if variant == "fastwan2.1" else CAUSAL_PIPELINE if variant in CAUSAL_VARIANTS
             else "WanPipeline"),
         "_diffusers_version": "0.35.0",
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "scheduler": ["diffusers", TINY_CAUSAL_SCHEDULER["_class_name"] if variant in CAUSAL_VARIANTS
+                      else "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", CAUSAL_DIT_CLASS if variant in CAUSAL_VARIANTS else dit_class.__name__],

@@ -66,6 +66,18 @@ def test_fastvideo_layout_loads_with_fastvideo_recipe_and_its_own_weights(tiny_c
     dit = gen.transformers[0].state_dict()  # FastVideo saves diffusers' names: read as they are
     assert set(dit) == set(written) and all(torch.equal(dit[k], v.float()) for k, v in written.items())
     assert resolve(tiny_causal.base).causal is None and load(tiny_causal.base).causal is None
+    # its scheduler, FastVideo's SelfForcingFlowMatchScheduler (shift 5), reads as diffusers' flow-matching Euler
+    assert type(gen.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and gen.scheduler.config.shift == 5.0
+
+
+def test_fastvideos_scheduler_class_is_read_only_in_a_causal_pipeline(tiny_causal, tmp_path):
+    root = shutil.copytree(tiny_causal.base, tmp_path / "plain")
+    shutil.copy(tiny_causal.fastvideo / "scheduler" / "scheduler_config.json", root / "scheduler")
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**index, "scheduler": [
+        "diffusers", "SelfForcingFlowMatchScheduler"]}))
+    with pytest.raises(CheckpointError, match='"SelfForcingFlowMatchScheduler" is not a diffusers scheduler class'):
+        resolve(root)
 
 
 def relabel(src, dst, **dit_keys):
