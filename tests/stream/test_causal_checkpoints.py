@@ -282,3 +282,11 @@ def test_the_cli_resolves_a_request_with_the_causal_checkpoints_defaults(tiny_ca
     resolved = cli._resolve_early(SimpleNamespace(lora=[]), GenerationRequest("a fox", save_video=False), options)
     s = resolved.settings
     assert (s.num_inference_steps, s.guidance_scale, s.num_frames) == (3, 1.0, 21)
+
+
+def test_fastvideo_layout_missing_a_tensor_is_refused_naming_it(tiny_causal, tmp_path):
+    root = shutil.copytree(tiny_causal.fastvideo, tmp_path / "short")
+    dit = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    rewritten(dit, dit, lambda t: t.pop("blocks.1.attn1.norm_k.weight"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensors \[blocks\.1\.attn1\.norm_k\.weight\]"):
+        resolve(root)
