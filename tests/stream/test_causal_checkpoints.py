@@ -290,3 +290,14 @@ def test_fastvideo_layout_missing_a_tensor_is_refused_naming_it(tiny_causal, tmp
     rewritten(dit, dit, lambda t: t.pop("blocks.1.attn1.norm_k.weight"))
     with pytest.raises(CheckpointError, match=r"missing 1 tensors \[blocks\.1\.attn1\.norm_k\.weight\]"):
         resolve(root)
+
+
+def test_a_published_causal_checkpoints_preset_is_self_forcings_video():
+    """Self-Forcing's inference video: 21 latent frames (81) of 480 x 832 at 16 fps, the recipe's steps, no CFG."""
+    from fastwan.checkpoint.causal_layouts import causal_preset
+    from fastwan.checkpoint.presets import PRESETS, PUBLISHED_MIN_WIDTH
+
+    for recipe, steps in ((SELF_FORCING, 4), (CAUSVID, 3)):
+        p = causal_preset(PRESETS["wan2.1"], recipe, PUBLISHED_MIN_WIDTH)
+        assert (p.height, p.width, p.num_frames, p.fps, p.num_inference_steps, p.guidance_scale,
+                p.guidance_scale_2) == (480, 832, 81, 16, steps, 1.0, None)
