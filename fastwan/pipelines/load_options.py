@@ -377,8 +377,9 @@ class LoadOptions:
                                             "to fit it", nullable=True,
                                  schema={"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string"}]},
                                  check=_memory, flag="--max-gpu-memory", metavar="SIZE")
-    allow_pickle: bool = option(False, help="also read PyTorch pickle weights (.bin, .pt, ...) of the checkpoint and "
-                                            "LoRA files, for sources you trust (unpickling can run code)",
+    allow_pickle: bool = option(False, help="also read PyTorch pickle weights (.bin, .pt, ...) of the checkpoint, "
+                                            "LoRA and --causal-weights files, for sources you trust (unpickling can "
+                                            "run code; read weights-only)",
                                 schema={"type": "boolean"}, check=boolean("allow_pickle"), flag="--allow-pickle",
                                 action="store_true")
     causal_weights: Any = option(None, help="a Self-Forcing / CausVid generator file whose DiT replaces the model's "
