@@ -43,6 +43,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE][:high|low]",
                    help="merge a LoRA (.safetensors) into the DiT, with an optional strength; ':high' / ':low' "
                         "merges it into one Wan2.2 A14B expert only (high or low noise); repeatable")
+    p.add_argument("--stream", action="store_true",
+                   help="causal checkpoints (Self-Forcing, CausVid): write the mp4 as it is made, a fragmented mp4 "
+                        "that plays while it grows, and print each chunk as it is ready")
     p.add_argument("--sp", type=_positive_int, default=None, metavar="N",
                    help="sequence-parallel degree: N processes (GPUs) split each pass's tokens (Ulysses); under "
                         "torchrun --nproc_per_node must equal N (x2 with --cfg-parallel), else fastwan starts them")
@@ -134,13 +137,18 @@ def _resolve_early(args, request, options):
         return None
     ckpt = causal_checkpoint(resolve(model, allow_pickle=options.allow_pickle, revision=options.revision), options)
     _check_lora_experts(args.lora, loras, len(ckpt.experts), ckpt.variant)
-    return _resolve(ckpt, request, options)
+    return _resolve(args, ckpt, request, options)
 
 
-def _resolve(ckpt, request, options):
-    """``request`` resolved from ``ckpt``'s files (its scheduler config and VAE factors; no weight loaded)."""
+def _resolve(args, ckpt, request, options):
+    """``request`` resolved from ``ckpt``'s files (its scheduler config and VAE factors; no weight loaded); --stream
+    needs a causal checkpoint."""
     from fastwan.pipelines.rules import CheckpointRules
 
+    if args.stream and ckpt.causal is None:
+        raise InvalidArgument(f"--stream needs a causal checkpoint (Self-Forcing, CausVid: a WanCausalDMDPipeline "
+                              f"folder, or --causal-weights FILE); {ckpt.root} samples the whole video at once. "
+                              "Drop --stream, or load a causal checkpoint.")
     return CheckpointRules.of(ckpt, options.cache).resolve(request)
 
 
@@ -178,9 +186,11 @@ def _generate(args) -> int:
         print(gen.memory_plan.describe())
     try:
         if resolved is None:  # a Hub model: its files are here now
-            resolved = _resolve(gen.checkpoint, request, options)
+            resolved = _resolve(args, gen.checkpoint, request, options)
         if not quiet:
             print(f"making: {resolved.describe()}", flush=True)
+        if args.stream:
+            return _stream(gen, resolved)
         res = gen.generate(resolved)
     finally:  # worker processes fastwan started (--sp / --cfg-parallel outside a launcher) end with the run
         if isinstance(gen, ParallelGenerator):
@@ -202,6 +212,32 @@ def _generate(args) -> int:
     if res.cache is not None and "calibration" in res.cache:  # JSON per pass: a file for mag_ratios=@FILE
         for name, ratios in res.cache["calibration"].items():
             print(f"magcache calibration ({name}): {json.dumps(ratios)}")
+    return 0
+
+
+def _stream(gen, resolved) -> int:
+    """--stream: the video written as it is made (:class:`~fastwan.pipelines.stream_output.VideoStreamWriter`), a
+    line per chunk as it is ready; the file is removed if the stream does not finish."""
+    from fastwan.pipelines import output
+    from fastwan.pipelines.stream_output import VideoStreamWriter
+
+    r, s = resolved.request, resolved.settings
+    stream = gen.stream_video(r.prompt, height=s.height, width=s.width, num_frames=s.num_frames, seed=r.seed,
+                              fps=s.fps)
+    target = output.check_output_path(r.output_path, r.overwrite)
+    name = output.automatic_name(r.prompt, stream.seed,
+                                 gen._identity(resolved.negative_prompt, {**s.__dict__, "stream": True}, None))
+    with stream, VideoStreamWriter(target, name, s.fps) as writer:
+        print(f"streaming to: {writer.path}", flush=True)
+        for chunk in stream:
+            writer.append(chunk.frames)
+            t = chunk.timings
+            print(f"chunk {chunk.index + 1}: frames {chunk.first_frame}-{chunk.first_frame + len(chunk.frames) - 1} "
+                  f"ready at {t['elapsed']:.2f}s (dit {t['dit']:.2f}s, kv write {t['kv_write']:.2f}s, decode "
+                  f"{t['decode']:.2f}s)", flush=True)
+    print(f"video: {writer.path}")
+    print(f"seed: {stream.seed}")
+    print(f"attention: {gen.attention.describe(gen.device)}")
     return 0
 
 
