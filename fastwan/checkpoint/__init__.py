@@ -7,6 +7,9 @@
 * :mod:`~fastwan.checkpoint.components`: the checks of the components diffusers and transformers load;
 * :mod:`~fastwan.checkpoint.safetensors`: weight files found, checked from their headers and loaded (pickle only
   when allowed), JSON files read;
+* :mod:`~fastwan.checkpoint.causal`, :mod:`~fastwan.checkpoint.causal_layouts`,
+  :mod:`~fastwan.checkpoint.causal_files`: causal checkpoints: their sampling rule (:class:`CausalRecipe`), FastVideo's
+  ``WanCausalDMDPipeline`` layout and each family's published rule, Self-Forcing's / CausVid's generator files;
 * :mod:`~fastwan.checkpoint.tiny`: tiny random checkpoints (``--model tiny``, the tests);
 * :mod:`~fastwan.checkpoint.files`: new temporary files and folders with the umask's modes.
 
