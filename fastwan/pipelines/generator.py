@@ -288,7 +288,8 @@ class VideoGenerator:
                 "quantization": self.quantization, "vae_tiling": tiling_state(self.vae),
                 "attention": [repr((b.name, b.settings())) for b in backends], "images": images,
                 "loras": [state.loaded for state in self._loras],
-                **({"tiny_vae": self.tiny_vae.digest} if self.tiny_vae is not None else {})}
+                **({"tiny_vae": self.tiny_vae.digest} if self.tiny_vae is not None else {}),
+                **({"causal": [repr(self.causal), str(self.checkpoint.dit_weights)]} if self.causal else {})}
 
     def _check_budget(self, s) -> None:
         """Under a memory budget: each video gets the plan the planner picks for it (the planner raises when

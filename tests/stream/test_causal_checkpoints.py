@@ -301,3 +301,18 @@ def test_a_published_causal_checkpoints_preset_is_self_forcings_video():
         p = causal_preset(PRESETS["wan2.1"], recipe, PUBLISHED_MIN_WIDTH)
         assert (p.height, p.width, p.num_frames, p.fps, p.num_inference_steps, p.guidance_scale,
                 p.guidance_scale_2) == (480, 832, 81, 16, steps, 1.0, None)
+
+
+def test_the_automatic_file_name_tells_causal_generators_apart(tiny_causal):
+    """Two generator files (or two recipes) over one base make different videos, so their automatic names differ;
+    a plain checkpoint's name is what it was."""
+    def identity(gen):
+        return gen._identity("", {}, None)
+
+    plain = load(tiny_causal.base)
+    a = load(tiny_causal.base, causal_weights=str(tiny_causal.flat))
+    b = load(tiny_causal.base, causal_weights=str(tiny_causal.causvid), allow_pickle=True)
+    c = load(tiny_causal.base, causal_weights=str(tiny_causal.flat), causal_recipe="causvid")
+    ids = [identity(g) for g in (plain, a, b, c)]
+    assert all(x != y for i, x in enumerate(ids) for y in ids[i + 1:])
+    assert "causal" not in ids[0]
