@@ -171,6 +171,26 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     log(f"derived FastWan-layout checkpoint {root} from {plain}")
 
 
+def derive_causal(plain: Path, root: Path) -> None:
+    """FastVideo's causal layout (model_index "WanCausalDMDPipeline", a "CausalWanTransformer3DModel" DiT at
+    FastVideo's causal defaults) from a text-to-video checkpoint made by :func:`make_checkpoint`: a causal DiT has
+    the plain one's tensors, so every component and weight file is a link to ``plain``'s."""
+    plain, root = Path(plain).resolve(), Path(root)
+    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
+        return
+    src, dst = plain / "transformer", root / "transformer"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "_class_name": "CausalWanTransformer3DModel",
+                                                 "num_frames_per_block": 3, "local_attn_size": -1, "sink_size": 0}))
+    model_index = json.loads((plain / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**model_index, "_class_name": "WanCausalDMDPipeline"}))
+    log(f"derived causal-layout checkpoint {root} from {plain}")
+
+
 def derive_a14b(plain: Path, root: Path, shift: float = 12.0, boundary: float = 0.875) -> None:
     """A Wan2.2-T2V-A14B-layout checkpoint from a Wan2.1-14B text-to-video one made by :func:`make_checkpoint`
     (each A14B expert has the Wan2.1-14B DiT's shape): every component links to ``plain``'s, ``transformer_2``

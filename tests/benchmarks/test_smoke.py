@@ -30,6 +30,8 @@ SMOKE = {
     "fp8_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/fp8.json"], "fp8.json", "e2e: bf16"),
     "vae_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/vae.json"], "vae.json", "bf16+tiling"),
     "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
+    "stream_bench": (["--plain", "{dir}/stream-plain", "--ckpt", "{dir}/stream-causal", "--out", "{dir}/stream.json"],
+                     "stream.json", "| eager+window | 32x32 |"),
 }
 # GPU-only script -> the argument lists RESULTS.md and HISTORY.md record for it, checked with --dry-run
 PLAN = {

@@ -1,0 +1,134 @@
+"""Streaming a causal Wan (Self-Forcing's recipe) on the GPU: time to the first frames, sustained frames per second
+(generated and decoded), the per-chunk breakdown, and peak memory at 10 s and at 60 s of video.
+
+Random weights at the real shapes (a Wan2.1-1.3B DiT in FastVideo's causal layout: the FLOPs and kernels of
+Self-Forcing's released generator; quality is not measured here).
+
+Phases (each appends to the JSON given by --out):
+  make     a random Wan2.1-1.3B checkpoint (--plain) and its causal-layout twin (--ckpt, links to the plain files)
+  stream   for each --variants entry: one untimed stream of --warmup-chunks (compilation), then --repeats streams of
+           --seconds of video at --size; each stream's first-chunk latency (from the call until its frames are
+           decoded) and its sustained rate (frames of the chunks after the first / their time); the per-chunk
+           medians of the DiT steps, the KV-cache write and the decode; peak memory after 10 s of video and at the end
+Variants: "eager", "compiled" (enable_torch_compile) and "+window" (window_frames=21, sink_frames=3: memory flat
+over any length; without a window every earlier frame is kept).
+
+  python -m benchmarks.stream_bench --phase make
+  python -m benchmarks.stream_bench --phase stream --variants compiled,compiled+window --seconds 60
+  python -m benchmarks.stream_bench --smoke    # CI: a tiny causal checkpoint on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.checkpoints import derive_causal, make_checkpoint
+from benchmarks.harness import (
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, log, output, parse_args,
+    parse_phases, parse_video, peak_gib, release, reset_peak, versions)
+
+PHASES = ("make", "stream")
+VARIANTS = ("eager", "compiled", "eager+window", "compiled+window")
+WINDOW = dict(window_frames=21, sink_frames=3)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stream_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", default="stream", help=f"comma-separated: {', '.join(PHASES)}")
+    p.add_argument("--plain", default="/tmp/wan13b", help="the random Wan2.1-1.3B checkpoint (make writes it)")
+    p.add_argument("--ckpt", default="/tmp/wan13b-causal", help="its causal-layout twin (make writes it)")
+    p.add_argument("--size", default="480x832", help="HxW of the video")
+    p.add_argument("--seconds", type=float, default=60.0, help="video length of each timed stream, in seconds")
+    p.add_argument("--variants", default="compiled,compiled+window", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--repeats", type=int, default=3, help="timed streams per variant (the median is reported)")
+    p.add_argument("--warmup-chunks", type=int, default=3, help="chunks of the untimed stream (compilation), >= 1")
+    p.add_argument("--out", default="stream_bench.json", help="results JSON (appended)")
+    add_device(p)
+    add_smoke(p, plain=str(SMOKE_DIR / "wan2.1"), ckpt=str(SMOKE_DIR / "causal"), size="32x32", seconds=2.0,
+              variants="eager,eager+window", repeats=1, warmup_chunks=1, phase="make,stream")
+    return p
+
+
+def one_stream(gen, frames: int, fps: int, h: int, w: int, window: dict, device: torch.device) -> dict:
+    """One stream of ``frames`` frames -> its first-chunk latency, sustained rate, per-chunk medians and peaks."""
+    reset_peak(device)
+    chunks, peak_10s = [], None
+    with gen.stream_video(PROMPT, height=h, width=w, seed=0, fps=fps, **window) as stream:
+        for chunk in stream:
+            chunks.append(chunk)
+            made = chunk.first_frame + len(chunk.frames)
+            if peak_10s is None and made >= 10 * fps:
+                peak_10s = peak_gib(device)
+            if made >= frames:
+                break
+    first, rest = chunks[0], chunks[1:]
+    span = rest[-1].timings["elapsed"] - first.timings["elapsed"] if rest else float("nan")
+    return {"chunks": len(chunks), "frames": sum(len(c.frames) for c in chunks),
+            "first_chunk_s": first.timings["elapsed"], "first_chunk_frames": len(first.frames),
+            "sustained_fps": sum(len(c.frames) for c in rest) / span if rest else float("nan"),
+            **{f"{k}_ms": 1000 * statistics.median(c.timings[k] for c in rest or chunks)
+               for k in ("dit", "kv_write", "decode")},
+            "peak_gib_10s": peak_10s, "peak_gib_end": peak_gib(device)}
+
+
+def run_variant(name: str, args, device: torch.device) -> dict:
+    from fastwan import VideoGenerator
+
+    compiled = name.startswith("compiled")
+    window = WINDOW if name.endswith("+window") else {}
+    h, w = parse_video(f"{args.size}x1")[:2]  # the size's rule (multiples of 16)
+    gen = VideoGenerator.from_pretrained(args.ckpt, device=str(device), dtype=bench_dtype(device),
+                                         enable_torch_compile=compiled)
+    gen.set_progress_bar_config(disable=True)
+    fps = gen.preset.fps
+    frames = int(args.seconds * fps)
+    one_stream(gen, args.warmup_chunks * 12 - 3, fps, h, w, window, device)  # compilation, untimed
+    runs = [one_stream(gen, frames, fps, h, w, window, device) for _ in range(args.repeats)]
+    release(compiled, device)
+    median = {k: statistics.median(r[k] for r in runs) for k in ("first_chunk_s", "sustained_fps", "dit_ms",
+                                                                  "kv_write_ms", "decode_ms")}
+    return {"variant": name, "size": args.size, "seconds": args.seconds, "runs": runs, "median": median,
+            "peak_gib_10s": runs[-1]["peak_gib_10s"], "peak_gib_end": runs[-1]["peak_gib_end"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    phases = parse_phases(parser, args.phase, PHASES)
+    if args.warmup_chunks < 1 or args.repeats < 1 or not args.seconds > 0:
+        parser.error("--warmup-chunks and --repeats must be >= 1 and --seconds > 0")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants {','.join(unknown)}: not a variant; use {', '.join(VARIANTS)}")
+    device = device_arg(parser, args.device)
+    out = output(args.out)
+    record = {"command": command("benchmarks.stream_bench", argv), "versions": versions(), "results": []}
+    if "make" in phases:
+        make_checkpoint(Path(args.plain), "tiny" if args.smoke else "1.3b", device=device)  # kept if there
+        derive_causal(Path(args.plain), Path(args.ckpt))
+    if "stream" in phases:
+        for name in variants:
+            log(f"stream: {name}")
+            record["results"].append(run_variant(name, args, device))
+    previous = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps([*previous, record], indent=1, default=str))
+    print("| variant | size | first chunk (s) | sustained fps | DiT/chunk (ms) | KV write (ms) | decode (ms) | "
+          "peak 10 s / end (GiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in record["results"]:
+        m = r["median"]
+        print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['sustained_fps']:.1f} | "
+              f"{m['dit_ms']:.1f} | {m['kv_write_ms']:.1f} | {m['decode_ms']:.1f} | "
+              f"{r['peak_gib_10s']} / {r['peak_gib_end']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
