@@ -279,7 +279,8 @@ def test_the_cli_resolves_a_request_with_the_causal_checkpoints_defaults(tiny_ca
     from fastwan.pipelines.params import GenerationRequest
 
     options = LoadOptions(str(tiny_causal.base), causal_weights=str(tiny_causal.flat), causal_recipe="causvid")
-    resolved = cli._resolve_early(SimpleNamespace(lora=[]), GenerationRequest("a fox", save_video=False), options)
+    args = SimpleNamespace(lora=[], stream=False)
+    resolved = cli._resolve_early(args, GenerationRequest("a fox", save_video=False), options)
     s = resolved.settings
     assert (s.num_inference_steps, s.guidance_scale, s.num_frames) == (3, 1.0, 21)
 
