@@ -120,7 +120,7 @@ class GeneratorWeights:
 
     path: Path
     entry: str
-    names: tuple[tuple[str, str], ...]
+    names: tuple[tuple[str, str], ...] = dataclasses.field(repr=False)
 
     def keys(self) -> list[str]:
         return [dit for dit, _ in self.names]
