@@ -176,7 +176,8 @@ class VideoGenerator:
         attention = AttentionDispatch.resolve(attention_backend, device=device, dtype=dtype, head_dim=head_dim,
                                               config=config, model=ckpt.transformer_config, source=source)
         ring = 1 if launch == "single" else ring_of(ckpt, num_gpus, cfg_parallel, o.ring_degree, attention)
-        compile_kwargs = compile_kwargs_for(o.torch_compile_kwargs, attention, ring) if enable_torch_compile else None
+        compile_kwargs = compile_kwargs_for(o.torch_compile_kwargs, attention, ring,
+                                            ckpt.causal is not None) if enable_torch_compile else None
 
         plan = None
         if budget is not None:

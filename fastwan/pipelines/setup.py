@@ -84,17 +84,19 @@ def load_scheduler(ckpt: Checkpoint):
     return cls.from_config(cfg)
 
 
-def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch, ring: int = 1) -> dict:
-    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse or runs
-    round a ring of ``ring`` > 1 processes (:mod:`fastwan.parallel.ring`); the user's checked before any weight
-    loads (:func:`check_compile_kwargs`)."""
+def compile_kwargs(user: Mapping[str, Any] | None, attention: AttentionDispatch, ring: int = 1,
+                   causal: bool = False) -> dict:
+    """torch.compile kwargs for the DiT blocks: fullgraph unless the self-attention backend is sparse, runs round a
+    ring of ``ring`` > 1 processes (:mod:`fastwan.parallel.ring`) or reads a causal stream's cache (``causal``:
+    :mod:`fastwan.models.wan.causal`); the user's checked before any weight loads (:func:`check_compile_kwargs`)."""
     if user is not None:
         check_compile_kwargs(user)
-    eager = attention.sparse or ring > 1
+    eager = attention.sparse or ring > 1 or causal
     kwargs = dict(user) if user is not None else {"fullgraph": not eager}
     if eager and kwargs.get("fullgraph"):
         what = (f"the sparse backend {attention.self_backend.name}" if attention.sparse else
-                f"ring attention (ring degree {ring}: its send/receive calls)")
+                f"ring attention (ring degree {ring}: its send/receive calls)" if ring > 1 else
+                "a causal checkpoint (its key/value cache's bookkeeping)")
         raise InvalidArgument(
             f"torch_compile_kwargs={dict(user)!r}: fullgraph=True cannot be used with {what}; its attention call "
             "runs outside the graph (one graph break per block). Set fullgraph=False or leave "

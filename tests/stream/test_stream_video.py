@@ -141,3 +141,16 @@ def test_misuse_is_refused_before_any_compute(gen, tiny_ckpts):
     plain = VideoGenerator.from_pretrained(str(tiny_ckpts["wan2.1"]), device="cpu", dtype=torch.float32)
     with pytest.raises(InvalidArgument, match="is not a causal checkpoint"):
         plain.stream_video(PROMPT)
+
+
+def test_a_compiled_generator_streams_the_eager_frames(gen, tiny_causal):
+    torch._dynamo.reset()
+    compiled = VideoGenerator.from_pretrained(str(tiny_causal.fastvideo), device="cpu", dtype=torch.float32,
+                                              enable_torch_compile=True,
+                                              torch_compile_kwargs={"backend": "aot_eager"})
+    got = np.concatenate([c.frames for c in compiled.stream_video(PROMPT, num_frames=33, seed=2)])
+    want = np.concatenate([c.frames for c in gen.stream_video(PROMPT, num_frames=33, seed=2)])
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    with pytest.raises(InvalidArgument, match="fullgraph=True cannot be used with a causal checkpoint"):
+        VideoGenerator.from_pretrained(str(tiny_causal.fastvideo), device="cpu", enable_torch_compile=True,
+                                       torch_compile_kwargs={"fullgraph": True})

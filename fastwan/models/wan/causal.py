@@ -63,6 +63,7 @@ class KVCache:
             self.v[:, sink:sink + keep] = self.v[:, sink + drop:sink + drop + keep].clone()
         self.tokens -= drop
 
+    @torch.compiler.disable  # bookkeeping on Python ints: a compiled block breaks its graph here, never recompiles
     def attend_with(self, k: torch.Tensor, v: torch.Tensor, capacity: int | None, sink: int,
                     write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """This chunk's k, v [B, S, H, D] placed after the kept rows -> the keys and values the chunk attends to,
@@ -120,6 +121,7 @@ class CausalRun(Hook):
         self.frame_tokens: int | None = None  # tokens per latent frame (set by the first chunk)
         self.writing = False
         self._start = 0  # the current forward's first frame
+        self._views: dict[int, _CachedAttention] = {}
 
     # -- the hook ---------------------------------------------------------------------------------------------
     def attach(self, module) -> None:
@@ -136,10 +138,18 @@ class CausalRun(Hook):
 
         def block(i):
             def call(model, inner, r, ctx, temb, rope, attn, meta=None):
-                return inner(r, ctx, temb, rope, _CachedAttention(attn, self.caches[i], self), meta)
+                return inner(r, ctx, temb, rope, self._cached(i, attn), meta)
             return call
 
         return {"embed": embed, **{f"block_calls.{i}": block(i) for i in range(len(module.blocks))}}
+
+    def _cached(self, i: int, attn) -> _CachedAttention:
+        """Block ``i``'s view of the dispatch ``attn``, one object per block for the run (a compiled block sees the
+        same object at every call)."""
+        view = self._views.get(i)
+        if view is None or view._dispatch is not attn:
+            view = self._views[i] = _CachedAttention(attn, self.caches[i], self)
+        return view
 
     def __enter__(self) -> CausalRun:
         HookRegistry.of(self.model).add(self)
