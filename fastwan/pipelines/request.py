@@ -45,6 +45,7 @@ class ResolvedRequest:
     video: VideoRequest | None = None
     chords: tuple[int, ...] | None = None
     vace: VaceRequest | None = None  # a VACE checkpoint's control input (fastwan.pipelines.vace)
+    causal: object = None  # the checkpoint's CausalRecipe (None: not causal): its rules were the ones checked
 
     @property
     def negative_prompt(self) -> str:
@@ -108,7 +109,7 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
         check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
     chords = check_chords_request(r, s, cache, req, video, len(ckpt.experts))
-    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace)
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace, ckpt.causal)
 
 
 def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:
@@ -116,3 +117,8 @@ def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:
     if resolved.checkpoint != str(ckpt.root):
         raise InvalidArgument(f"this request was resolved for {resolved.checkpoint}, not {ckpt.root}; pass the "
                               "GenerationRequest itself (resolved_request.request) to this generator.")
+    if resolved.causal != ckpt.causal:
+        had, has = ("causal" if c is not None else "not causal" for c in (resolved.causal, ckpt.causal))
+        raise InvalidArgument(f"this request was resolved for {resolved.checkpoint} as {had} ({resolved.causal}), "
+                              f"but this generator is {has} ({ckpt.causal}); pass the GenerationRequest itself "
+                              "(resolved_request.request) to this generator.")

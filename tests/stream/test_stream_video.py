@@ -154,3 +154,17 @@ def test_a_compiled_generator_streams_the_eager_frames(gen, tiny_causal):
     with pytest.raises(InvalidArgument, match="fullgraph=True cannot be used with a causal checkpoint"):
         VideoGenerator.from_pretrained(str(tiny_causal.fastvideo), device="cpu", enable_torch_compile=True,
                                        torch_compile_kwargs={"fullgraph": True})
+
+
+def test_a_request_resolved_for_the_plain_base_does_not_run_on_a_causal_generator_over_it(tiny_causal):
+    from fastwan.pipelines.params import GenerationRequest
+
+    plain = VideoGenerator.from_pretrained(str(tiny_causal.base), device="cpu", dtype=torch.float32)
+    causal = VideoGenerator.from_pretrained(str(tiny_causal.base), device="cpu", dtype=torch.float32,
+                                            causal_weights=str(tiny_causal.flat))
+    resolved = plain.resolve(GenerationRequest(PROMPT, num_frames=21, guidance_scale=5.0, save_video=False))
+    with pytest.raises(InvalidArgument, match="resolved for .* as not causal .* this generator is causal"):
+        causal.generate(resolved)
+    back = causal.resolve(GenerationRequest(PROMPT, num_frames=21, save_video=False))
+    with pytest.raises(InvalidArgument, match="as causal .* this generator is not causal"):
+        plain.generate(back)
