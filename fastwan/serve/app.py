@@ -1,5 +1,6 @@
 """The routes: OpenAI's Videos API under ``/v1`` (create, retrieve, list, delete, content), a progress stream per
-video (``/v1/videos/{id}/events``, Server-Sent Events), ``/health``, ``/ready`` and ``/metrics``
+video (``/v1/videos/{id}/events``, Server-Sent Events), a causal model's mp4 while it is made
+(``/v1/videos/{id}/stream``, :mod:`fastwan.serve.streaming`), ``/health``, ``/ready`` and ``/metrics``
 (:mod:`fastwan.serve.metrics`), and the web page at ``/`` (:mod:`fastwan.serve.site`; its files need no key).
 
 Rules: every route but ``/health`` needs ``Authorization: Bearer <key>`` when the server has a key (compared in
@@ -37,6 +38,7 @@ from fastwan.serve.requests import (LAST_IMAGE_KEY, Limits, accept, check_video,
                                     uploads)
 from fastwan.serve.site import add_page
 from fastwan.serve.store import JobStore, new_id
+from fastwan.serve.streaming import is_causal, stream_response
 from fastwan.serve.worker import Worker, remove
 
 logger = logging.getLogger("fastwan.serve")
@@ -331,6 +333,13 @@ def create_app(state: ServerState) -> FastAPI:
         job_or_404(video_id)
         return StreamingResponse(_event_stream(state, video_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+    @api.get("/v1/videos/{video_id}/stream")
+    def stream(video_id: str):
+        """A causal model's mp4 while it is made, then to its end (:mod:`fastwan.serve.streaming`)."""
+        job = job_or_404(video_id)
+        causal = job.status in ("completed", "failed") or is_causal(model_ready())
+        return stream_response(state.store, state.data_dir / "videos", job, causal)
 
     @api.get("/v1/videos/{video_id}/content")
     def content(video_id: str, variant: str = Query("video", pattern="^(video|thumbnail|spritesheet)$")):

@@ -11,7 +11,8 @@ files are in place, and a stopping worker writes the video it holds before it en
 in their names, and the video and its thumbnail appear only whole (written to a hidden name, then moved), so no
 partial file is visible and a worker that lost its claim removes only its own files. A job that fails keeps its
 error as OpenAI's ``{"code", "message"}``. With a retention (``keep_s``), finished videos past it are deleted with
-their files while the queue is empty. One log line per change of a job's state.
+their files while the queue is empty. One log line per change of a job's state. A causal model's job is written
+as it is made, chunk by chunk, and its progress is per chunk (:mod:`fastwan.serve.streaming`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from fastwan.pipelines.output import check_output_path, save_video
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.requests import build, job_images, uploads
 from fastwan.serve.store import Job, JobStore
+from fastwan.serve.streaming import stream_job
 
 logger = logging.getLogger("fastwan.serve")
 
@@ -256,6 +258,13 @@ class Worker:
         try:
             request = build(job.fields, target, *job_images(job)).replace(save_video=False, return_frames=True)
             self.loras.use(self.gen, job.fields)  # the job's LoRAs merged, or the base weights
+            if self.gen.checkpoint.causal is not None:  # written chunk by chunk as it is made, then completed
+                timings, first = stream_job(self.gen, request, self.videos, job, target, on_step)
+                write_png(first, thumbnail)
+                self._written()
+                self._writing = self._writer.submit(self._complete, job, target, thumbnail, timings)
+                handed = True
+                return
             result = self.gen.generate(request, on_step=on_step)
             self._written()  # one video written at a time
             self._writing = self._writer.submit(self._finish, job, result, target, thumbnail)
@@ -302,9 +311,14 @@ class Worker:
             finally:
                 self._release(job)
             return
+        self._complete(job, target, thumbnail, result.timings)
+
+    def _complete(self, job: Job, target: Path, thumbnail: Path, timings: dict[str, float]) -> None:
+        """On the writer thread: the job's files are in place; the job completed (its files removed when the row
+        is no longer this claim's)."""
         try:
             if self.store.finish(job.id, job.claim, video=str(target), thumbnail=str(thumbnail)):
-                logger.info("video %s: completed (%s)", job.id, spent(result.timings))
+                logger.info("video %s: completed (%s)", job.id, spent(timings))
             else:  # deleted as it completed, or claimed again: the row is not this claim's
                 remove(target, thumbnail)
                 if self.store.get(job.id) is not None:

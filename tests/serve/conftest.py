@@ -1,4 +1,5 @@
-"""One ``fastwan serve --model tiny --max-queue 1`` for the server's test modules (a server start costs seconds)."""
+"""One ``fastwan serve --model tiny --max-queue 1`` for the server's test modules (a server start costs seconds), and
+one of a tiny causal checkpoint for the streaming tests."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,20 @@ from tests.serve.helpers import Server
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve-tiny"), "--max-queue", "1").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def causal_server(tmp_path_factory):
+    """``fastwan serve`` of a tiny causal checkpoint (FastVideo's layout: 3 latent frames, 9 then 12 video frames a
+    chunk), for the streaming tests."""
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("serve-causal")
+    model = write_tiny_checkpoint(tmp / "sfwan", "sfwan2.1", seed=4)
+    srv = Server(tmp, "--model", str(model), "--max-queue", "4").start()
+    srv.model = model
     yield srv
     srv.stop()
 
