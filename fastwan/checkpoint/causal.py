@@ -6,7 +6,8 @@ self-attention reads the keys and values its earlier chunks left in a cache; aft
 runs once more at ``context_noise`` to write its own keys and values (the published rule: the cache holds clean
 context). ``window_frames`` bounds how many latent frames (the current chunk's included) the self-attention sees,
 ``sink_frames`` of them always the first ones (attention sinks): with a window, memory stays flat however long the
-video runs.
+video runs. ``context_frames``: the latent frames the model was trained to attend to (Self-Forcing's and
+FastVideo's cache: 21, the 81-frame video); a stream longer than that without a window rolls a window of that many.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class CausalRecipe:
     context_noise: float = 0.0
     window_frames: int | None = None
     sink_frames: int = 0
+    context_frames: int = 21
 
     def __post_init__(self):
         if not (isinstance(self.frames_per_chunk, int) and self.frames_per_chunk >= 1):
@@ -53,6 +55,10 @@ class CausalRecipe:
             raise InvalidArgument(
                 f"window_frames={self.window_frames!r} must be None (every earlier frame) or an int >= "
                 f"2 x frames_per_chunk = {2 * self.frames_per_chunk} (the current chunk and at least one before it).")
+        if not (isinstance(self.context_frames, int) and self.context_frames >= 2 * self.frames_per_chunk):
+            raise InvalidArgument(f"context_frames={self.context_frames!r} must be an int >= 2 x frames_per_chunk = "
+                                  f"{2 * self.frames_per_chunk} (the latent frames the model attends to; 21 for "
+                                  "Self-Forcing).")
         if not (isinstance(self.sink_frames, int) and self.sink_frames >= 0):
             raise InvalidArgument(f"sink_frames={self.sink_frames!r} must be an int >= 0.")
         if self.sink_frames and (self.window_frames is None

@@ -78,7 +78,8 @@ def fastvideo_recipe(raw: dict, source: str) -> CausalRecipe:
         raise CheckpointError(f"{source}: \"local_attn_size\": 0 is invalid; it must be -1 (every earlier frame) or "
                               "a window of >= 1 latent frames. Fix config.json or download the checkpoint again.")
     sinks = _int_value(raw, "sink_size", source, 0, "a whole number >= 0 (latent frames kept at the window's start)")
-    _int_value(raw, "sliding_window_num_frames", source, 1, "a whole number >= 1 (latent frames the KV cache holds)")
+    context = _int_value(raw, "sliding_window_num_frames", source, 1,
+                         "a whole number >= 1 (latent frames the KV cache holds)")
     policy = raw.get("rope_cache_policy", FASTVIDEO_DIT_DEFAULTS["rope_cache_policy"])
     if policy not in ROPE_POLICIES:
         raise CheckpointError(f"{source}: \"rope_cache_policy\": {json_text(policy)} is invalid; it must be one of "
@@ -90,7 +91,7 @@ def fastvideo_recipe(raw: dict, source: str) -> CausalRecipe:
                               "\"absolute\" policy is supported.")
     try:
         return CausalRecipe(frames_per_chunk=per_chunk, window_frames=None if local == -1 else local,
-                            sink_frames=sinks, **FASTVIDEO_RECIPE)
+                            sink_frames=sinks, context_frames=context, **FASTVIDEO_RECIPE)
     except InvalidArgument as exc:
         raise CheckpointError(f"{source}: \"num_frames_per_block\": {per_chunk}, \"local_attn_size\": {local}, "
                               f"\"sink_size\": {sinks} make no causal sampling rule fastwan runs: {exc}") from None

@@ -125,10 +125,12 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
         if isinstance(value, bool) or not isinstance(value, int) or value < unit or value % unit:
             raise InvalidArgument(f"{name}={value!r} must be a positive multiple of {unit} (the VAE's factor "
                                   f"{spatial} x the DiT's patch {unit // spatial}); round it to a multiple of {unit}.")
-    chunk_plan(num_frames, recipe, gen.vae_scale_factors[0])
+    chunks = chunk_plan(num_frames, recipe, gen.vae_scale_factors[0])
     changes = {}
     if window_frames != "recipe":
         changes["window_frames"] = window_frames
+    elif recipe.window_frames is None and (chunks is None or chunks * recipe.frames_per_chunk > recipe.context_frames):
+        changes["window_frames"] = recipe.context_frames  # longer than the trained context: its window, rolled
     if sink_frames != "recipe":
         changes["sink_frames"] = sink_frames
     recipe = dataclasses.replace(recipe, **changes) if changes else recipe
@@ -242,7 +244,8 @@ def _check_prompt(prompt) -> str:
 def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     """A :class:`VideoStream` of ``prompt`` from the causal generator ``gen``; every argument is checked before any
     compute (:func:`stream_settings`). ``num_frames`` None streams without end (stop by closing the stream);
-    ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame)."""
+    ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame). Without a window
+    in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many."""
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 

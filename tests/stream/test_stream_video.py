@@ -168,3 +168,18 @@ def test_a_request_resolved_for_the_plain_base_does_not_run_on_a_causal_generato
     back = causal.resolve(GenerationRequest(PROMPT, num_frames=21, save_video=False))
     with pytest.raises(InvalidArgument, match="as causal .* this generator is not causal"):
         plain.generate(back)
+
+
+def test_a_stream_longer_than_the_trained_context_rolls_a_window_of_it(gen):
+    def frames(n, **kw):
+        with gen.stream_video(PROMPT, seed=4, **kw) as stream:
+            return [c.frames for _, c in zip(range(n), stream)]
+
+    assert gen.causal.context_frames == 21 and gen.causal.window_frames is None  # 7 chunks of 3
+    endless = frames(8)
+    assert all(np.array_equal(a, b) for a, b in zip(endless, frames(8, window_frames=21)))
+    unbounded = frames(8, window_frames=None)
+    assert all(np.array_equal(a, b) for a, b in zip(endless[:7], unbounded[:7]))  # the same within the context
+    assert not np.array_equal(endless[7], unbounded[7])  # chunk 8 reaches past 21 frames: the window drops one
+    short = np.concatenate([c.frames for c in gen.stream_video(PROMPT, seed=4, num_frames=81)])  # 21 latent frames
+    assert np.array_equal(short, np.concatenate(unbounded[:7]))  # within the context: no window
