@@ -263,12 +263,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @api.get("/ready")
     def ready():
-        model_ready()
+        rules = model_ready()
         if not state.workers and not state.store.live_workers(state.model, state.lease_s):
             raise ApiError(503, f"no worker serving {state.model!r} is alive; start one (fastwan serve --role "
                                 "worker with this --store and --model); creates are queued meanwhile.",
                            code="no_worker")
-        return {"status": "ready", "model": state.model, "queued": state.store.count("queued")}
+        return {"status": "ready", "model": state.model, "queued": state.store.count("queued"),
+                "streams": is_causal(rules)}
 
     @api.get("/metrics")
     def metrics():

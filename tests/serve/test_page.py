@@ -148,6 +148,30 @@ def test_create_watch_play_and_delete_from_the_page(server, browser):
     assert not errors, errors  # no script error, nothing the page's policy blocked
 
 
+def test_the_page_plays_a_causal_video_while_it_is_made(causal_server, browser):
+    """A tiny causal model's running video (21 chunks, the most its DiT holds) plays in its card from its stream
+    before it is completed."""
+    status, video = call("POST", f"{causal_server.url}/v1/videos", {"prompt": "a kite over dunes", "size": "64x64",
+                                                                    "num_frames": 9 + 12 * 20, "seed": 3})
+    assert status == 200, video
+    try:
+        open_page(browser, causal_server.url, KEY)
+        until(browser, lambda: visible(browser, "app"), "the page after the key")
+        until(browser, lambda: ((browser.execute_script(CARD, video["id"]) or {}).get("ready") or 0) >= 2,
+              "the running video to play from its stream")
+        shown = browser.execute_script(CARD, video["id"])
+        assert browser.execute_async_script(PLAY, video["id"]) > 0  # it plays: its clock moves
+        _, now = call("GET", f"{causal_server.url}/v1/videos/{video['id']}")
+        assert now["status"] == "in_progress"  # all of the above before the video was completed
+        assert (shown["box"], shown["status"]) == ("queue", "in_progress")
+        assert shown["src"].startswith("blob:") and (shown["width"], shown["height"]) == (64, 64)
+    finally:
+        call("DELETE", f"{causal_server.url}/v1/videos/{video['id']}")
+    until(browser, lambda: browser.execute_script(CARD, video["id"]) is None, "the deleted video's card to go")
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
 def test_a_wrong_key_shows_the_servers_message_and_asks_again(server, browser):
     status, body = call("GET", f"{server.url}/v1/videos", key="not-the-key")
     assert status == 401

@@ -13,7 +13,8 @@ const FIELDS = ["prompt", "negative_prompt", "size", "seconds", "num_inference_s
 // video on the page (other clients' too) and shows the ones removed elsewhere, whereas a stream per video holds
 // one of the browser's six connections to this server for as long as the video waits and runs, and seven
 // waiting videos would stall every other request of the page. A stream's per-step events are not needed for a
-// bar that is redrawn each second.
+// bar that is redrawn each second. A causal model's running video is the exception: its mp4 is streamed while it
+// is made (GET /v1/videos/{id}/stream, one connection per running video) and played as it grows.
 const state = {
   cards: new Map(),    // id -> its <article>
   urls: new Map(),     // id -> the blob: URL of its mp4
@@ -21,14 +22,16 @@ const state = {
   timer: null,
   seq: 0,              // the latest list request; older answers are dropped
   model: null,
+  streams: false,      // the model's running videos stream (GET /ready's "streams")
 };
 
 const $ = (id) => document.getElementById(id);
 
 class ApiError extends Error {
-  constructor(status, message) {
+  constructor(status, message, code) {
     super(message);
     this.status = status;
+    this.code = code;
   }
 }
 
@@ -49,14 +52,16 @@ async function api(method, path, body) {
   }
   if (answer.ok) return answer;
   let message = `${method} ${path}: HTTP ${answer.status}`;
+  let code = null;
   try {
     const data = await answer.json();
     if (data && data.error && data.error.message) message = data.error.message;
+    if (data && data.error) code = data.error.code;
   } catch (_) {
     // not JSON: the status line stays the message
   }
   if (answer.status === 401) askKey(message);
-  throw new ApiError(answer.status, message);
+  throw new ApiError(answer.status, message, code);
 }
 
 function askKey(message) {
@@ -81,6 +86,7 @@ async function checkReady() {
   try {
     const ready = await (await api("GET", "ready")).json();
     state.model = ready.model;
+    state.streams = ready.streams === true;
     $("model").textContent = `model: ${ready.model}`;
   } catch (err) {
     if (err.status === 401) throw err;
@@ -155,7 +161,16 @@ function update(card, video) {
   card.querySelector(".meta").textContent = `${video.size} · ${video.seconds} s · ${video.status}` +
     (video.status === "in_progress" ? ` · ${video.progress}%` : "");
   const media = card.querySelector(".media");
-  if (video.status === "failed" && !media.dataset.shown) {
+  if (video.status === "queued" && media.dataset.shown === "stream") {  // back in the queue: its stream ended
+    dropUrl(video.id);
+    media.replaceChildren();
+    delete media.dataset.shown;
+  }
+  if (video.status === "completed" && media.dataset.shown === "stream") delete media.dataset.shown;  // the file
+  if (video.status === "in_progress" && state.streams && !media.dataset.shown) {
+    media.dataset.shown = "stream";
+    streamVideo(card);
+  } else if (video.status === "failed" && !media.dataset.shown) {
     media.dataset.shown = "error";
     media.append(element("p", "error", (video.error && video.error.message) || "the video failed."));
   } else if (video.status === "completed" && !media.dataset.shown) {
@@ -174,6 +189,84 @@ const visible = new IntersectionObserver((entries) => {
   }
 }, { rootMargin: "300px" });
 
+// The first bytes of an mp4 up to its avcC box give the H.264 codec string Media Source Extensions ask for
+// ("avc1." and the profile, its compatibility flags and level, in hex); null until they have arrived.
+function codecOf(bytes) {
+  for (let i = 0; i + 8 < bytes.length; i++) {
+    if (bytes[i] === 0x61 && bytes[i + 1] === 0x76 && bytes[i + 2] === 0x63 && bytes[i + 3] === 0x43) {  // "avcC"
+      const hex = [...bytes.subarray(i + 5, i + 8)].map((b) => b.toString(16).padStart(2, "0")).join("");
+      return `avc1.${hex}`;
+    }
+  }
+  return null;
+}
+
+function concat(a, b) {
+  const out = new Uint8Array(a.length + b.length);
+  out.set(a);
+  out.set(b, a.length);
+  return out;
+}
+
+function appended(buffer, bytes) {
+  return new Promise((resolve, reject) => {
+    buffer.addEventListener("updateend", resolve, { once: true });
+    buffer.addEventListener("error", reject, { once: true });
+    buffer.appendBuffer(bytes);
+  });
+}
+
+// A running video of a causal model: its growing mp4 (fetched with the key) fed to a MediaSource as it arrives,
+// so the card plays the frames made so far.
+async function streamVideo(card) {
+  const id = card.dataset.id;
+  const media = card.querySelector(".media");
+  if (!window.MediaSource) return;
+  let answer;
+  try {
+    answer = await api("GET", `v1/videos/${encodeURIComponent(id)}/stream`);
+  } catch (err) {
+    if (err.code === "not_streamable") state.streams = false;
+    return;  // queued again, finished or deleted meanwhile: the next list shows it
+  }
+  const reader = answer.body.getReader();
+  let head = new Uint8Array(0);
+  let codec = null;
+  while (codec === null) {
+    const { done, value } = await reader.read();
+    if (done || state.cards.get(id) !== card) return;
+    head = concat(head, value);
+    codec = codecOf(head);
+  }
+  const type = `video/mp4; codecs="${codec}"`;
+  if (!MediaSource.isTypeSupported(type) || media.dataset.shown !== "stream") {
+    reader.cancel();
+    return;
+  }
+  const source = new MediaSource();
+  const url = URL.createObjectURL(source);
+  state.urls.set(id, url);
+  const player = element("video");
+  Object.assign(player, { src: url, controls: true, muted: true, autoplay: true, playsInline: true });
+  media.replaceChildren(player);
+  await new Promise((resolve) => source.addEventListener("sourceopen", resolve, { once: true }));
+  try {
+    const buffer = source.addSourceBuffer(type);
+    let bytes = head;
+    for (;;) {
+      await appended(buffer, bytes);
+      const { done, value } = await reader.read();
+      if (done || state.urls.get(id) !== url) break;
+      bytes = value;
+    }
+    if (source.readyState === "open") source.endOfStream();
+  } catch (_) {
+    // the card was dropped or the stream cut short: what arrived stays playable
+  } finally {
+    reader.cancel().catch(() => {});
+  }
+}
+
 async function loadVideo(card) {
   const id = card.dataset.id;
   const media = card.querySelector(".media");
@@ -185,6 +278,7 @@ async function loadVideo(card) {
     return;
   }
   if (state.cards.get(id) !== card) return;  // deleted while it downloaded
+  dropUrl(id);  // the stream it played while it was made
   const url = URL.createObjectURL(blob);
   state.urls.set(id, url);
   const player = element("video");
@@ -195,16 +289,20 @@ async function loadVideo(card) {
   card.querySelector(".actions").prepend(save);
 }
 
+function dropUrl(id) {
+  if (state.urls.has(id)) {
+    URL.revokeObjectURL(state.urls.get(id));
+    state.urls.delete(id);
+  }
+}
+
 function dropCard(id) {
   const card = state.cards.get(id);
   if (!card) return;
   visible.unobserve(card);
   card.remove();
   state.cards.delete(id);
-  if (state.urls.has(id)) {
-    URL.revokeObjectURL(state.urls.get(id));
-    state.urls.delete(id);
-  }
+  dropUrl(id);
   $("queue-empty").hidden = $("queue").children.length > 0;
   $("gallery-empty").hidden = $("gallery").children.length > 0;
 }
