@@ -130,6 +130,19 @@ def _linked_copy(plain: Path, root: Path, skip: tuple[str, ...]) -> bool:
     return True
 
 
+def _derived_transformer(plain: Path, root: Path, link) -> tuple[Path, Path] | None:
+    """``root`` as :func:`_linked_copy` makes it, with a transformer folder of its own holding links to the plain
+    one's files whose name ``link`` accepts -> (plain transformer folder, root's), or None when ``root`` exists."""
+    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
+        return None
+    src, dst = plain / "transformer", root / "transformer"
+    dst.mkdir()
+    for f in src.iterdir():
+        if link(f.name):
+            (dst / f.name).symlink_to(f)
+    return src, dst
+
+
 def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     """A FastWan-layout checkpoint (model_index "WanDMDPipeline", the DiT with VSA gate projections) from a
     text-to-video one made by :func:`make_checkpoint`: every component is a link to ``plain``'s; the transformer
@@ -139,13 +152,10 @@ def derive_fastwan(plain: Path, root: Path, seed: int = 0) -> None:
     from safetensors.torch import save_file
 
     plain, root = Path(plain).resolve(), Path(root)
-    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
+    folders = _derived_transformer(plain, root, lambda name: not name.endswith(".index.json"))
+    if folders is None:
         return
-    src, dst = plain / "transformer", root / "transformer"
-    dst.mkdir()
-    for f in src.iterdir():
-        if not f.name.endswith(".index.json"):
-            (dst / f.name).symlink_to(f)
+    src, dst = folders
     cfg = json.loads((src / "config.json").read_text())
     dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     g = torch.Generator().manual_seed(seed)
@@ -176,13 +186,10 @@ def derive_causal(plain: Path, root: Path) -> None:
     FastVideo's causal defaults) from a text-to-video checkpoint made by :func:`make_checkpoint`: a causal DiT has
     the plain one's tensors, so every component and weight file is a link to ``plain``'s."""
     plain, root = Path(plain).resolve(), Path(root)
-    if not _linked_copy(plain, root, ("transformer", "model_index.json")):
+    folders = _derived_transformer(plain, root, lambda name: name != "config.json")
+    if folders is None:
         return
-    src, dst = plain / "transformer", root / "transformer"
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (dst / f.name).symlink_to(f)
+    src, dst = folders
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "_class_name": "CausalWanTransformer3DModel",
                                                  "num_frames_per_block": 3, "local_attn_size": -1, "sink_size": 0}))
