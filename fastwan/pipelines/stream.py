@@ -29,6 +29,7 @@ import torch
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
+from fastwan.pipelines.inputs import random_seed
 from fastwan.pipelines.setup import on_device, sync
 from fastwan.pipelines.text import encode_prompts
 
@@ -139,7 +140,7 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
     fps = preset.fps if fps is None else fps
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+    seed = random_seed() if seed is None else seed
     return StreamSettings(height, width, num_frames, seed, fps, recipe)
 
 
