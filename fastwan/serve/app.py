@@ -67,6 +67,7 @@ class ServerState:
     loras: ServedLoras | None = None  # --lora-dir: the LoRAs a create may name (None: none)
     cors_origins: tuple[str, ...] = ()  # --cors-origin: the web origins allowed to call the API (none: CORS off)
     admit: threading.Lock = field(default_factory=threading.Lock)  # one create checks the queue and adds at a time
+    closing: threading.Event = field(default_factory=threading.Event)  # set when the server starts to stop
 
     def __post_init__(self):
         if self.data_dir is None:
@@ -340,7 +341,7 @@ def create_app(state: ServerState) -> FastAPI:
         """A causal model's mp4 while it is made, then to its end (:mod:`fastwan.serve.streaming`)."""
         job = job_or_404(video_id)
         causal = job.status in ("completed", "failed") or is_causal(model_ready())
-        return stream_response(state.store, state.data_dir / "videos", job, causal)
+        return stream_response(state.store, state.data_dir / "videos", job, causal, state.closing)
 
     @api.get("/v1/videos/{video_id}/content")
     def content(video_id: str, variant: str = Query("video", pattern="^(video|thumbnail|spritesheet)$")):

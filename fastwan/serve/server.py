@@ -222,6 +222,7 @@ def run(args) -> int:
                         data_dir=data, keep_s=keep_s, rules=rules, lease_s=args.lease_seconds,
                         loras=loras, cors_origins=origins)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info"))
+    server.handle_exit = _closing(state, server.handle_exit)
     for worker in workers:
         worker.on_load_failure = lambda: setattr(server, "should_exit", True)  # uvicorn's documented way to stop
         worker.start()
@@ -234,6 +235,15 @@ def run(args) -> int:
         if worker.load_failure is not None:  # a user error is the command's one line; anything else a bug
             raise worker.load_failure
     return 0
+
+
+def _closing(state, handle_exit):
+    """uvicorn's signal handler, which first marks the server closing: uvicorn waits for every open answer to end
+    before the workers stop, so the video streams end at once (their videos go back to the queue)."""
+    def handle(sig, frame) -> None:
+        state.closing.set()
+        handle_exit(sig, frame)
+    return handle
 
 
 def _rules(options):

@@ -14,12 +14,14 @@ a model that is not causal makes (queued or in progress) is 409 ``not_streamable
 ``video_not_ready`` (its stream opens once it is in progress); one in progress is answered at once (200,
 ``video/mp4``, chunked) with the bytes written so far, then each new byte as the file grows. The answer follows the
 claim that ran the video when it opened: it ends once that claim's video is completed (the whole file sent: its
-bytes equal ``/content``'s), or when the video is deleted, fails, or goes back to the queue (then it is cut short).
+bytes equal ``/content``'s), or when the video is deleted, fails, or goes back to the queue, or the server starts to
+stop (then it is cut short).
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -83,9 +85,9 @@ def stream_job(gen, request, videos: Path, job, target: Path,
     return timings, first
 
 
-def stream_response(store, videos: Path, job, causal: bool):
+def stream_response(store, videos: Path, job, causal: bool, closing: threading.Event):
     """The answer of ``GET /v1/videos/{id}/stream`` for ``job`` (the module's rules); ``causal``: whether the
-    served model streams."""
+    served model streams; ``closing``: set when the server starts to stop (the answer then ends)."""
     if job.status == "completed":
         if not job.video or not Path(job.video).is_file():
             raise ApiError(404, f"video {job.id}'s file is missing from the data folder.", code="not_found")
@@ -100,7 +102,7 @@ def stream_response(store, videos: Path, job, causal: bool):
     if job.status != "in_progress":
         raise ApiError(409, f"video {job.id} is {job.status}; its stream opens once it is in_progress (GET "
                             f"/v1/videos/{job.id}/events says when).", code="video_not_ready")
-    return StreamingResponse(_follow(store, videos, job), media_type="video/mp4",
+    return StreamingResponse(_follow(store, videos, job, closing), media_type="video/mp4",
                              headers={"Cache-Control": "no-cache"})
 
 
@@ -111,7 +113,7 @@ def _open(path: Path | str | None):
         return None
 
 
-async def _follow(store, videos: Path, job) -> AsyncIterator[bytes]:
+async def _follow(store, videos: Path, job, closing: threading.Event) -> AsyncIterator[bytes]:
     """The stream of the claim that runs ``job`` (in progress when the answer opened), as its file grows."""
     path = stream_path(videos, job.id, job.claim)
     file = None
@@ -125,6 +127,8 @@ async def _follow(store, videos: Path, job) -> AsyncIterator[bytes]:
                 if data:
                     yield data
                     continue
+            if closing.is_set():  # the video goes back to the queue at its next chunk
+                return
             if time.monotonic() - checked < ROW_POLL_S:
                 await asyncio.sleep(FILE_POLL_S)
                 continue

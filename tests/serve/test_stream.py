@@ -2,10 +2,12 @@
 the mp4 read while the video is made decodes to its first chunk's frames before the video is completed, and the
 bytes sent end as the finished file, whose frames are those the same request makes in this process; a completed
 video's stream is its file; the refusals (404 in OpenAI's shape, 409 for a queued video and for a model that is not
-causal, 401 without the key); a video deleted while it streams ends its answer and leaves no file."""
+causal, 401 without the key); a video deleted while it streams, or a server that stops, ends the answer and leaves
+no file of the video."""
 from __future__ import annotations
 
 import io
+import signal
 import time
 import urllib.request
 
@@ -148,3 +150,24 @@ def test_a_queued_video_waits_and_a_deleted_videos_stream_ends_without_a_file(ca
     finally:
         for video_id in (running, queued):
             call("DELETE", f"{causal_server.url}/v1/videos/{video_id}")
+
+
+def test_a_stopping_server_ends_the_stream_and_removes_the_partial_file(causal_server, tmp_path):
+    from tests.serve.helpers import Server
+
+    server = Server(tmp_path, "--model", str(causal_server.model)).start()
+    try:
+        video_id = create(server, "a train in the rain", MOST_CHUNKS)
+        wait_status(server, video_id, "in_progress")
+        with open_stream(server, video_id) as answer:
+            sent = b""
+            while len(decoded(sent)) < FIRST_CHUNK:
+                sent += answer.read1(1 << 16)
+            assert list(server.data_dir.glob(f"videos/.{video_id}-*.mp4"))  # the growing file
+            server.stop()  # the job goes back to the queue at its next chunk
+            answer.read()  # the answer ends
+        assert server.process.returncode in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
+        assert not list(server.data_dir.glob(f"videos/*{video_id}*"))
+        assert "queued again (the server is stopping)" in server.log.read_text()
+    finally:
+        server.stop()
