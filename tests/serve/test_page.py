@@ -150,7 +150,7 @@ def test_create_watch_play_and_delete_from_the_page(server, browser):
 
 def test_the_page_plays_a_causal_video_while_it_is_made(causal_server, browser):
     """A tiny causal model's running video (21 chunks, the most its DiT holds) plays in its card from its stream
-    before it is completed."""
+    before it is completed; then the card plays the finished file."""
     status, video = call("POST", f"{causal_server.url}/v1/videos", {"prompt": "a kite over dunes", "size": "64x64",
                                                                     "num_frames": 9 + 12 * 20, "seed": 3})
     assert status == 200, video
@@ -165,6 +165,15 @@ def test_the_page_plays_a_causal_video_while_it_is_made(causal_server, browser):
         assert now["status"] == "in_progress"  # all of the above before the video was completed
         assert (shown["box"], shown["status"]) == ("queue", "in_progress")
         assert shown["src"].startswith("blob:") and (shown["width"], shown["height"]) == (64, 64)
+
+        # once it is completed, the card plays the finished file, the whole video, with its download link
+        until(browser, lambda: browser.execute_script(CARD, video["id"])["box"] == "gallery", "the gallery")
+        until(browser, lambda: browser.execute_script(
+            f'return !!document.querySelector(`article[data-id="{video["id"]}"] a.download`);'), "the file's link")
+        until(browser, lambda: (browser.execute_script(CARD, video["id"])["ready"] or 0) >= 2, "the file to load")
+        played = browser.execute_script(CARD, video["id"])
+        assert played["src"] != shown["src"] and played["src"].startswith("blob:")
+        assert played["duration"] == pytest.approx((9 + 12 * 20) / TINY_FPS, abs=0.5 / TINY_FPS)
     finally:
         call("DELETE", f"{causal_server.url}/v1/videos/{video['id']}")
     until(browser, lambda: browser.execute_script(CARD, video["id"]) is None, "the deleted video's card to go")
