@@ -19,8 +19,19 @@ from fastwan.values import json_text
 VACE_CLASS_NAME = "WanVACETransformer3DModel"  # the DiT with VACE's control blocks (Wan2.1-VACE, Wan2.2-VACE-Fun)
 # FastVideo's causal DiT (Self-Forcing): the parameters of the plain one; the pipeline decides how it samples
 CAUSAL_CLASS_NAME = "CausalWanTransformer3DModel"
-WAN_CLASS_NAMES = ("WanTransformer3DModel", VACE_CLASS_NAME, CAUSAL_CLASS_NAME)
+# Wan2.2-Animate's DiT: pose embedding, motion and face encoders, face adapters (fastwan.models.wan.animate)
+ANIMATE_CLASS_NAME = "WanAnimateTransformer3DModel"
+WAN_CLASS_NAMES = ("WanTransformer3DModel", VACE_CLASS_NAME, CAUSAL_CLASS_NAME, ANIMATE_CLASS_NAME)
 VACE_DEFAULTS = {"vace_layers": (0, 5, 10, 15, 20, 25, 30, 35), "vace_in_channels": 96}  # diffusers' defaults
+# diffusers' defaults of the Animate DiT's own keys (latent_channels null: (in_channels - 4) / 2; the channel table
+# null: MOTION_CHANNELS), and of the shared keys whose Animate default differs from the plain DiT's
+ANIMATE_DEFAULTS = {"latent_channels": None, "motion_encoder_channel_sizes": None, "motion_encoder_size": 512,
+                    "motion_style_dim": 512, "motion_dim": 20, "motion_encoder_dim": 512,
+                    "face_encoder_hidden_dim": 1024, "face_encoder_num_heads": 4, "inject_face_latents_blocks": 5,
+                    "motion_encoder_batch_size": 8}
+ANIMATE_SHARED_DEFAULTS = {"in_channels": 36, "image_dim": 1280}
+# the motion encoder's channels at each resolution (diffusers' table): resolution -> channels
+MOTION_CHANNELS = ((4, 512), (8, 512), (16, 512), (32, 512), (64, 256), (128, 128), (256, 64), (512, 32), (1024, 16))
 QK_NORMS = ("rms_norm_across_heads",)
 
 
@@ -49,6 +60,11 @@ def _positive_finite(value: object) -> bool:
 def _vace_layers(value: object) -> bool:
     return (isinstance(value, (list, tuple)) and len(value) > 0 and value[0] == 0 and all(_is_int(v) for v in value)
             and all(a < b for a, b in zip(value, value[1:])))
+
+
+def _channel_table(value: object) -> bool:
+    return isinstance(value, dict) and len(value) > 0 and all(
+        isinstance(k, str) and k.isdigit() and _positive_int(v) for k, v in value.items())
 
 
 def _is_bool(value: object) -> bool:
@@ -83,6 +99,8 @@ BOOL = Rule(_is_bool, "true or false (a JSON boolean, not a string or number)")
 EPS = Rule(_positive_finite, "a finite positive number (a JSON number, not a string)")
 VACE_LAYERS = Rule(_vace_layers, "a list of increasing block indices starting at 0 (the blocks that take a VACE "
                    "hint)", nullable=True)
+CHANNEL_TABLE = Rule(_channel_table, "an object mapping resolutions (\"4\", \"8\", ...) to positive channel "
+                     "counts, or null", nullable=True)
 QK_NORM = Rule(_qk_norm, f"one of {', '.join(json_text(n) for n in QK_NORMS)} (the q/k normalisation Wan uses)")
 
 
@@ -115,11 +133,30 @@ class WanConfig:
     # and the channels of the control latents the VACE patch embedding reads
     vace_layers: tuple[int, ...] | None = _field(None, VACE_LAYERS)
     vace_in_channels: int | None = _field(None, OPTIONAL_INT)
+    # Animate (WanAnimateTransformer3DModel only; None for the other DiTs), diffusers' names: the pose latents'
+    # channels, the motion encoder (face frames' resolution, its channels per resolution as (resolution, channels)
+    # pairs, style / motion / output widths, frames per batch) and the face encoder (width, heads); a face adapter
+    # runs after every inject_face_latents_blocks-th block
+    latent_channels: int | None = _field(None, OPTIONAL_INT)
+    motion_encoder_channel_sizes: tuple[tuple[int, int], ...] | None = _field(None, CHANNEL_TABLE)
+    motion_encoder_size: int | None = _field(None, OPTIONAL_INT)
+    motion_style_dim: int | None = _field(None, OPTIONAL_INT)
+    motion_dim: int | None = _field(None, OPTIONAL_INT)
+    motion_encoder_dim: int | None = _field(None, OPTIONAL_INT)
+    face_encoder_hidden_dim: int | None = _field(None, OPTIONAL_INT)
+    face_encoder_num_heads: int | None = _field(None, OPTIONAL_INT)
+    inject_face_latents_blocks: int | None = _field(None, OPTIONAL_INT)
+    motion_encoder_batch_size: int | None = _field(None, OPTIONAL_INT)
 
     @property
     def vace(self) -> bool:
         """Whether the DiT has VACE's control blocks."""
         return self.vace_layers is not None
+
+    @property
+    def animate(self) -> bool:
+        """Whether the DiT is Wan2.2-Animate's (pose embedding, motion and face encoders, face adapters)."""
+        return self.motion_encoder_size is not None
 
     @property
     def inner_dim(self) -> int:
@@ -132,9 +169,13 @@ class WanConfig:
         _check_not_quantized(raw, source)
         kwargs = {}
         vace = raw.get("_class_name") == VACE_CLASS_NAME
+        animate = raw.get("_class_name") == ANIMATE_CLASS_NAME
+        if animate:
+            raw = {**ANIMATE_SHARED_DEFAULTS, **ANIMATE_DEFAULTS, **{k: v for k, v in raw.items()
+                                                                     if v is not None or k not in ANIMATE_DEFAULTS}}
         for f in fields(cls):
-            if f.name in VACE_DEFAULTS and not vace:
-                continue  # the plain DiT has no VACE blocks, whatever its config says
+            if (f.name in VACE_DEFAULTS and not vace) or (f.name in ANIMATE_DEFAULTS and not animate):
+                continue  # a DiT has another class's modules only in that class, whatever its config says
             if f.name in VACE_DEFAULTS and raw.get(f.name) is None:
                 kwargs[f.name] = VACE_DEFAULTS[f.name]
             elif f.name in raw:
@@ -145,9 +186,13 @@ class WanConfig:
                 kwargs[key] = tuple(kwargs[key])
         if "eps" in kwargs:
             kwargs["eps"] = float(kwargs["eps"])
+        if animate:
+            _animate_kwargs(kwargs)
         if "out_channels" in kwargs and kwargs["out_channels"] is None:
             kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
         cfg = cls(**kwargs)
+        if animate:
+            _check_animate(cfg, source)
         _check_image_conditioning(cfg, source)
         if vace and cfg.vace_layers[-1] >= cfg.num_layers:
             raise CheckpointError(
@@ -160,6 +205,44 @@ class WanConfig:
     def from_file(cls, path: str | Path) -> WanConfig:
         raw = read_json(path, missing="a Diffusers Wan transformer folder needs config.json.")
         return cls.from_dict(raw, source=str(path))
+
+
+def _animate_kwargs(kwargs: dict) -> None:
+    """An Animate DiT's derived values, as diffusers derives them: latent_channels null -> (in_channels - 4) / 2;
+    out_channels null -> latent_channels; the channel table as sorted (resolution, channels) pairs (null:
+    :data:`MOTION_CHANNELS`)."""
+    if kwargs["latent_channels"] is None:
+        kwargs["latent_channels"] = (kwargs["in_channels"] - 4) // 2
+    if kwargs.get("out_channels") is None:
+        kwargs["out_channels"] = kwargs["latent_channels"]
+    table = kwargs["motion_encoder_channel_sizes"]
+    kwargs["motion_encoder_channel_sizes"] = (MOTION_CHANNELS if table is None else
+                                              tuple(sorted((int(k), v) for k, v in table.items())))
+
+
+def _check_animate(cfg: WanConfig, source: str) -> None:
+    """Rules of an Animate DiT: the latents read are the noise's, the reference's and a 4-channel mask
+    (in_channels = 2 x latent_channels + 4); the pose latents are added one latent frame per token frame
+    (patch_size[0] = 1); a face adapter follows blocks 0, inject, 2 inject, ... and there are
+    num_layers / inject of them (num_layers a multiple of inject); the motion encoder halves the face frames from
+    motion_encoder_size (a power of two, at least 4) down to 4, with a channel count at each resolution."""
+    size, table = cfg.motion_encoder_size, dict(cfg.motion_encoder_channel_sizes)
+    rules = [
+        (cfg.in_channels == 2 * cfg.latent_channels + 4, f"\"in_channels\": {cfg.in_channels} must be 2 x "
+         f"\"latent_channels\" + 4 = {2 * cfg.latent_channels + 4}"),
+        (cfg.patch_size[0] == 1, f"\"patch_size\": {json_text(list(cfg.patch_size))} must have a temporal patch of 1 "
+         "(the pose latents add to the token frames one by one)"),
+        (cfg.num_layers % cfg.inject_face_latents_blocks == 0, f"\"num_layers\": {cfg.num_layers} must be a multiple "
+         f"of \"inject_face_latents_blocks\": {cfg.inject_face_latents_blocks} (one face adapter per group of blocks)"),
+        (size >= 4 and size & (size - 1) == 0, f"\"motion_encoder_size\": {size} must be a power of two, at least 4"),
+    ]
+    missing = [str(r) for r in (2 ** i for i in range(2, size.bit_length())) if r not in table]
+    rules.append((not missing, f"\"motion_encoder_channel_sizes\" has no channel count for resolutions "
+                               f"{', '.join(missing)} (it needs one for each of 4, 8, ..., {size})"))
+    for ok, rule in rules:
+        if not ok:
+            raise CheckpointError(f"{source}: {rule} in a {ANIMATE_CLASS_NAME}. Fix config.json or download the "
+                                  "checkpoint again.")
 
 
 def _check_class_name(raw: dict, source: str) -> None:

@@ -15,7 +15,7 @@ from fastwan.errors import InvalidArgument
 from fastwan.models.wan.config import WanConfig
 
 # Parameter-name components kept in fp32 whatever the model dtype (as Diffusers does for Wan).
-KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3", "motion_synthesis_weight")
 
 
 def keep_in_fp32(param_name: str) -> bool:

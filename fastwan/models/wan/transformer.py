@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.errors import InvalidArgument
-from fastwan.hooks import Gather, Split
+from fastwan.hooks import Gather, HookRegistry, Split
+from fastwan.models.wan.animate import HOOK_NAME as ANIMATE_HOOK, animate_modules
 from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
@@ -74,6 +75,10 @@ class WanTransformer(nn.Module):
         self.blocks = nn.ModuleList([block(cfg) for _ in range(cfg.num_layers)])
         # VACE's control blocks (fastwan.models.wan.vace; none for a plain DiT), run by its hook
         self.vace_patch_embedding, self.vace_blocks = vace_modules(cfg, block)
+        # Animate's pose embedding, motion and face encoders, face adapters (fastwan.models.wan.animate; None for
+        # the other DiTs), run by its hook
+        for name, module in animate_modules(cfg).items():
+            setattr(self, name, module)
         self.norm_out = nn.LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
@@ -175,6 +180,9 @@ class WanTransformer(nn.Module):
                 raise InvalidArgument(f"text {_shape(t)} must be [{B}, L, {cfg.text_dim}] (the latents' batch, this "
                                       f"DiT's text_dim={cfg.text_dim}); pass the text encoder's output per sample.")
         self._check_image(image)
+        if cfg.animate and ANIMATE_HOOK not in HookRegistry.of(self):
+            raise InvalidArgument("this Wan2.2-Animate DiT reads pose latents and a face video with every forward; "
+                                  "run it inside fastwan.models.wan.animate.animate_inputs(model, pose, face).")
 
     def _check_image(self, image: torch.Tensor | None) -> None:
         embedder = self.condition_embedder.image_embedder
