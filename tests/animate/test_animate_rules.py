@@ -99,3 +99,20 @@ def test_motion_synthesis_weight_stays_fp32(animate_dit):
     model = load_transformer(animate_dit, dtype=torch.bfloat16, device="cpu")
     assert model.motion_encoder.motion_synthesis_weight.dtype == torch.float32
     assert model.motion_encoder.conv_out.weight.dtype == torch.bfloat16
+
+
+def test_sequence_parallel_is_refused(animate_dit):
+    """The face adapters attend per token frame, over the whole stream: a DiT split over ranks is refused."""
+    from fastwan.hooks import Hook
+    from fastwan.parallel.plan import SequenceParallelHook
+
+    ours = load(animate_dit, "reference")
+    x, pose, face, *_ = inputs()
+
+    class Split(Hook):  # the sequence plan's hook, by its name (its points need a process group)
+        name = SequenceParallelHook.name
+
+    HookRegistry.of(ours).add(Split())
+    with pytest.raises(InvalidArgument, match="without sequence parallelism"):
+        with animate_inputs(ours, pose, face):
+            pass
