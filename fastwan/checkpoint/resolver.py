@@ -316,6 +316,7 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     experts = meta.experts
     configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
     for e, cfg in zip(experts, configs):
+        _check_not_animate(cfg, root / e / "config.json")
         if meta.image_to_video:
             _check_image_to_video(cfg, str(root / e / "config.json"), meta.image_encoder, meta.expand_timesteps)
         else:
@@ -338,6 +339,18 @@ def _check_vace(pipeline: bool, cfg: WanConfig, source: Path) -> None:
             f"{source} describes a {'plain' if pipeline else 'VACE'} Wan DiT, but model_index.json names "
             f"{'' if pipeline else 'no '}VACE pipeline; a VACE checkpoint has \"_class_name\": \"{VACE_PIPELINE}\" "
             "with a \"WanVACETransformer3DModel\" DiT. Fix model_index.json or download the checkpoint again.")
+
+
+def _check_not_animate(cfg: WanConfig, source: Path) -> None:
+    """Rule: a Wan2.2-Animate DiT (``WanAnimateTransformer3DModel``) reads pose latents and a face video with every
+    step, which only Wan2.2-Animate's pipeline gives it; fastwan runs that DiT alone
+    (:mod:`fastwan.models.wan.animate`), not its pipeline."""
+    if cfg.animate:
+        raise CheckpointError(
+            f"{source} describes a Wan2.2-Animate DiT (\"_class_name\": \"WanAnimateTransformer3DModel\"), which "
+            "reads pose latents and a face video with every step; only Wan2.2-Animate's pipeline (model_index.json "
+            "\"_class_name\": \"WanAnimatePipeline\") gives them, and fastwan does not run it yet. Load the DiT "
+            "alone with fastwan.models.load_transformer, or use another checkpoint.")
 
 
 def checkpoint_label(name: str, root: Path, hub: bool) -> str:
