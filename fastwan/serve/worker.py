@@ -31,7 +31,7 @@ from fastwan.pipelines.output import check_output_path, save_video
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.requests import build, job_images, uploads
 from fastwan.serve.store import Job, JobStore
-from fastwan.serve.streaming import stream_job
+from fastwan.serve.streaming import is_causal, stream_job
 
 logger = logging.getLogger("fastwan.serve")
 
@@ -258,7 +258,7 @@ class Worker:
         try:
             request = build(job.fields, target, *job_images(job)).replace(save_video=False, return_frames=True)
             self.loras.use(self.gen, job.fields)  # the job's LoRAs merged, or the base weights
-            if self.gen.checkpoint.causal is not None:  # written chunk by chunk as it is made, then completed
+            if is_causal(self.gen):  # written chunk by chunk as it is made, then completed
                 timings, first = stream_job(self.gen, request, self.videos, job, target, on_step)
                 write_png(first, thumbnail)
                 self._written()
