@@ -181,8 +181,8 @@ async def _event_stream(state: ServerState, video_id: str):
             if (video["status"], video["progress"]) != last:
                 last = video["status"], video["progress"]
                 yield f"data: {json.dumps(video)}\n\n"
-            if video["status"] in ("completed", "failed"):
-                return
+            if video["status"] in ("completed", "failed") or state.closing.is_set():
+                return  # a stopping server ends its streams: uvicorn waits for every open answer before it stops
             try:
                 job = await asyncio.wait_for(changes.get(), EVENT_POLL_S)
             except asyncio.TimeoutError:  # nothing changed here; another host may have changed the row

@@ -1,17 +1,19 @@
 """Durability: ``kill -9`` of ``fastwan serve`` while a job runs, then a restart on the same data folder: the job is
 queued again and completes, the videos made before are still listed and downloadable, and a job queued behind the
-killed one runs too; SIGTERM stops the running job at its next step and queues it again."""
+killed one runs too; SIGTERM stops the running job at its next step and queues it again, and ends the event
+streams open then."""
 from __future__ import annotations
 
 import io
 import re
 import signal
+import urllib.request
 
 import imageio.v3 as iio
 import pytest
 
 from fastwan.serve.store import SqliteStore
-from tests.serve.helpers import Server, wait, wait_started
+from tests.serve.helpers import KEY, Server, wait, wait_started
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -61,8 +63,13 @@ def test_sigterm_queues_the_running_job_again_and_exits(tmp_path):
         running = client.videos.create(prompt="running at the stop", size="64x64", seconds="1",
                                        extra_body={"num_inference_steps": 200})
         wait_started(client, running.id)
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back once stopped
+        events = urllib.request.Request(f"{server.url}/v1/videos/{running.id}/events",
+                                        headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(events, timeout=60) as answer:  # an open event stream does not hold the stop
+            assert answer.readline().startswith(b"data: ")
+            server.process.send_signal(signal.SIGTERM)
+            answer.read()  # it ends
+            assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn hands the signal back
     finally:
         server.stop(signal.SIGKILL)  # nothing when it has exited
     store = SqliteStore(server.data_dir / "jobs.sqlite3")
