@@ -248,10 +248,13 @@ def _closing(state, handle_exit):
 
 def _rules(options):
     """The checkpoint's request rules from its files (``--role api``: no model loads here)."""
+    from fastwan.checkpoint.causal_files import causal_checkpoint
     from fastwan.checkpoint.resolver import resolve
     from fastwan.pipelines.rules import CheckpointRules
 
-    ckpt = resolve(options.model, allow_pickle=options.allow_pickle, revision=options.revision)
+    # a causal generator file is read here too: its recipe decides which requests a causal model takes
+    ckpt = causal_checkpoint(resolve(options.model, allow_pickle=options.allow_pickle, revision=options.revision),
+                             options)
     return CheckpointRules.of(ckpt, options.cache)
 
 

@@ -317,3 +317,16 @@ def test_the_automatic_file_name_tells_causal_generators_apart(tiny_causal):
     ids = [identity(g) for g in (plain, a, b, c)]
     assert all(x != y for i, x in enumerate(ids) for y in ids[i + 1:])
     assert "causal" not in ids[0]
+
+
+def test_an_api_host_checks_requests_by_the_causal_generator_files_rules(tiny_causal):
+    """``fastwan serve --role api --causal-weights FILE`` loads no model, but its request rules are the causal
+    checkpoint's: a request with guidance is refused there, as the worker would refuse it."""
+    from fastwan.pipelines.load_options import LoadOptions
+    from fastwan.pipelines.params import GenerationRequest
+    from fastwan.serve.server import _rules
+
+    rules = _rules(LoadOptions(model=str(tiny_causal.base), causal_weights=str(tiny_causal.flat)))
+    assert rules.checkpoint.causal is not None
+    with pytest.raises(InvalidArgument, match="guidance_scale=5.0 does not apply to a causal checkpoint"):
+        rules.resolve(GenerationRequest("a kite", guidance_scale=5.0))
