@@ -39,6 +39,8 @@ from fastwan.serve.requests import (LAST_IMAGE_KEY, Limits, accept, check_video,
 from fastwan.serve.site import add_page
 from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.streaming import is_causal, stream_response
+from fastwan.serve.uploads import MASK, MAX_REFERENCE_IMAGES, REFERENCES, REFERENCES_KEY, VACE_UPLOADS, check_count
+from fastwan.serve.uploads import file_field
 from fastwan.serve.worker import Worker, remove
 
 logger = logging.getLogger("fastwan.serve")
@@ -120,40 +122,58 @@ async def _read(request: Request, cap: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-UPLOADS = ("input_reference", "last_image", "video")  # a create's file fields: the first and last frames, a video
+UPLOADS = ("input_reference", "last_image", "video", *VACE_UPLOADS)  # a create's file fields (VACE's: uploads.py)
+VIDEOS = ("video", MASK)  # the file fields that are videos
+
+
+def _save_upload(data: bytes, path: Path) -> None:
+    """The upload at ``path``, on disk before the job that names it is committed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str, bytes]]:
-    """The create body's typed fields and the uploaded files' bytes by field (:data:`UPLOADS`)."""
+    """The create body's typed fields and the uploaded files' bytes by field (:data:`UPLOADS`; ``reference_images``:
+    a list of them)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "multipart/form-data":
-        cap = 2 * limits.max_upload_bytes + limits.max_video_bytes + limits.max_body_bytes
+        cap = (2 + MAX_REFERENCE_IMAGES) * limits.max_upload_bytes + 2 * limits.max_video_bytes + limits.max_body_bytes
         data = await _read(request, cap, "multipart body")
 
         async def replay():
             return {"type": "http.request", "body": data, "more_body": False}
 
         try:
-            form = await Request(request.scope, replay).form(max_files=len(UPLOADS), max_fields=64,
-                                                             max_part_size=limits.max_body_bytes)
+            form = await Request(request.scope, replay).form(max_files=len(UPLOADS) + MAX_REFERENCE_IMAGES,
+                                                             max_fields=64, max_part_size=limits.max_body_bytes)
         except Exception as exc:  # noqa: BLE001 -- a malformed form is the client's
             raise ApiError(400, f"the multipart body could not be read ({exc}).", code="invalid_body") from None
         texts, files = [], {}
         for key, value in form.multi_items():
+            name = file_field(key)
             if isinstance(value, str):
                 texts.append((key, value))
-            elif key not in UPLOADS or key in files:
+            elif name not in UPLOADS or (name in files and name != REFERENCES):
                 raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference "
                                     "(and a first-last-frame video's last frame as last_image), or the video to "
-                                    "redo as video, once each.",
-                               code="unknown_parameter", param=key)
+                                    "redo as video, once each; VACE: the mask as mask, the reference images as "
+                                    "reference_images (repeated).", code="unknown_parameter", param=key)
+            elif name == REFERENCES:
+                files.setdefault(name, []).append(await value.read())
             else:
-                files[key] = await value.read()
-        for key, upload in files.items():
-            most = limits.max_video_bytes if key == "video" else limits.max_upload_bytes
-            if len(upload) > most:
-                raise ApiError(413, f"{key} is {len(upload)} bytes, over this server's cap of {most}.",
-                               code="upload_too_large", param=key)
+                files[name] = await value.read()
+        check_count(files.get(REFERENCES, []))
+        for key, uploaded in files.items():
+            most = limits.max_video_bytes if key in VIDEOS else limits.max_upload_bytes
+            for upload in uploaded if key == REFERENCES else [uploaded]:
+                if len(upload) > most:
+                    raise ApiError(413, f"{key} is {len(upload)} bytes, over this server's cap of {most}.",
+                                   code="upload_too_large", param=key)
         return form_body(texts), files
     if kind not in ("application/json", ""):
         raise ApiError(400, f"the body's Content-Type is {kind!r}; send application/json or multipart/form-data.",
@@ -189,17 +209,6 @@ async def _event_stream(state: ServerState, video_id: str):
                 await run_in_threadpool(state.store.refresh, video_id)  # the row now joins the queue in order
     finally:  # no await here: a stream the client left is closed by the loop, which awaits nothing more
         state.store.unwatch(video_id, watcher)
-
-
-def _save_upload(data: bytes, path: Path) -> None:
-    """The upload at ``path``, on disk before the job that names it is committed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -281,21 +290,23 @@ def create_app(state: ServerState) -> FastAPI:
         body, files = await _create_body(request, state.limits)
         gen = model_ready()
         images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()
-                  if key != "video"}
+                  if key not in (*VIDEOS, REFERENCES)}
+        references = [await run_in_threadpool(read_image, data, state.limits, REFERENCES)
+                      for data in files.get(REFERENCES, ())]
         video_id = new_id()
-        video = None
-        if "video" in files:  # on disk before it is read (frame by frame) and checked; removed unless admitted
-            video = state.uploads / f"{video_id}.video.mp4"
-            await run_in_threadpool(_save_upload, files.pop("video"), video)
+        videos = {}
         try:
-            if video is not None:
-                await run_in_threadpool(check_video, video, state.limits)
+            for key in VIDEOS:  # on disk before it is read (frame by frame) and checked; removed unless admitted
+                if key in files:
+                    videos[key] = state.uploads / f"{video_id}.{key}.mp4"
+                    await run_in_threadpool(_save_upload, files.pop(key), videos[key])
+                    await run_in_threadpool(check_video, videos[key], state.limits, key)
             checked = await run_in_threadpool(accept, body, images.get("input_reference"), gen, state.model,
                                               state.video_path(video_id), images.get("last_image"), state.loras,
-                                              video)
+                                              videos.get("video"), videos.get(MASK), references or None)
             return await run_in_threadpool(_admit, state, video_id, checked, files)
         except BaseException:
-            remove(video)
+            remove(*videos.values())
             raise
 
     @api.get("/v1/videos")
@@ -374,16 +385,20 @@ def _admit(state: ServerState, video_id: str, checked, files: dict[str, bytes]) 
                                 "once some have started.", code="queue_full")
         image_path = state.uploads / f"{video_id}.img" if "input_reference" in files else None
         last_path = state.uploads / f"{video_id}.last.img" if "last_image" in files else None
+        ref_paths = [state.uploads / f"{video_id}.ref{i}.img" for i in range(len(files.get(REFERENCES, ())))]
         fields = checked.fields if last_path is None else {**checked.fields, LAST_IMAGE_KEY: str(last_path)}
+        if ref_paths:
+            fields = {**fields, REFERENCES_KEY: [str(p) for p in ref_paths]}
         try:
-            for path, key in ((image_path, "input_reference"), (last_path, "last_image")):
+            for path, data in ((image_path, files.get("input_reference")), (last_path, files.get("last_image")),
+                               *zip(ref_paths, files.get(REFERENCES, ()))):
                 if path is not None:
-                    _save_upload(files[key], path)
+                    _save_upload(data, path)
             job = state.store.add(id=video_id, model=state.model, prompt=checked.prompt, size=checked.size,
                                   seconds=checked.seconds, fields=fields,
                                   image=None if image_path is None else str(image_path))
         except BaseException:
-            remove(image_path, last_path)
+            remove(image_path, last_path, *ref_paths)
             raise
     logger.info("video %s: queued (%s, %s s)", video_id, checked.size, checked.seconds)
     for worker in state.workers:

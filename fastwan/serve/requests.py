@@ -10,10 +10,12 @@ whose values are text: each is read as its field's command-line text is, e.g. ``
   times the video's fps (the request's ``fps``, else the checkpoint's), halves rounded up. Giving ``size`` with
   ``width`` / ``height``, or ``seconds`` with ``num_frames``, is refused.
 - An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
-  ``output_path``, ``image``, ``last_image``, ``video``, ``save_video``, ``return_frames`` and ``overwrite`` are
-  refused, and so is a ``cache`` that reads a file (the CLI's ``@FILE``); the first frame of image-to-video comes
-  only as the uploaded file ``input_reference``, the last frame of a first-last-frame video only as the uploaded
-  file ``last_image`` (beside ``input_reference``). ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
+  ``output_path``, ``image``, ``last_image``, ``video``, ``mask``, ``reference_images``, ``save_video``,
+  ``return_frames`` and ``overwrite`` are refused, and so is a ``cache`` that reads a file (the CLI's ``@FILE``); the
+  first frame of image-to-video comes only as the uploaded file ``input_reference``, the last frame of a
+  first-last-frame video only as the uploaded file ``last_image`` (beside ``input_reference``), VACE's mask and
+  reference images only as the uploaded files ``mask`` and ``reference_images`` (:mod:`fastwan.serve.uploads`).
+  ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
 - ``lora``: LoRAs by name, served from ``--lora-dir`` (:mod:`fastwan.serve.loras`).
 - Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
   (``gen.resolve``), checked before the job is accepted.
@@ -39,12 +41,15 @@ from fastwan.serve.errors import ApiError, from_user_error
 from fastwan.serve.loras import JOB_KEY as LORA_KEY
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.loras import form_items as lora_form_items
+from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, error_param, refuse_without_vace, vace_files, vace_inputs
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
 SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "upload it as input_reference",
                "last_image": "upload the last frame as the file last_image (multipart), beside input_reference",
                "video": "upload the video as the file video (multipart)",
+               "mask": "upload the mask video as the file mask (multipart), beside the file video",
+               "reference_images": "upload each image as the file reference_images (multipart, the field repeated)",
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
@@ -65,7 +70,7 @@ MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt
 MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
 LAST_IMAGE_KEY = "_last_image"  # the uploaded last frame's file in a job's stored fields
 VIDEO_KEY = "_video"  # the uploaded video's file (video-to-video) in a job's stored fields
-JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY, VIDEO_KEY)  # a job's stored fields that are the server's, not the request's
+JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY, VIDEO_KEY, *VACE_KEYS)  # a job's stored fields: the server's, not the request's
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -216,10 +221,11 @@ def _size(value) -> tuple[int, int]:
 
 
 def accept(body: dict, image, gen, model: str, output: Path, last_image=None, loras=None,
-           video: Path | None = None) -> Accepted:
+           video: Path | None = None, mask: Path | None = None, references: list | None = None) -> Accepted:
     """Check a create ``body`` (typed values; ``image`` / ``last_image``: the uploaded first / last frame or None)
     against ``gen`` (the loaded generator, serving ``model``); ``output``: where the server writes videos (the
-    request is checked with it); ``loras``: the server's :class:`~fastwan.serve.loras.ServedLoras` (None: none).
+    request is checked with it); ``loras``: the server's :class:`~fastwan.serve.loras.ServedLoras` (None: none);
+    ``video`` / ``mask``: the uploaded videos' files; ``references``: the uploaded reference images (PIL).
     Raises an :class:`ApiError` (400) naming the first broken rule."""
     for key in body:
         if key in SERVER_ONLY:
@@ -251,6 +257,7 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
     if last_image is not None and image is None:
         raise ApiError(400, "last_image is the last frame of a first-last-frame video; upload the first frame as "
                             "input_reference beside it.", code="missing_required_parameter", param="last_image")
+    refuse_without_vace(gen.checkpoint, [name for name, v in (("mask", mask), ("reference_images", references)) if v])
     if "model" in body and body["model"] != model:
         raise ApiError(400, f"model={body['model']!r}: this server serves {model!r}; leave model out or send "
                             f"{model!r}.", code="model_not_found", param="model")
@@ -270,8 +277,10 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         fields["seed"] = random_seed()
     if video is not None:  # the uploaded video's file, checked (check_video) and read by the request's rules
         fields[VIDEO_KEY] = str(video)
+    if mask is not None:
+        fields[MASK_KEY] = str(mask)
     try:
-        request = build(fields, output, image, last_image)
+        request = build(fields, output, image, last_image, references)
         resolved = gen.resolve(request)
     except UserError as exc:
         error = from_user_error(exc, tuple(REQUEST_FIELDS))
@@ -279,6 +288,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
             error.param = "input_reference"
         elif error.param is None and "last_image=" in error.message:
             error.param = "last_image"
+        elif error.param is None:
+            error.param = error_param(error.message)
         if error.param in ("width", "height") and "size" in body:  # the field the client sent
             error.param, error.message = "size", f"{error.message} (size={body['size']!r} sets width and height)"
         elif error.param == "num_frames" and "seconds" in body:
@@ -292,26 +303,30 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
     return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)
 
 
-def build(fields: dict, output: Path, image, last_image=None) -> GenerationRequest:
-    """The request of a job: its stored ``fields`` (the server's own, :data:`JOB_KEYS`, left out), the server's
-    ``output`` (a .mp4 path, replaced if a former run of the job left it) and the first and last frames ``image``
-    and ``last_image`` (PIL images or None)."""
+def build(fields: dict, output: Path, image, last_image=None, references=None) -> GenerationRequest:
+    """The request of a job: its stored ``fields`` (the server's own, :data:`JOB_KEYS`, read for the uploads' files),
+    the server's ``output`` (a .mp4 path, replaced if a former run of the job left it), the first and last frames
+    ``image`` and ``last_image`` (PIL images or None) and VACE's reference images (PIL images; None: the stored
+    files)."""
     request = from_json(GenerationRequest, {**{k: v for k, v in fields.items() if k not in JOB_KEYS},
                                             "output_path": str(output), "overwrite": True})
     inputs = {k: v for k, v in (("image", image), ("last_image", last_image), ("video", fields.get(VIDEO_KEY)))
               if v is not None}
+    inputs.update(vace_inputs(fields, references))
     return request.replace(**inputs) if inputs else request
 
 
-def uploads(job) -> tuple[str | None, str | None, str | None]:
-    """The files of a job's uploads: its first and last frames and its video (None: not uploaded)."""
-    return job.image, job.fields.get(LAST_IMAGE_KEY), job.fields.get(VIDEO_KEY)
+def uploads(job) -> tuple[str | None, ...]:
+    """The files of a job's uploads: its first and last frames, its video (None: not uploaded), then VACE's mask
+    (None: not uploaded) and reference images."""
+    return job.image, job.fields.get(LAST_IMAGE_KEY), job.fields.get(VIDEO_KEY), *vace_files(job.fields)
 
 
-def check_video(path: Path, limits: Limits) -> None:
-    """An uploaded video, decoded frame by frame (one in memory at a time) before the request is checked: 400 when
-    it is no readable video or has no frame, 413 when a frame is over the pixel cap or the frames together are over
-    ``max_video_pixels`` (or more than the frames a request may have)."""
+def check_video(path: Path, limits: Limits, param: str = "video") -> None:
+    """An uploaded video (the file field ``param``: ``video``, VACE's ``mask``), decoded frame by frame (one in
+    memory at a time) before the request is checked: 400 when it is no readable video or has no frame, 413 when a
+    frame is over the pixel cap or the frames together are over ``max_video_pixels`` (or more than the frames a
+    request may have)."""
     import imageio.v3 as iio
 
     from fastwan.pipelines.video import MAX_VIDEO_FRAMES
@@ -323,22 +338,22 @@ def check_video(path: Path, limits: Limits) -> None:
             pixels = int(frame.shape[0]) * int(frame.shape[1])
             total += pixels
             if pixels > limits.max_image_pixels:
-                raise ApiError(413, f"video's frames are {frame.shape[1]}x{frame.shape[0]}, over this server's cap "
+                raise ApiError(413, f"{param}'s frames are {frame.shape[1]}x{frame.shape[0]}, over this server's cap "
                                     f"of {limits.max_image_pixels} pixels a frame.", code="video_too_large",
-                               param="video")
+                               param=param)
             if total > limits.max_video_pixels or frames > MAX_VIDEO_FRAMES:
-                raise ApiError(413, f"video holds more than {min(frames, MAX_VIDEO_FRAMES)} frames or "
+                raise ApiError(413, f"{param} holds more than {min(frames, MAX_VIDEO_FRAMES)} frames or "
                                     f"{limits.max_video_pixels} pixels in all, over this server's caps; cut it to "
                                     "the frames to redo (4k+1 of them, e.g. 81).", code="video_too_large",
-                               param="video")
+                               param=param)
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 -- any decoder failure is the upload's
-        raise ApiError(400, f"video is not a readable video ({type(exc).__name__}); upload an mp4 (or a file ffmpeg "
-                            "reads).", code="invalid_value", param="video") from None
+        raise ApiError(400, f"{param} is not a readable video ({type(exc).__name__}); upload an mp4 (or a file ffmpeg "
+                            "reads).", code="invalid_value", param=param) from None
     if frames == 0:
-        raise ApiError(400, "video has no frames; upload a video of 4k+1 frames (e.g. 81).", code="invalid_value",
-                       param="video")
+        raise ApiError(400, f"{param} has no frames; upload a video of 4k+1 frames (e.g. 81).", code="invalid_value",
+                       param=param)
 
 
 def job_images(job) -> tuple:

@@ -14,16 +14,31 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+def tiny_server(tmp_path_factory, variant: str, seed: int) -> Server:
+    """A started ``fastwan serve --max-queue 4`` of a tiny checkpoint of ``variant`` written for it (its folder:
+    the server's ``model``)."""
+    from fastwan.checkpoint.tiny import write_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp(f"serve-{variant}")
+    model = write_tiny_checkpoint(tmp / variant, variant, seed=seed)
+    srv = Server(tmp, "--model", str(model), "--max-queue", "4").start()
+    srv.model = model
+    return srv
+
+
 @pytest.fixture(scope="session")
 def causal_server(tmp_path_factory):
     """``fastwan serve`` of a tiny causal checkpoint (FastVideo's layout: 3 latent frames, 9 then 12 video frames a
     chunk), for the streaming tests."""
-    from fastwan.checkpoint.tiny import write_tiny_checkpoint
+    srv = tiny_server(tmp_path_factory, "sfwan2.1", 4)
+    yield srv
+    srv.stop()
 
-    tmp = tmp_path_factory.mktemp("serve-causal")
-    model = write_tiny_checkpoint(tmp / "sfwan", "sfwan2.1", seed=4)
-    srv = Server(tmp, "--model", str(model), "--max-queue", "4").start()
-    srv.model = model
+
+@pytest.fixture(scope="session")
+def vace_server(tmp_path_factory):
+    """``fastwan serve`` of a tiny Wan2.1-VACE checkpoint (diffusers' WanVACEPipeline layout), for the VACE tests."""
+    srv = tiny_server(tmp_path_factory, "wan2.1-vace", 41)
     yield srv
     srv.stop()
 
