@@ -1,6 +1,7 @@
-"""Wan2.2-Animate's segments (the rules of diffusers' ``WanAnimatePipeline``, which fastwan's generator does not run
-yet; the DiT is :mod:`fastwan.models.wan.animate`): how a driving video of any length is cut into segments, how the
-pose and face videos are padded to the segments' end, and the 4-channel mask the DiT reads before each latent frame.
+"""Wan2.2-Animate's segments and request rules (the rules of diffusers' ``WanAnimatePipeline``, which fastwan's
+generator does not run yet; the DiT is :mod:`fastwan.models.wan.animate`): how a driving video of any length is cut
+into segments, how the pose and face videos are padded to the segments' end, the 4-channel mask the DiT reads before
+each latent frame, and the request's Animate fields.
 
 * :func:`plan_segments`: ``frames`` driving frames in segments of ``segment_frames`` (4 n + 1: whole latent frames)
   that overlap by ``overlap`` frames (1 or 5, fewer than half a segment: the last decoded frames of a segment
@@ -13,6 +14,12 @@ pose and face videos are padded to the segments' end, and the 4-channel mask the
   where the frame is given (the reference image; the overlap frames of a segment after the first; in replacement
   mode the background outside the character), 0 where it is generated, the first frame counted 4 times and every 4
   pixel frames folded into the 4 channels of one latent frame.
+* :func:`check_animate_fields`: a request's Animate fields together (``pose_video`` and ``face_video`` both or
+  neither; ``mode`` "replace" needs ``background_video`` and ``mask_video``, which only it takes; ``mode``,
+  ``segment_frames``, ``overlap`` and ``motion_batch_size`` only with the driving videos).
+  :func:`read_animate_videos`: the videos read, of one length (pose, face, background, mask) and one size
+  (background, mask). :func:`check_animate_request`: refused on a checkpoint whose DiT is not Animate's, and (the
+  pipeline not built yet) on an Animate one.
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from fastwan.errors import InvalidArgument
+from fastwan.pipelines.video import read_video
 
+MODES = ("animate", "replace")  # animation of the character image; replacement of a character in a video
 OVERLAPS = (1, 5)  # the overlap frames diffusers' pipeline accepts
 TEMPORAL = 4  # the Wan VAE's pixel frames per latent frame
 
@@ -48,12 +57,11 @@ def _is_int(value) -> bool:
 
 def plan_segments(frames: int, segment_frames: int = 77, overlap: int = 1) -> SegmentPlan:
     """The segments of ``frames`` driving frames (see the module docstring); bad values refused naming the rule."""
-    if not (_is_int(segment_frames) and segment_frames > 1 and segment_frames % TEMPORAL == 1):
-        raise InvalidArgument(f"segment_frames={segment_frames!r} must be 4 n + 1 frames, n >= 1 (whole latent "
-                              "frames of the Wan VAE), e.g. 77; pass such a number.")
-    if overlap not in OVERLAPS or not _is_int(overlap):
-        raise InvalidArgument(f"overlap={overlap!r} must be 1 or 5 (the frames of a segment that condition the "
-                              "next, as Wan2.2-Animate was trained); pass 1 or 5.")
+    if segment_frames is None or overlap is None:
+        raise InvalidArgument(f"segment_frames={segment_frames!r} and overlap={overlap!r} must be numbers; pass "
+                              "e.g. 77 and 1.")
+    check_segment_frames(segment_frames)
+    check_overlap(overlap)
     if 2 * overlap >= segment_frames:
         raise InvalidArgument(f"segment_frames={segment_frames} must be more than twice overlap={overlap} (a segment "
                               "makes more new frames than it takes from the one before); pass longer segments.")
@@ -93,3 +101,105 @@ def conditioning_mask(batch: int, latent_frames: int, height: int, width: int, g
     mask[:, :, :given] = 1
     mask = torch.cat([mask[:, :, :1].expand(-1, -1, TEMPORAL, -1, -1), mask[:, :, 1:]], dim=2)
     return mask.view(batch, latent_frames, TEMPORAL, height, width).transpose(1, 2)
+
+
+ANIMATE_FIELDS = ("pose_video", "face_video", "background_video", "mask_video", "mode", "segment_frames", "overlap",
+                  "motion_batch_size")
+
+
+def check_mode(value) -> str | None:
+    """None (animate) or one of :data:`MODES`."""
+    if value is None or (isinstance(value, str) and value in MODES):
+        return value
+    raise InvalidArgument(f"mode={value!r} must be 'animate' (the character image moves as the pose and face "
+                          "videos) or 'replace' (it replaces the character of background_video where mask_video is "
+                          "white).")
+
+
+def check_segment_frames(value) -> int | None:
+    """None (77) or 4 n + 1, n >= 1."""
+    if value is not None and not (_is_int(value) and value > 1 and value % TEMPORAL == 1):
+        raise InvalidArgument(f"segment_frames={value!r} must be 4 n + 1 frames, n >= 1 (whole latent frames of the "
+                              "Wan VAE), e.g. 77; pass such a number.")
+    return value
+
+
+def check_overlap(value) -> int | None:
+    """None (1) or one of :data:`OVERLAPS`."""
+    if value is not None and (value not in OVERLAPS or not _is_int(value)):
+        raise InvalidArgument(f"overlap={value!r} must be 1 or 5 (the frames of a segment that condition the next, "
+                              "as Wan2.2-Animate was trained); pass 1 or 5.")
+    return value
+
+
+def check_motion_batch_size(value) -> int | None:
+    """None (the DiT's own) or a whole number >= 1."""
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise InvalidArgument(f"motion_batch_size={value!r} must be a whole number >= 1 (face frames the motion "
+                              "encoder reads at once), e.g. 8; or leave it out (the checkpoint's).")
+    return value
+
+
+def check_animate_fields(r) -> None:
+    """The Animate fields of the request ``r`` together (see the module docstring); raises before any file is read."""
+    if (r.pose_video is None) != (r.face_video is None):
+        given, missing = ("pose_video", "face_video") if r.face_video is None else ("face_video", "pose_video")
+        raise InvalidArgument(f"{given} is given without {missing}; Wan2.2-Animate reads both (the body's pose and "
+                              f"the face, one frame each per video frame): pass {missing} too.")
+    if r.pose_video is None:
+        given = [name for name in ANIMATE_FIELDS if getattr(r, name) is not None]
+        if given:
+            raise InvalidArgument(f"{', '.join(given)} given without pose_video and face_video; they are "
+                                  "Wan2.2-Animate's: pass pose_video= and face_video= (an Animate checkpoint), or "
+                                  "leave them out.")
+        return
+    replace = r.mode == "replace"
+    missing = [name for name in ("background_video", "mask_video") if getattr(r, name) is None]
+    if replace and missing:
+        raise InvalidArgument(f"mode='replace' needs {' and '.join(missing)} (the video whose character is replaced "
+                              "and the mask of that character, white where the new one is drawn): pass them, or "
+                              "mode='animate'.")
+    extra = [name for name in ("background_video", "mask_video") if getattr(r, name) is not None]
+    if not replace and extra:
+        them = "them" if len(extra) > 1 else "it"
+        raise InvalidArgument(f"{' and '.join(extra)} given with mode={r.mode or 'animate'!r}; only mode='replace' "
+                              f"reads {them}: pass mode='replace', or leave {them} out.")
+    segment = 77 if r.segment_frames is None else r.segment_frames
+    overlap = 1 if r.overlap is None else r.overlap
+    if 2 * overlap >= segment:
+        raise InvalidArgument(f"segment_frames={segment} must be more than twice overlap={overlap} (a segment makes "
+                              "more new frames than it takes from the one before); pass longer segments.")
+
+
+def read_animate_videos(r) -> dict[str, list]:
+    """The driving videos of ``r`` read (RGB PIL frames by name); their rules: pose, face (and background, mask)
+    of one length, more frames than the overlap; background and mask of one size."""
+    videos = {name: read_video(getattr(r, name), name) for name in ANIMATE_FIELDS[:4] if getattr(r, name) is not None}
+    frames = {name: len(v) for name, v in videos.items()}
+    if len(set(frames.values())) > 1:
+        counts = ", ".join(f"{name} {n}" for name, n in frames.items())
+        raise InvalidArgument(f"the driving videos differ in length ({counts} frames); Wan2.2-Animate reads one frame "
+                              "of each per video frame: cut them to one length.")
+    if "mask_video" in videos and videos["mask_video"][0].size != videos["background_video"][0].size:
+        (mw, mh), (bw, bh) = videos["mask_video"][0].size, videos["background_video"][0].size
+        raise InvalidArgument(f"mask_video frames are {mw}x{mh} but background_video frames are {bw}x{bh} (width x "
+                              "height); give a mask of the background video's size.")
+    plan_segments(frames["pose_video"], 77 if r.segment_frames is None else r.segment_frames,
+                  1 if r.overlap is None else r.overlap)
+    return videos
+
+
+def check_animate_request(checkpoint, r) -> None:
+    """Rule: Animate fields run on a checkpoint whose DiT is Wan2.2-Animate's; their videos are read and checked
+    there. The pipeline is not built yet, so a checked Animate request is refused."""
+    if r.pose_video is None:
+        return
+    if not checkpoint.transformer_config.animate:
+        raise InvalidArgument(f"pose_video= and face_video= given, but this checkpoint ({checkpoint.variant}) is not "
+                              "a Wan2.2-Animate checkpoint; they are inputs of Wan2.2-Animate (model_index.json "
+                              "\"_class_name\": \"WanAnimatePipeline\", e.g. Wan-AI/Wan2.2-Animate-14B-Diffusers): "
+                              "use such a checkpoint, or leave them out.")
+    read_animate_videos(r)
+    raise InvalidArgument("Animate generation is not supported yet: fastwan runs Wan2.2-Animate's DiT "
+                          "(fastwan.models.wan.animate) but not its segment-by-segment pipeline; use diffusers' "
+                          "WanAnimatePipeline for now.")

@@ -27,6 +27,8 @@ from fastwan.cache.schema import cache_schema
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.fields import REQUIRED, boolean, check_fields, integer_text, number_text, option
 from fastwan.parallel.chords import PARALLEL_SAMPLING, check_cores, check_init, check_parallel_sampling
+from fastwan.pipelines.animate import (MODES, OVERLAPS, check_animate_fields, check_mode, check_motion_batch_size,
+                                      check_overlap, check_segment_frames)
 from fastwan.pipelines.inputs import MAX_FPS, SEED_LIMIT, finite_float, is_int
 from fastwan.pipelines.output import check_output_path
 from fastwan.pipelines.sampling import SAMPLERS, _check_timesteps, check_flow_shift, check_sampler
@@ -297,6 +299,32 @@ class GenerationRequest:
                                                                           {"type": "number"}, "minItems": 1}]},
                                      check=_conditioning_scale, encode=lambda v: list(v) if isinstance(v, tuple)
                                      else v, flag="--conditioning-scale", parse=scales_text)
+    pose_video: Any = option(None, help="Wan2.2-Animate: the driving pose video (its frame count is the video's)",
+                             nullable=True, schema=_VIDEO_SCHEMA, check=_frames("pose_video"), encode=_encode_video,
+                             decode=_decode_video, flag="--pose-video")
+    face_video: Any = option(None, help="Wan2.2-Animate: the driving face video, one frame per pose frame",
+                             nullable=True, schema=_VIDEO_SCHEMA, check=_frames("face_video"), encode=_encode_video,
+                             decode=_decode_video, flag="--face-video")
+    mode: str | None = option(None, help="Wan2.2-Animate: animate (default; the image moves) or replace (it replaces "
+                                         "the character of --background-video)", nullable=True,
+                              schema={"enum": list(MODES)}, check=check_mode, flag="--mode", choices=MODES)
+    background_video: Any = option(None, help="Wan2.2-Animate replace mode: the video whose character is replaced",
+                                   nullable=True, schema=_VIDEO_SCHEMA, check=_frames("background_video"),
+                                   encode=_encode_video, decode=_decode_video, flag="--background-video")
+    mask_video: Any = option(None, help="Wan2.2-Animate replace mode: the character's mask (white: redrawn), a "
+                                        "video of --background-video's frames and size", nullable=True,
+                             schema=_VIDEO_SCHEMA, check=_frames("mask_video"), encode=_encode_video,
+                             decode=_decode_video, flag="--mask-video")
+    segment_frames: int | None = option(None, help="Wan2.2-Animate: frames per segment, 4k+1 (default 77)",
+                                        nullable=True, schema=_TYPE["integer"], check=check_segment_frames,
+                                        flag="--segment-frames", parse=integer_text)
+    overlap: int | None = option(None, help="Wan2.2-Animate: frames of a segment that condition the next, 1 or 5 "
+                                            "(default 1)", nullable=True, schema={"enum": list(OVERLAPS)},
+                                 check=check_overlap, flag="--overlap", parse=integer_text)
+    motion_batch_size: int | None = option(None, help="Wan2.2-Animate: face frames the motion encoder reads at once "
+                                                      "(default: the checkpoint's)", nullable=True,
+                                           schema=_TYPE["integer"], check=check_motion_batch_size,
+                                           flag="--motion-batch-size", parse=integer_text)
     strength: float | None = option(None, help="video-to-video: how much of the video is redone, in (0, 1] (1: "
                                                "from pure noise; default 0.8)", nullable=True,
                                     schema={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
@@ -374,6 +402,7 @@ class GenerationRequest:
             object.__setattr__(self, "parallel_sampling", "chords")
         if self.parallel_sampling == "chords" and self.chords_cores is None:
             raise InvalidArgument("parallel_sampling='chords' needs chords_cores=K (the number of cores, e.g. 4).")
+        check_animate_fields(self)
         check_output_path(self.output_path, self.overwrite)
 
     def replace(self, **changes) -> GenerationRequest:

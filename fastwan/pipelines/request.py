@@ -12,6 +12,7 @@ from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT, with_overrides
 from fastwan.checkpoint.resolver import Checkpoint
 from fastwan.checkpoint.safetensors import read_json
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.pipelines.animate import check_animate_request
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
@@ -76,6 +77,7 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
     if ckpt.causal is not None:  # its recipe decides the steps; a whole number of chunks
         check_causal_request(r, ckpt.causal, vae_factors[0])
+    check_animate_request(ckpt, r)
     height, width = r.height, r.width
     vace = check_vace_request(ckpt, r, vae_factors[1] * cfg.patch_size[1])
     req = check_image_request(ckpt, r.image, r.last_image)
