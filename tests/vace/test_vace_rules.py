@@ -125,3 +125,13 @@ def test_cli_refuses_vace_flags_elsewhere(tiny_ckpts, tmp_path, capsys):
                      str(tmp_path / "out"), "--reference-image", str(path)])
     assert code == 2
     assert_one_error_line(capsys.readouterr().err, [str(path), "not a VACE checkpoint"], "reference")
+
+
+def test_conditioning_scale_text():
+    """--conditioning-scale (and a form field's text): one number, or one per VACE layer separated by commas."""
+    from fastwan.fields import options
+
+    parse = next(opt.parse for f, opt in options(GenerationRequest) if f.name == "conditioning_scale")
+    assert parse("0.5") == 0.5 and parse("1,0.5") == [1.0, 0.5]
+    with pytest.raises(ValueError, match="'1,x' is not a number or numbers separated by commas"):
+        parse("1,x")
