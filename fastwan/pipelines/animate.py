@@ -20,12 +20,20 @@ each latent frame, and the request's Animate fields.
   :func:`read_animate_videos`: the videos read, of one length (pose, face, background, mask) and one size
   (background, mask). :func:`check_animate_request`: refused on a checkpoint whose DiT is not Animate's, and (the
   pipeline not built yet) on an Animate one.
+* The pixels the pipeline encodes: :func:`reference_pixels` (the character image fitted inside the frame, its
+  aspect kept, Lanczos, centred on black), :func:`driving_pixels` (pose and background frames at the video's size,
+  face frames at the motion encoder's, Lanczos), all in [-1, 1]; :func:`mask_pixels` (the mask frames at the video's
+  size, Lanczos, then grey, in [0, 1]) and :func:`latent_mask` (1 - mask, nearest, at the latent size: 1 where the
+  background is kept).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from PIL import Image
 
 from fastwan.errors import InvalidArgument
 from fastwan.pipelines.video import read_video
@@ -203,3 +211,43 @@ def check_animate_request(checkpoint, r) -> None:
     raise InvalidArgument("Animate generation is not supported yet: fastwan runs Wan2.2-Animate's DiT "
                           "(fastwan.models.wan.animate) but not its segment-by-segment pipeline; use diffusers' "
                           "WanAnimatePipeline for now.")
+
+
+def _tensor(images, grey: bool = False) -> torch.Tensor:
+    """PIL images -> [C, T, H, W] float32: RGB in [-1, 1], or grey (one channel) in [0, 1]."""
+    arrays = np.stack([np.asarray(i.convert("L" if grey else "RGB"), dtype=np.float32) / 255.0 for i in images])
+    pixels = torch.from_numpy(arrays[..., None] if grey else arrays).permute(3, 0, 1, 2)
+    return pixels if grey else pixels * 2 - 1
+
+
+def reference_pixels(image, height: int, width: int) -> torch.Tensor:
+    """The character image [1, 3, height, width] in [-1, 1]: scaled (Lanczos: diffusers' pipeline asks its
+    WanAnimateImageProcessor for bilinear, but the processor's config keeps Lanczos) to fit inside the frame with its
+    aspect kept (whole pixels, rounded down), centred on black."""
+    image = image.convert("RGB")
+    if image.width * height > width * image.height:  # wider than the frame: its width fills it
+        size = (width, image.height * width // image.width)
+    else:
+        size = (image.width * height // image.height, height)
+    canvas = Image.new("RGB", (width, height), color=0)
+    canvas.paste(image.resize(size, resample=Image.LANCZOS), (width // 2 - size[0] // 2, height // 2 - size[1] // 2))
+    return _tensor([canvas])[:, 0][None]
+
+
+def driving_pixels(frames, height: int, width: int) -> torch.Tensor:
+    """Video frames [1, 3, T, height, width] in [-1, 1], each resized (Lanczos) to the size."""
+    return _tensor([f.convert("RGB").resize((width, height), resample=Image.LANCZOS) for f in frames])[None]
+
+
+def mask_pixels(frames, height: int, width: int) -> torch.Tensor:
+    """Mask frames [1, 1, T, height, width] in [0, 1] (white: the character redrawn), each resized (Lanczos) to
+    the size, then made grey."""
+    return _tensor([f.convert("RGB").resize((width, height), resample=Image.LANCZOS) for f in frames], grey=True)[None]
+
+
+def latent_mask(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``mask`` [B, 1, T, H, W] -> 1 - mask at the latent ``height`` x ``width`` (nearest), every frame kept: the
+    pixels of the conditioning mask in replacement mode (1 where the background is given)."""
+    b, _, t = mask.shape[:3]
+    flat = (1 - mask).transpose(1, 2).flatten(0, 1)
+    return F.interpolate(flat, size=(height, width), mode="nearest").unflatten(0, (b, t)).transpose(1, 2)
