@@ -25,6 +25,9 @@ each latent frame, and the request's Animate fields.
   face frames at the motion encoder's, Lanczos), all in [-1, 1]; :func:`mask_pixels` (the mask frames at the video's
   size, Lanczos, then grey, in [0, 1]) and :func:`latent_mask` (1 - mask, nearest, at the latent size: 1 where the
   background is kept).
+* The conditioning latents (normalised VAE latents, the distribution's mode, behind their 4-channel mask):
+  :func:`reference_latents` of the character image; :func:`segment_latents` of a segment (the last frames made, then
+  zeros or the background).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from fastwan.errors import InvalidArgument
+from fastwan.pipelines.image import normalized_latents
 from fastwan.pipelines.video import read_video
 
 MODES = ("animate", "replace")  # animation of the character image; replacement of a character in a video
@@ -251,3 +255,31 @@ def latent_mask(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     b, _, t = mask.shape[:3]
     flat = (1 - mask).transpose(1, 2).flatten(0, 1)
     return F.interpolate(flat, size=(height, width), mode="nearest").unflatten(0, (b, t)).transpose(1, 2)
+
+
+@torch.no_grad()
+def reference_latents(vae, image: torch.Tensor) -> torch.Tensor:
+    """The character image [1, 3, H, W] in [-1, 1] (:func:`reference_pixels`) -> [1, 4 + z, 1, h, w]: the mask of
+    a given frame and the image's normalised latents (the distribution's mode)."""
+    latents = normalized_latents(vae, image.unsqueeze(2))
+    mask = conditioning_mask(1, 1, *latents.shape[-2:], given=1, device=latents.device)
+    return torch.cat([mask, latents], dim=1)
+
+
+@torch.no_grad()
+def segment_latents(vae, plan: SegmentPlan, start: int, size: tuple[int, int], previous: torch.Tensor | None = None,
+                    background: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The conditioning latents [1, 4 + z, (segment_frames - 1) / 4 + 1, h, w] of the segment from driving frame
+    ``start``, ``size`` (H, W) pixels: the segment's ``background`` ([1, 3, segment_frames, H, W], replacement mode;
+    None: zeros) with its first ``plan.overlap`` frames replaced by ``previous`` (the last frames made, None for the
+    first segment), encoded and normalised, behind its mask: the overlap frames given after the first segment, and
+    in replacement mode the pixels where ``mask`` ([1, 1, segment_frames, H, W], 1: the character) is 0."""
+    video = (torch.zeros(1, 3, plan.segment_frames, *size) if background is None else background).clone()
+    if previous is not None:
+        video[:, :, :plan.overlap] = previous.to(video)
+    latents = normalized_latents(vae, video)
+    h, w = latents.shape[-2:]
+    pixels = None if mask is None else latent_mask(mask, h, w)
+    given = plan.overlap if start > 0 else 0
+    cond = conditioning_mask(1, latents.shape[2], h, w, given=given, pixels=pixels, device=latents.device)
+    return torch.cat([cond, latents], dim=1)
