@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.checkpoints import derive_causal, make_checkpoint
 from benchmarks.harness import (
-    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, log, output, parse_args,
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, gib, log, output, parse_args,
     parse_phases, parse_video, peak_gib, release, reset_peak, versions)
 
 PHASES = ("make", "stream")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         m = r["median"]
         print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['sustained_fps']:.1f} | "
               f"{m['dit_ms']:.1f} | {m['kv_write_ms']:.1f} | {m['decode_ms']:.1f} | "
-              f"{r['peak_gib_10s']} / {r['peak_gib_end']} |")
+              f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} |")
     return 0
 
 

@@ -97,6 +97,7 @@ class StreamSettings:
     seed: int
     fps: int
     recipe: CausalRecipe
+    chunks: int | None  # chunks of the video (:func:`chunk_plan`); None: endless
 
 
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
@@ -141,7 +142,7 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
     seed = random_seed() if seed is None else seed
-    return StreamSettings(height, width, num_frames, seed, fps, recipe)
+    return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks)
 
 
 class VideoStream:
@@ -183,8 +184,8 @@ class VideoStream:
         gen, s, decoder = self.gen, self.settings, self._decoder
         recipe, dev = s.recipe, gen.device
         model = gen.transformers[0]
-        temporal, spatial = gen.vae_scale_factors
-        chunks = chunk_plan(s.num_frames, recipe, temporal)
+        _, spatial = gen.vae_scale_factors
+        chunks = s.chunks
         shape = (1, model.config.in_channels, recipe.frames_per_chunk, s.height // spatial, s.width // spatial)
         start = time.perf_counter()
         with lock, on_device(dev), torch.no_grad():
@@ -281,7 +282,7 @@ def causal_frames(gen, prompt: str, s, seed: int, on_step=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     settings = stream_settings(gen, height=s.height, width=s.width, num_frames=s.num_frames, seed=seed, fps=s.fps)
-    total = chunk_plan(s.num_frames, settings.recipe, gen.vae_scale_factors[0])
+    total = settings.chunks
     parts, sums = [], {"text": 0.0, "dit": 0.0, "kv_write": 0.0, "decode": 0.0}
     for chunk in VideoStream(gen, prompt, settings, locked=True):
         parts.append(chunk.frames)

@@ -52,14 +52,13 @@ def stream_job(gen, request, videos: Path, job, target: Path,
     """Make ``job``'s video (``request``, its GenerationRequest) with the causal generator ``gen`` as a stream
     (the module's rules) -> (the timings the worker logs, the first frame); the video is at ``target`` on return."""
     from fastwan.pipelines.output import OutputTarget
-    from fastwan.pipelines.stream import chunk_plan
     from fastwan.pipelines.stream_output import VideoStreamWriter
 
     plan = gen.resolve(request)
     r, s = plan.request, plan.settings
-    total = chunk_plan(s.num_frames, gen.checkpoint.causal, gen.vae_scale_factors[0])
     stream = gen.stream_video(r.prompt, height=s.height, width=s.width, num_frames=s.num_frames, seed=r.seed,
                               fps=s.fps)
+    total = stream.settings.chunks
     hidden = stream_path(videos, job.id, job.claim)
     timings = {"text_encoding": 0.0, "denoising": 0.0, "decoding": 0.0, "saving": 0.0}
     first = None
