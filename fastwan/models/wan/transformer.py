@@ -23,6 +23,7 @@ import torch.nn as nn
 from fastwan.attention import AttentionDispatch, AttentionMetadata
 from fastwan.errors import InvalidArgument
 from fastwan.hooks import Gather, HookRegistry, Split
+from fastwan.models.compiled import share_across_threads
 from fastwan.models.wan.animate import HOOK_NAME as ANIMATE_HOOK, animate_modules
 from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
@@ -114,7 +115,9 @@ class WanTransformer(nn.Module):
 
     def compile_blocks(self, **kwargs) -> None:
         """Regional torch.compile: each block's forward, and the two halves of the first block that
-        :meth:`forward_cfg` calls separately (``kwargs`` go to ``torch.compile``)."""
+        :meth:`forward_cfg` calls separately (``kwargs`` go to ``torch.compile``). Several threads may each run
+        their compiled model (:func:`fastwan.models.compiled.share_across_threads`)."""
+        share_across_threads()
         for block in (*self.blocks, *self.vace_blocks):
             block.compile(**kwargs)
         first = self.blocks[0]
