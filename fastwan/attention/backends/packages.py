@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -79,12 +80,22 @@ def flash_kernel(version: int) -> KernelFn:
         from flash_attn.cute import flash_attn_func as fa4
 
         def run(q, k, v, scale, tile_m=0, out=None):
-            if tile_m:
-                return fa4_plan.fa4_sm90_tiled(q, k, v, scale, tile_m, out=out)
-            return fa4(q, k, v, softmax_scale=scale, causal=False)
+            with fa4_lock():
+                if tile_m:
+                    return fa4_plan.fa4_sm90_tiled(q, k, v, scale, tile_m, out=out)
+                return fa4(q, k, v, softmax_scale=scale, causal=False)
     else:
         raise ValueError(f"FlashAttention version {version!r} is not 2, 3 or 4.")
     return run
+
+
+@functools.cache
+def fa4_lock() -> threading.Lock:
+    """Held around every FA4 call of this process. Rule: one thread at a time enters flash_attn.cute: its
+    CuTe DSL compiles a kernel on a shape's first call, and two threads compiling at once abort the process (the
+    server's workers, one per GPU, do that on their first jobs). A call only launches the kernel (the GPU runs it
+    after the lock is released), so the lock costs the launch's host time, not the kernel's."""
+    return threading.Lock()
 
 
 def import_error(loader: Callable[[], KernelFn]) -> str | None:
@@ -150,7 +161,8 @@ def nvfp4_flash_kernel() -> KernelFn:
     def run(q, k, v, scale):
         q4, sfq = _nvfp4_for_fa4(q)
         k4, sfk = _nvfp4_for_fa4(k)
-        return flash_attn_func(q4, k4, v, softmax_scale=scale, causal=False, mSFQ=sfq, mSFK=sfk)
+        with fa4_lock():
+            return flash_attn_func(q4, k4, v, softmax_scale=scale, causal=False, mSFQ=sfq, mSFK=sfk)
 
     return run
 
