@@ -36,7 +36,11 @@ PRESETS = {
     "wan2.1-i2v-720p": Preset(720, 1280, 81, 40, 5.0, None, 16),
     "wan2.1-flf2v": Preset(720, 1280, 81, 50, 5.0, None, 16),
     "wan2.2-i2v-a14b": Preset(720, 1280, 81, 40, 3.5, 3.5, 16),
+    "wan2.2-animate": Preset(720, 1280, 77, 20, 1.0, None, 30),
 }
+# Wan2.2-Animate (Wan2.2's animate_14B config, diffusers' WanAnimatePipeline defaults): 720 x 1280, 20 steps, no
+# CFG, 30 fps; its video has the driving videos' frame count, made in segments: num_frames is the segment's length
+# (77), not the video's.
 # FastVideo's DMD-distilled checkpoints (model_index.json "_class_name": "WanDMDPipeline", FastWan; or its
 # image-to-video "WanImageToVideoDmdPipeline") sample as FastVideo's DMD stage does: timesteps 1000, 757, 522 on
 # its shift-8 grid (for every kind: the stage builds its own shift-8 scheduler, whatever the pipeline config's
@@ -63,6 +67,7 @@ TINY_PRESETS = {
     "wan2.1-i2v": Preset(64, 64, 9, 4, 5.0, None, 8),
     "wan2.1-flf2v": Preset(64, 64, 9, 4, 5.0, None, 8),
     "wan2.2-i2v-a14b": Preset(64, 64, 9, 6, 3.5, 3.5, 8),
+    "wan2.2-animate": Preset(32, 32, 9, 3, 1.0, None, 8),
 }
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # they need an image
 PUBLISHED_MIN_WIDTH = 1536  # the narrowest published Wan DiT (Wan2.1-T2V-1.3B: 12 heads x 128)

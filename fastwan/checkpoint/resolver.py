@@ -47,12 +47,14 @@ I2V_PIPELINE = "WanImageToVideoPipeline"  # Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V
 # so): the image-to-video layout, DMD sampling
 I2V_DMD_PIPELINE = "WanImageToVideoDmdPipeline"
 VACE_PIPELINE = "WanVACEPipeline"  # Wan2.1-VACE, Wan2.2-VACE-Fun-A14B: a WanVACETransformer3DModel DiT
+ANIMATE_PIPELINE = "WanAnimatePipeline"  # Wan2.2-Animate-14B: a WanAnimateTransformer3DModel DiT and a CLIP
 # FastVideo's causal few-step text-to-video (Self-Forcing, SFWan2.1-T2V-1.3B-Diffusers): :mod:`.causal_layouts`
-PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE, VACE_PIPELINE, CAUSAL_DMD_PIPELINE)
+PIPELINES = (T2V_PIPELINE, DMD_PIPELINE, I2V_PIPELINE, I2V_DMD_PIPELINE, VACE_PIPELINE, CAUSAL_DMD_PIPELINE,
+             ANIMATE_PIPELINE)
 IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # the CLIP of Wan2.1 I2V / FLF2V
 TRANSFORMERS_LOADED = ("text_encoder", "image_encoder")  # the weight folders transformers' from_pretrained reads
 # the task of a Wan pipeline class fastwan does not run, by a word in its name
-OTHER_TASKS = (("VideoToVideo", "video-to-video"), ("Animate", "character animation"),
+OTHER_TASKS = (("VideoToVideo", "video-to-video"),
                # FastVideo's WanCausalPipeline: a causal DiT sampled with a full UniPC schedule per chunk
                ("Causal", f"causal multi-step generation ({CAUSAL_MULTISTEP_PIPELINE}: a full UniPC schedule per "
                           "chunk)"))
@@ -103,6 +105,7 @@ class PipelineIndex:
     image_encoder: bool = False
     distilled: bool = False
     causal: bool = False  # FastVideo's WanCausalDMDPipeline
+    animate: bool = False  # Wan2.2-Animate's WanAnimatePipeline (an image-to-video layout with a CLIP)
 
 
 def _locate(name: str, revision: str | None = None) -> tuple[Path, str | None, bool]:
@@ -174,7 +177,8 @@ def _check_pipeline_class(index: dict, path: Path) -> None:
     raise CheckpointError(
         f"{path}: \"_class_name\": {json_text(cls)} is a Wan pipeline for another task; fastwan runs text-to-video "
         f"(\"{T2V_PIPELINE}\", \"{DMD_PIPELINE}\") and image-to-video (\"{I2V_PIPELINE}\", \"{I2V_DMD_PIPELINE}\") "
-        f"and VACE (\"{VACE_PIPELINE}\") and causal (\"{CAUSAL_DMD_PIPELINE}\") checkpoints, and {task} is not "
+        f"and VACE (\"{VACE_PIPELINE}\"), causal (\"{CAUSAL_DMD_PIPELINE}\") and Wan2.2-Animate "
+        f"(\"{ANIMATE_PIPELINE}\") checkpoints, and {task} is not "
         "supported yet. Use one of those."
     )
 
@@ -262,7 +266,8 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
     _check_pipeline_class(index, path)
     experts = _index_experts(index, path)
     cls = index.get("_class_name")
-    i2v = cls in (I2V_PIPELINE, I2V_DMD_PIPELINE)
+    animate = cls == ANIMATE_PIPELINE
+    i2v = cls in (I2V_PIPELINE, I2V_DMD_PIPELINE, ANIMATE_PIPELINE)  # Animate: noise + mask + condition, CLIP
     causal = cls == CAUSAL_DMD_PIPELINE
     if causal and len(experts) == 2:
         raise CheckpointError(
@@ -270,7 +275,8 @@ def read_pipeline_index(index: dict, path: Path) -> PipelineIndex:
             "A14B pipelines (a first chunk of one frame, the experts switching per step) are not supported; causal "
             "checkpoints run with one DiT (SFWan2.1-T2V-1.3B).")
     return PipelineIndex(experts, _index_boundary(index, path, experts), _index_expand(index, path), i2v,
-                         i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE), causal)
+                         i2v and _index_image_encoder(index, path), cls in (DMD_PIPELINE, I2V_DMD_PIPELINE), causal,
+                         animate)
 
 
 def pipeline_index(model: str, revision: str | None = None) -> PipelineIndex:
@@ -316,7 +322,7 @@ def _expert_configs(root: Path, meta: PipelineIndex) -> list[WanConfig]:
     experts = meta.experts
     configs = [WanConfig.from_file(root / e / "config.json") for e in experts]
     for e, cfg in zip(experts, configs):
-        _check_not_animate(cfg, root / e / "config.json")
+        _check_animate(meta.animate, cfg, root / e / "config.json")
         if meta.image_to_video:
             _check_image_to_video(cfg, str(root / e / "config.json"), meta.image_encoder, meta.expand_timesteps)
         else:
@@ -341,16 +347,15 @@ def _check_vace(pipeline: bool, cfg: WanConfig, source: Path) -> None:
             "with a \"WanVACETransformer3DModel\" DiT. Fix model_index.json or download the checkpoint again.")
 
 
-def _check_not_animate(cfg: WanConfig, source: Path) -> None:
-    """Rule: a Wan2.2-Animate DiT (``WanAnimateTransformer3DModel``) reads pose latents and a face video with every
-    step, which only Wan2.2-Animate's pipeline gives it; fastwan runs that DiT alone
-    (:mod:`fastwan.models.wan.animate`), not its pipeline."""
-    if cfg.animate:
+def _check_animate(pipeline: bool, cfg: WanConfig, source: Path) -> None:
+    """Rule: Wan2.2-Animate's pipeline (model_index.json) has an Animate DiT (``WanAnimateTransformer3DModel``: it
+    reads pose latents and a face video with every step, which only that pipeline gives it), and only it has one."""
+    if pipeline != cfg.animate:
         raise CheckpointError(
-            f"{source} describes a Wan2.2-Animate DiT (\"_class_name\": \"WanAnimateTransformer3DModel\"), which "
-            "reads pose latents and a face video with every step; only Wan2.2-Animate's pipeline (model_index.json "
-            "\"_class_name\": \"WanAnimatePipeline\") gives them, and fastwan does not run it yet. Load the DiT "
-            "alone with fastwan.models.load_transformer, or use another checkpoint.")
+            f"{source} describes a {'plain' if pipeline else 'Wan2.2-Animate'} Wan DiT, but model_index.json names "
+            f"{'a' if pipeline else 'no'} Wan2.2-Animate pipeline; an Animate checkpoint has \"_class_name\": "
+            f"\"{ANIMATE_PIPELINE}\" with a \"WanAnimateTransformer3DModel\" DiT. Fix model_index.json or download "
+            "the checkpoint again.")
 
 
 def checkpoint_label(name: str, root: Path, hub: bool) -> str:
@@ -415,7 +420,9 @@ def resolve(model: str | Path, *, allow_pickle: bool = False, revision: str | No
 
     expand = meta.expand_timesteps
     two = len(meta.experts) == 2
-    if meta.image_to_video and not expand:
+    if meta.animate:
+        variant = "wan2.2-animate"
+    elif meta.image_to_video and not expand:
         variant = "wan2.2-i2v-a14b" if two else ("wan2.1-flf2v" if configs[0].pos_embed_seq_len else "wan2.1-i2v")
     else:
         variant = "wan2.2-a14b" if two else ("wan2.2-ti2v" if expand or configs[0].in_channels == 48 else "wan2.1")

@@ -39,11 +39,16 @@ CAUSAL_PIPELINE, CAUSAL_DIT_CLASS = "WanCausalDMDPipeline", "CausalWanTransforme
 VARIANTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v", "fastwan2.1")  # fastwan2.1: FastWan's layout (DMD, VSA gates)
 IMAGE_VARIANTS = ("wan2.1-i2v", "wan2.1-flf2v", "wan2.2-i2v-a14b")  # WanImageToVideoPipeline layouts
 VACE_VARIANTS = ("wan2.1-vace", "wan2.2-vace-a14b")  # WanVACEPipeline layouts (Wan2.1-VACE, Wan2.2-VACE-Fun-A14B)
+ANIMATE_VARIANTS = ("wan2.2-animate",)  # WanAnimatePipeline's layout (Wan2.2-Animate-14B)
 CAUSAL_VARIANTS = ("sfwan2.1",)  # FastVideo's causal layout (SFWan2.1-T2V-1.3B-Diffusers)
 # the causal keys FastVideo's causal DiT config carries (fastwan.checkpoint.causal_layouts.FASTVIDEO_DIT_DEFAULTS)
 TINY_CAUSAL_DIT = {"num_frames_per_block": 3, "local_attn_size": -1, "sink_size": 0, "sliding_window_num_frames": 21}
 TINY_CAUSAL_SCHEDULER = {"_class_name": "SelfForcingFlowMatchScheduler", "num_inference_steps": 1000, "shift": 5.0,
                          "sigma_min": 0.0, "extra_one_step": True, "training": True}
+# the tiny Animate DiT's own keys: a face adapter after blocks 0 and 2 of 4, face frames of 16 x 16 pixels
+TINY_ANIMATE_DIT = dict(motion_encoder_channel_sizes={"4": 8, "8": 6, "16": 5}, motion_encoder_size=16,
+                        motion_style_dim=8, motion_dim=4, motion_encoder_dim=7, face_encoder_hidden_dim=6,
+                        face_encoder_num_heads=2, inject_face_latents_blocks=2, motion_encoder_batch_size=5)
 TINY_VACE_LAYERS = (0, 2)  # of 3 blocks: a hint after the first and the last, none after the middle one
 TINY_IDS = {
     "tiny": "wan2.1",
@@ -54,6 +59,7 @@ TINY_IDS = {
     "tiny-wan2.1-flf2v": "wan2.1-flf2v",
     "tiny-wan2.2-i2v-a14b": "wan2.2-i2v-a14b",
     "tiny-fastwan2.1": "fastwan2.1",
+    "tiny-wan2.2-animate": "wan2.2-animate",
 }
 CLIP_IMAGE_SIZE, CLIP_PATCH, CLIP_DIM = 32, 8, 16  # the tiny CLIP: (32 / 8)^2 + 1 = 17 tokens of width 16
 _FORMAT = 2  # bump when the tiny layout changes, so cached copies are rebuilt
@@ -88,7 +94,7 @@ def _randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 def _check_variant(variant: str) -> None:
     """Rule: a tiny variant is one of :data:`VARIANTS` or :data:`IMAGE_VARIANTS`."""
-    known = VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS + CAUSAL_VARIANTS
+    known = VARIANTS + IMAGE_VARIANTS + VACE_VARIANTS + ANIMATE_VARIANTS + CAUSAL_VARIANTS
     if variant not in known:
         raise InvalidArgument(f"tiny variant {variant!r} is unknown; use one of {', '.join(known)}.")
 
@@ -140,21 +146,25 @@ def write_tiny_checkpoint(path: str | Path, variant: str = "wan2.1", *, seed: in
 
 def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     """The files of a tiny checkpoint of ``variant``, into the existing empty folder ``path``."""
-    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel,
-                           WanVACETransformer3DModel)
+    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanAnimateTransformer3DModel,
+                           WanTransformer3DModel, WanVACETransformer3DModel)
     from transformers import UMT5Config, UMT5EncoderModel
 
     ti2v = variant == "wan2.2-ti2v"
     channels = 48 if ti2v else 16
-    image = variant in IMAGE_VARIANTS
-    clip = variant in ("wan2.1-i2v", "wan2.1-flf2v")
+    animate = variant in ANIMATE_VARIANTS
+    image = variant in IMAGE_VARIANTS or animate  # the DiT reads noise, mask and condition latents
+    clip = variant in ("wan2.1-i2v", "wan2.1-flf2v") or animate
     vace = variant in VACE_VARIANTS
-    dit_class, layers = (WanVACETransformer3DModel, 3) if vace else (WanTransformer3DModel, 2)
+    dit_class, layers = ((WanVACETransformer3DModel, 3) if vace else (WanAnimateTransformer3DModel, 4) if animate
+                         else (WanTransformer3DModel, 2))
     tokens = (CLIP_IMAGE_SIZE // CLIP_PATCH) ** 2 + 1
     image_cfg = dict(image_dim=CLIP_DIM if clip else None, added_kv_proj_dim=24 if clip else None,
                      pos_embed_seq_len=2 * tokens if variant == "wan2.1-flf2v" else None)
     if vace:  # the control latents: the video's inactive and reactive latents and the 8 x 8 mask's 64 channels
         image_cfg = dict(image_cfg, vace_layers=list(TINY_VACE_LAYERS), vace_in_channels=2 * channels + 64)
+    if animate:
+        image_cfg = dict(image_cfg, latent_channels=channels, **TINY_ANIMATE_DIT)
 
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")
@@ -182,6 +192,8 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
             for blk in dit.blocks:
                 blk.to_gate_compress = torch.nn.Linear(dim, dim)
         _randomize(dit, seed + 10 + i, std=0.1)
+        if animate:  # the motion encoder scales its weights by 1 / sqrt(fan_in) itself: unit ones keep the face's
+            _randomize(dit.motion_encoder, seed + 15, std=1.0)  # signal
         dit.save_pretrained(path / name, safe_serialization=True, **shard)
         if variant in CAUSAL_VARIANTS:  # the same tensors; FastVideo's causal class and keys in the config
             cfg_path = path / name / "config.json"
@@ -209,7 +221,8 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     if clip:
         _write_clip(path, seed + 30)
     index = {
-        "_class_name": "WanImageToVideoPipeline" if image else "WanVACEPipeline" if vace else (
+        "_class_name": "WanAnimatePipeline" if animate else "WanImageToVideoPipeline" if image else
+        "WanVACEPipeline" if vace else (
             "WanDMDPipeline" if variant == "fastwan2.1" else CAUSAL_PIPELINE if variant in CAUSAL_VARIANTS
             else "WanPipeline"),
         "_diffusers_version": "0.35.0",
@@ -223,8 +236,11 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
         "boundary_ratio": 0.875 if len(experts) == 2 else None,
         "expand_timesteps": ti2v,
     }
-    if vace:  # WanVACEPipeline has no expand_timesteps
+    if vace or animate:  # WanVACEPipeline and WanAnimatePipeline have no expand_timesteps
         del index["expand_timesteps"]
+    if animate:  # nor a second expert
+        for key in ("transformer_2", "boundary_ratio"):
+            del index[key]
     if image:
         index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]

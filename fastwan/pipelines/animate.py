@@ -1,7 +1,7 @@
-"""Wan2.2-Animate's segments and request rules (the rules of diffusers' ``WanAnimatePipeline``, which fastwan's
-generator does not run yet; the DiT is :mod:`fastwan.models.wan.animate`): how a driving video of any length is cut
-into segments, how the pose and face videos are padded to the segments' end, the 4-channel mask the DiT reads before
-each latent frame, and the request's Animate fields.
+"""Wan2.2-Animate's segments, request rules and inputs (the rules of diffusers' ``WanAnimatePipeline``; the DiT is
+:mod:`fastwan.models.wan.animate`, the segment loop :mod:`fastwan.pipelines.animate_run`): how a driving video of
+any length is cut into segments, how the pose and face videos are padded to the segments' end, the 4-channel mask
+the DiT reads before each latent frame, and the request's Animate fields.
 
 * :func:`plan_segments`: ``frames`` driving frames in segments of ``segment_frames`` (4 n + 1: whole latent frames)
   that overlap by ``overlap`` frames (1 or 5, fewer than half a segment: the last decoded frames of a segment
@@ -18,8 +18,8 @@ each latent frame, and the request's Animate fields.
   neither; ``mode`` "replace" needs ``background_video`` and ``mask_video``, which only it takes; ``mode``,
   ``segment_frames``, ``overlap`` and ``motion_batch_size`` only with the driving videos).
   :func:`read_animate_videos`: the videos read, of one length (pose, face, background, mask) and one size
-  (background, mask). :func:`check_animate_request`: refused on a checkpoint whose DiT is not Animate's, and (the
-  pipeline not built yet) on an Animate one.
+  (background, mask). :func:`check_animate_request`: the request for a checkpoint, an :class:`AnimateRequest`
+  (refused on a checkpoint whose DiT is not Animate's; an Animate checkpoint needs them).
 * The pixels the pipeline encodes: :func:`reference_pixels` (the character image fitted inside the frame, its
   aspect kept, Lanczos, centred on black), :func:`driving_pixels` (pose and background frames at the video's size,
   face frames at the motion encoder's, Lanczos), all in [-1, 1]; :func:`mask_pixels` (the mask frames at the video's
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from fastwan.errors import InvalidArgument
-from fastwan.pipelines.image import normalized_latents
+from fastwan.pipelines.image import normalized_latents, read_image
 from fastwan.pipelines.video import read_video
 
 MODES = ("animate", "replace")  # animation of the character image; replacement of a character in a video
@@ -183,9 +183,10 @@ def check_animate_fields(r) -> None:
                               "more new frames than it takes from the one before); pass longer segments.")
 
 
-def read_animate_videos(r) -> dict[str, list]:
+def read_animate_videos(r, default_segment: int = 77) -> dict[str, list]:
     """The driving videos of ``r`` read (RGB PIL frames by name); their rules: pose, face (and background, mask)
-    of one length, more frames than the overlap; background and mask of one size."""
+    of one length, more frames than the overlap; background and mask of one size (``default_segment``: the
+    segment's frames when ``r.segment_frames`` is unset)."""
     videos = {name: read_video(getattr(r, name), name) for name in ANIMATE_FIELDS[:4] if getattr(r, name) is not None}
     frames = {name: len(v) for name, v in videos.items()}
     if len(set(frames.values())) > 1:
@@ -196,25 +197,72 @@ def read_animate_videos(r) -> dict[str, list]:
         (mw, mh), (bw, bh) = videos["mask_video"][0].size, videos["background_video"][0].size
         raise InvalidArgument(f"mask_video frames are {mw}x{mh} but background_video frames are {bw}x{bh} (width x "
                               "height); give a mask of the background video's size.")
-    plan_segments(frames["pose_video"], 77 if r.segment_frames is None else r.segment_frames,
+    plan_segments(frames["pose_video"], default_segment if r.segment_frames is None else r.segment_frames,
                   1 if r.overlap is None else r.overlap)
     return videos
 
 
-def check_animate_request(checkpoint, r) -> None:
-    """Rule: Animate fields run on a checkpoint whose DiT is Wan2.2-Animate's; their videos are read and checked
-    there. The pipeline is not built yet, so a checked Animate request is refused."""
+@dataclass(frozen=True)
+class AnimateRequest:
+    """A checked Animate request: the character ``image`` (RGB PIL), the driving ``videos`` (RGB PIL frames by
+    field name), the segment ``plan``, ``mode`` and ``motion_batch_size`` (None: the DiT's own)."""
+    image: object
+    videos: dict
+    plan: SegmentPlan
+    mode: str
+    motion_batch_size: int | None
+
+    def describe(self) -> str:
+        p = self.plan
+        return (f"Wan2.2-Animate ({self.mode} mode): {p.frames} frames in {len(p.starts)} segment"
+                f"{'s' if len(p.starts) > 1 else ''} of {p.segment_frames} overlapping by {p.overlap}")
+
+
+# a request's fields an Animate checkpoint does not read, and why
+NOT_ANIMATE = (("last_image", "a first-last-frame input"), ("video", "video-to-video's input"),
+               ("strength", "video-to-video's"), ("mask", "VACE's"), ("reference_images", "VACE's"),
+               ("conditioning_scale", "VACE's"), ("parallel_sampling", "CHORDS'"))
+
+
+def check_animate_request(checkpoint, r) -> AnimateRequest | None:
+    """Rule: Animate fields run on a checkpoint whose DiT is Wan2.2-Animate's, and such a checkpoint needs them
+    with the character ``image``; the videos are read and checked here, before any compute. ``num_frames`` unset
+    or the driving videos' length (the video has one frame per driving frame); the segment's frames default to
+    the preset's ``num_frames``."""
+    animate = bool(checkpoint.transformer_config.animate)
     if r.pose_video is None:
-        return
-    if not checkpoint.transformer_config.animate:
+        if animate:
+            raise InvalidArgument(f"this is a Wan2.2-Animate checkpoint ({checkpoint.variant}): it animates the "
+                                  "character image= with the pose_video= and face_video= driving videos; pass all "
+                                  "three.")
+        return None
+    if not animate:
         raise InvalidArgument(f"pose_video= and face_video= given, but this checkpoint ({checkpoint.variant}) is not "
                               "a Wan2.2-Animate checkpoint; they are inputs of Wan2.2-Animate (model_index.json "
                               "\"_class_name\": \"WanAnimatePipeline\", e.g. Wan-AI/Wan2.2-Animate-14B-Diffusers): "
                               "use such a checkpoint, or leave them out.")
-    read_animate_videos(r)
-    raise InvalidArgument("Animate generation is not supported yet: fastwan runs Wan2.2-Animate's DiT "
-                          "(fastwan.models.wan.animate) but not its segment-by-segment pipeline; use diffusers' "
-                          "WanAnimatePipeline for now.")
+    for name, what in NOT_ANIMATE:
+        if getattr(r, name, None) is not None:
+            raise InvalidArgument(f"{name}= is {what}; a Wan2.2-Animate checkpoint reads image=, pose_video=, "
+                                  f"face_video= (and in replace mode background_video=, mask_video=): leave {name} "
+                                  "out.")
+    if r.image is None:
+        raise InvalidArgument("pose_video= and face_video= given without image=; Wan2.2-Animate animates a "
+                              "character image: pass image= (a path, PIL image or uint8 array).")
+    default_segment = checkpoint.preset.num_frames
+    videos = read_animate_videos(r, default_segment)
+    frames = len(videos["pose_video"])
+    if r.num_frames is not None and r.num_frames != frames:
+        raise InvalidArgument(f"num_frames={r.num_frames!r}, but the driving videos have {frames} frames; "
+                              "Wan2.2-Animate makes one frame per driving frame: leave num_frames unset, or cut "
+                              "the driving videos.")
+    segment = default_segment if r.segment_frames is None else r.segment_frames
+    overlap = 1 if r.overlap is None else r.overlap
+    if 2 * overlap >= segment:
+        raise InvalidArgument(f"segment_frames={segment} (the checkpoint's default) must be more than twice "
+                              f"overlap={overlap}; pass segment_frames=.")
+    plan = plan_segments(frames, segment, overlap)
+    return AnimateRequest(read_image(r.image, "image"), videos, plan, r.mode or "animate", r.motion_batch_size)
 
 
 def _tensor(images, grey: bool = False) -> torch.Tensor:

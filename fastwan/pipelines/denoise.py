@@ -21,28 +21,31 @@ from fastwan.pipelines.step_parallel import chords_denoise
 def denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs=None,
             run: CacheRun | None = None, on_step: Callable[[int, int], None] | None = None,
             start: tuple[torch.Tensor, int] | None = None,
-            chords: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
+            chords: tuple[int, ...] | None = None,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
     """``gen``: the VideoGenerator; emb [1 or 2, L, D] (cond[, uncond]); ``s``: the resolved settings;
     image_inputs: (condition latents, CLIP tokens or None) of an image-to-video call; run: the request's step
     caches; on_step: called as ``on_step(done, total)`` on the host after each step (an exception it raises ends
     the loop and propagates); start: video-to-video's (clean latents [1, C, F, H, W], steps run): only the
     schedule's last steps run, from the clean latents noised to the first one's level -> final latents
     [1, C, F, H, W] fp32, and the forward count; chords: CHORDS's start steps
-    (:func:`fastwan.pipelines.step_parallel.chords_denoise`; the request's rules refused what it cannot run with)."""
+    (:func:`fastwan.pipelines.step_parallel.chords_denoise`; the request's rules refused what it cannot run with);
+    generator: the noise's random stream on the device (None: a new one seeded with ``seed``; Animate passes one
+    stream through its segments)."""
     if chords is not None:
         return chords_denoise(gen, emb, s, seed, do_cfg, chords, on_step)
     hooks = []
     try:
         for e, t in enumerate(gen.transformers if run is not None else ()):
             hooks.append(apply_step_cache(t, run, e))
-        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks, on_step, start)
+        return _denoise(gen, emb, s, seed, do_cfg, image_inputs, hooks, on_step, start, generator)
     finally:
         for t, _ in zip(gen.transformers, hooks):
             remove_step_cache(t)
 
 
 def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, hooks: list, on_step=None,
-             start=None):
+             start=None, generator=None):
     """:func:`denoise`'s loop; ``hooks``: the step cache on each expert's DiT (empty: none)."""
     from tqdm.auto import tqdm
 
@@ -54,7 +57,8 @@ def _denoise(gen, emb: torch.Tensor, s, seed: int, do_cfg: bool, image_inputs, h
     channels = cfg.out_channels if condition is not None else cfg.in_channels  # I2V reads noise + condition
     first_frame = condition is not None and ckpt.expand_timesteps  # TI2V: the image is frame 0
     shape = (1, channels, (s.num_frames - 1) // vt + 1, s.height // vs, s.width // vs)
-    generator = torch.Generator(device=dev).manual_seed(int(seed))
+    if generator is None:
+        generator = torch.Generator(device=dev).manual_seed(int(seed))
     latents = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
     if first_frame:  # 1 where the noise is denoised; the first latent frame is the image's, at timestep 0
         keep = torch.ones(1, 1, *shape[2:], device=dev)

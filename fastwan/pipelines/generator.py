@@ -50,12 +50,11 @@ from fastwan.offload.placement import Placement, job_footprint, usable, weight_b
 from fastwan.pipelines.image import ImageRequest, encode_request
 from fastwan.checkpoint.presets import runs_cfg
 from fastwan.pipelines.inputs import random_seed
-from fastwan.pipelines.setup import attention_config as attention_config_arg
+from fastwan.pipelines.setup import attention_config as attention_config_arg, compile_kwargs as compile_kwargs_for
 from fastwan.pipelines.step_parallel import check_chords_generator
-from fastwan.pipelines.setup import compile_kwargs as compile_kwargs_for
-from fastwan.pipelines.setup import check_load_options, load_scheduler, load_vae, on_device, set_fp32_precision
-from fastwan.pipelines.setup import cfg_batched, sync
-from fastwan.pipelines.setup import trained_attention
+from fastwan.pipelines.animate_run import animate_frames
+from fastwan.pipelines.setup import (cfg_batched, check_load_options, load_scheduler, load_vae, on_device,
+                                     set_fp32_precision, sync, trained_attention)
 from fastwan.pipelines.text import encode_prompts
 from fastwan.pipelines.stream import VideoStream, causal_frames, stream_video
 from fastwan.pipelines.vace import VaceRequest, check_vace_generator, vace_run
@@ -320,6 +319,8 @@ class VideoGenerator:
         last_image: Any = None,
         video: Any = None,
         mask: Any = None, reference_images: Any = None, conditioning_scale: Any = None,  # VACE
+        pose_video: Any = None, face_video: Any = None, background_video: Any = None, mask_video: Any = None,  # Animate
+        mode: str | None = None, segment_frames: int | None = None, overlap: int | None = None, motion_batch_size=None,
         strength: float | None = None,
         negative_prompt: str | None = None,
         height: int | None = None,
@@ -402,7 +403,7 @@ class VideoGenerator:
         with self._lock, on_device(self.device):
             frames, forwards, timings, peak, report = self._generate(r.prompt, negative_prompt, s, seed, req,
                                                                      (cache, plan.coefficients), on_step,
-                                                                     plan.video, plan.chords, plan.vace)
+                                                                     plan.video, plan.chords, plan.vace, plan.animate)
         t0 = time.perf_counter()
         video_file = None
         if save_video:
@@ -420,12 +421,14 @@ class VideoGenerator:
     def _generate(self, prompt: str, negative_prompt: str, s, seed: int, req: ImageRequest | None = None,
                   cache: tuple = (None, None), on_step: Callable[[int, int], None] | None = None,
                   video: VideoRequest | None = None, chords: tuple[int, ...] | None = None,
-                  vace: VaceRequest | None = None):
+                  vace: VaceRequest | None = None, animate=None):
         """Text (and image) encoding, denoising, decoding (the caller holds ``self._lock``) -> (frames, transformer
         forwards, timings in seconds, peak CUDA memory in bytes or None, the step cache's report or None).
         ``cache``: (step cache config or None, TeaCache coefficients or None)."""
         if self.checkpoint.causal is not None:  # a causal checkpoint: its stream's chunks, joined
             return causal_frames(self, prompt, s, seed, on_step)
+        if animate is not None:  # Wan2.2-Animate: segment by segment
+            return animate_frames(self, prompt, negative_prompt, s, seed, animate, on_step)
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)

@@ -5,14 +5,14 @@ compute; the CLI resolves it from the checkpoint's files before the model loads 
 generator, so a mistyped argument fails in seconds and no rule is checked twice."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastwan.cache import CacheConfig, resolve_coefficients
 from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT, with_overrides
 from fastwan.checkpoint.resolver import Checkpoint
 from fastwan.checkpoint.safetensors import read_json
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.pipelines.animate import check_animate_request
+from fastwan.pipelines.animate import AnimateRequest, check_animate_request
 from fastwan.pipelines.image import ImageRequest, check_frames, check_image_request, default_size
 from fastwan.pipelines.inputs import check_inputs, expert_guidance
 from fastwan.pipelines.params import GenerationRequest
@@ -47,6 +47,7 @@ class ResolvedRequest:
     chords: tuple[int, ...] | None = None
     vace: VaceRequest | None = None  # a VACE checkpoint's control input (fastwan.pipelines.vace)
     causal: object = None  # the checkpoint's CausalRecipe (None: not causal): its rules were the ones checked
+    animate: AnimateRequest | None = None  # a Wan2.2-Animate request (settings.num_frames: a segment's frames)
 
     @property
     def negative_prompt(self) -> str:
@@ -63,6 +64,9 @@ class ResolvedRequest:
                                       f"{steps_run(s.num_inference_steps, v.strength)} steps)")
         chords = "" if self.chords is None else f", CHORDS on {len(self.chords)} cores from steps {list(self.chords)}"
         vace = "" if self.vace is None else f", VACE with {len(self.vace.references)} reference images"
+        if self.animate is not None:
+            return (f"{s.width}x{s.height} at {s.fps} fps, {self.animate.describe()}, {s.num_inference_steps} steps "
+                    f"per segment, guidance {guidance}{sampler}")
         return (f"{s.width}x{s.height}, {s.num_frames} frames at {s.fps} fps, {s.num_inference_steps} steps, "
                 f"guidance {guidance}{sampler}{cache}{video}{chords}{vace}")
 
@@ -77,12 +81,15 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     r, preset, cfg = request, ckpt.preset, ckpt.transformer_config
     if ckpt.causal is not None:  # its recipe decides the steps; a whole number of chunks
         check_causal_request(r, ckpt.causal, vae_factors[0])
-    check_animate_request(ckpt, r)
+    animate = check_animate_request(ckpt, r)
     height, width = r.height, r.width
     vace = check_vace_request(ckpt, r, vae_factors[1] * cfg.patch_size[1])
-    req = check_image_request(ckpt, r.image, r.last_image)
-    video = None if vace is not None else check_video_request(ckpt, r.video, r.strength, r.image, r.num_frames)
+    req = None if animate is not None else check_image_request(ckpt, r.image, r.last_image)
+    video = None if vace is not None or animate is not None else check_video_request(ckpt, r.video, r.strength,
+                                                                                      r.image, r.num_frames)
     num_frames = r.num_frames if video is None else len(video.frames)
+    if animate is not None:  # the DiT denoises a segment at a time
+        num_frames = animate.plan.segment_frames
     if vace is not None and vace.video is not None:  # VACE makes a video of the control video's frames and size
         num_frames, (height, width) = vace.frames, vace.size
     if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
@@ -99,10 +106,15 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     else:
         check_training_grid(s, scheduler)
         sampler_shift(s, scheduler)
-    grid = check_inputs(s, vae_factors=vae_factors, patch=cfg.patch_size, scheduler=stepper,
+    # the DiT's grid: an Animate segment's latent frames follow the reference image's
+    grid = check_inputs(s if animate is None else replace(s, num_frames=s.num_frames + vae_factors[0]),
+                        vae_factors=vae_factors, patch=cfg.patch_size, scheduler=stepper,
                         max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))
     check_frames(req, s.num_frames)
     cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
+    if animate is not None and cache is not None:
+        raise InvalidArgument(f"step cache {cache.name!r} with Wan2.2-Animate: its segments are not cached yet; pass "
+                              "cache='none' (or load the generator without a default cache).")
     if vace is not None:
         check_vace_grid(vace, grid, cfg.patch_size, cfg.rope_max_seq_len)
         check_vace_composes(vace, cache, r.parallel_sampling)
@@ -111,7 +123,8 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
         check_steps(video, s.num_inference_steps, cache)
     coefficients = resolve_coefficients(cache, ckpt.variant, cfg.inner_dim, s.height, s.width, s.num_inference_steps)
     chords = check_chords_request(r, s, cache, req, video, len(ckpt.experts))
-    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace, ckpt.causal)
+    return ResolvedRequest(r, str(ckpt.root), s, req, grid, cache, coefficients, video, chords, vace, ckpt.causal,
+                           animate)
 
 
 def check_resolved_for(resolved: ResolvedRequest, ckpt: Checkpoint) -> None:

@@ -136,6 +136,18 @@ def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: b
     return _uint8(decode_latents(vae, _denormalised(vae, latents), chunk, bars))
 
 
+def decode_pixels(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> torch.Tensor:
+    """Normalised latents [1, C, F, h, w] -> the video [1, 3, T, H, W] in [-1, 1] (:func:`decode_frames` before its
+    rounding to uint8: :func:`uint8_frames`)."""
+    return decode_latents(vae, _denormalised(vae, latents), chunk, bars)
+
+
+def uint8_frames(video: torch.Tensor) -> np.ndarray:
+    """A decoded video [1, 3, T, H, W] in [-1, 1] -> uint8 frames [T, H, W, 3] (diffusers' postprocess, x 255
+    rounded)."""
+    return _uint8(video)
+
+
 def iter_decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True):
     """:func:`decode_frames` as the frames are made: yields uint8 [t, H, W, 3] per decoder call
     (:func:`iter_decode_latents`); their concatenation is :func:`decode_frames`'s video."""

@@ -1,6 +1,6 @@
 """The request's Wan2.2-Animate fields: each alone and together (diffusers' WanAnimatePipeline.check_inputs rules:
 pose and face videos both, replace mode with background and mask videos), the videos' lengths and sizes, and the
-refusal on a checkpoint whose DiT is not Animate's (and, the pipeline not built, on an Animate one)."""
+refusal on a checkpoint whose DiT is not Animate's, and what an Animate checkpoint needs."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +17,8 @@ def _video(frames: int, height: int = 16, width: int = 24) -> np.ndarray:
 
 
 def _checkpoint(animate: bool):
-    return SimpleNamespace(transformer_config=SimpleNamespace(animate=animate), variant="tiny")
+    return SimpleNamespace(transformer_config=SimpleNamespace(animate=animate), variant="tiny",
+                           preset=SimpleNamespace(num_frames=9))
 
 
 def test_animate_fields_are_request_fields_with_flags():
@@ -96,11 +97,22 @@ def test_animate_inputs_are_refused_on_another_checkpoint():
     check_animate_request(_checkpoint(False), GenerationRequest("a"))  # no Animate inputs: nothing to refuse
 
 
-def test_animate_checkpoint_checks_the_videos_then_refuses_generation():
+def test_animate_checkpoint_checks_its_inputs():
+    image = np.zeros((8, 8, 3), np.uint8)
+    with pytest.raises(InvalidArgument, match="pass all three"):
+        check_animate_request(_checkpoint(True), GenerationRequest("a", image=image))
     with pytest.raises(InvalidArgument, match="differ in length"):
-        check_animate_request(_checkpoint(True), GenerationRequest("a", pose_video=_video(9), face_video=_video(7)))
-    with pytest.raises(InvalidArgument, match="Animate generation is not supported yet"):
+        check_animate_request(_checkpoint(True), GenerationRequest("a", image=image, pose_video=_video(9),
+                                                                   face_video=_video(7)))
+    with pytest.raises(InvalidArgument, match="without image="):
         check_animate_request(_checkpoint(True), GenerationRequest("a", pose_video=_video(9), face_video=_video(9)))
+    with pytest.raises(InvalidArgument, match="last_image= is a first-last-frame input"):
+        check_animate_request(_checkpoint(True), GenerationRequest("a", image=image, last_image=image,
+                                                                   pose_video=_video(9), face_video=_video(9)))
+    a = check_animate_request(_checkpoint(True), GenerationRequest("a", image=image, pose_video=_video(20),
+                                                                   face_video=_video(20)))
+    assert (a.plan.segment_frames, a.plan.overlap, a.plan.frames, a.mode) == (9, 1, 20, "animate")  # the preset's
+    assert "20 frames in 3 segments of 9" in a.describe()
 
 
 def test_the_server_refuses_the_video_paths_of_its_host():

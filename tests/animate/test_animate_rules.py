@@ -119,17 +119,18 @@ def test_sequence_parallel_is_refused(animate_dit):
 
 
 def test_a_pipeline_folder_with_an_animate_dit_is_refused(animate_dit, tiny_ckpts, tmp_path):
-    """A checkpoint whose DiT is Animate's is refused from its files, before any weight loads: only Wan2.2-Animate's
-    pipeline gives that DiT its pose and face inputs (its own model_index.json class is refused as another task)."""
+    """A checkpoint whose DiT is Animate's is refused from its files, before any weight loads, unless its pipeline is
+    Wan2.2-Animate's (only it gives that DiT its pose and face inputs), and that pipeline has its CLIP."""
     from fastwan.checkpoint.resolver import resolve
 
     root = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpts["wan2.1"], root)
     shutil.rmtree(root / "transformer")
     shutil.copytree(animate_dit, root / "transformer")
-    with pytest.raises(CheckpointError, match="describes a Wan2.2-Animate DiT .* does not run it yet"):
+    with pytest.raises(CheckpointError, match="describes a Wan2.2-Animate Wan DiT, but model_index.json names no "
+                                              "Wan2.2-Animate pipeline"):
         resolve(str(root))
     index = json.loads((root / "model_index.json").read_text())
     (root / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanAnimatePipeline"}))
-    with pytest.raises(CheckpointError, match="character animation"):
+    with pytest.raises(CheckpointError, match="has no CLIP image encoder"):
         resolve(str(root))

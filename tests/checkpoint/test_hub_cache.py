@@ -94,7 +94,7 @@ def test_hub_id_index_checked_before_components_are_fetched(plain, hub_cache, mo
     src = Path(cache).parent / "i2v"
     shutil.copytree(plain, src)
     index = json.loads((src / "model_index.json").read_text())
-    index["_class_name"] = "WanAnimatePipeline"
+    index["_class_name"] = "WanVideoToVideoPipeline"
     (src / "model_index.json").write_text(json.dumps(index))
     write_hub_cache(src, cache, repo)
     real, asked = huggingface_hub.snapshot_download, []
@@ -104,7 +104,7 @@ def test_hub_id_index_checked_before_components_are_fetched(plain, hub_cache, mo
         return real(repo_id, **kw)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
-    with pytest.raises(ValueError, match="character animation is not supported yet"):
+    with pytest.raises(ValueError, match="video-to-video is not supported yet"):
         VideoGenerator.from_pretrained(repo, device="cpu")
     assert asked == [["model_index.json"]]
 

@@ -77,7 +77,6 @@ BAD_INDEX = [
     ("wan2.1", "image_encoder", ["transformers", "CLIPVisionModel"], "named together"),
     ("wan2.1", "image_processor", "CLIPImageProcessor", "[library, class]"),
     ("wan2.1", "_class_name", "WanVideoToVideoPipeline", "fastwan runs text-to-video"),
-    ("wan2.1", "_class_name", "WanAnimatePipeline", "fastwan runs text-to-video"),
     ("wan2.1", "_class_name", "WanSpeechToVideoPipeline", "fastwan runs text-to-video"),
     ("wan2.2-a14b", "boundary_ratio", "x", "(0, 1)"),
     ("wan2.2-a14b", "boundary_ratio", 0, "(0, 1)"),
