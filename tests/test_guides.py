@@ -39,6 +39,7 @@ REAL_ROWS = {
     "Wan2.1 FLF2V": ("tiny-wan2.1-flf2v", "Wan2.1-FLF2V-14B-720P-Diffusers"),
     "Wan2.2 I2V-A14B": ("tiny-wan2.2-i2v-a14b", "Wan2.2-I2V-A14B-Diffusers"),
     "FastWan 2.1": ("tiny-fastwan2.1", "FastWan2.1-T2V-1.3B-Diffusers"),
+    "Wan2.2 Animate-14B": ("tiny-wan2.2-animate", "Wan2.2-Animate-14B-Diffusers"),
 }
 
 

@@ -31,6 +31,7 @@ the DiT reads before each latent frame, and the request's Animate fields.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +212,17 @@ class AnimateRequest:
     plan: SegmentPlan
     mode: str
     motion_batch_size: int | None
+
+    @property
+    def digest(self) -> str:
+        """The inputs' identity (the automatic file name's): the image's and every driving frame's pixels, the mode
+        and the segments."""
+        h = hashlib.sha256(repr((self.mode, self.plan.segment_frames, self.plan.overlap)).encode())
+        for name, frames in (("image", [self.image]), *sorted(self.videos.items())):
+            h.update(name.encode())
+            for frame in frames:
+                h.update(repr(frame.size).encode() + frame.tobytes())
+        return h.hexdigest()[:16]
 
     def describe(self) -> str:
         p = self.plan

@@ -32,8 +32,7 @@ from fastwan.lora import LoraState, apply_lora, check_loras
 from fastwan.models import load_transformer
 from fastwan.offload import plan_offload
 from fastwan.options import DiTOptions
-from fastwan.parallel.launch import join, ring_of, spawn
-from fastwan.parallel.launch import mode as parallel_mode
+from fastwan.parallel.launch import join, mode as parallel_mode, ring_of, spawn
 from fastwan.parallel.plan import apply_sequence_parallel
 from fastwan.vae.decode import decode_frames, tiling_state, vae_scale_factors, vae_tiling_kwargs
 from fastwan.vae.tiny_weights import read_tiny_for
@@ -388,12 +387,7 @@ class VideoGenerator:
         negative_prompt = plan.negative_prompt
         settings = {**s.__dict__, "cfg_gate_step": self.cfg_gate_step, "cfg_mode": self.cfg_mode,
                     "vae_chunk_frames": self.vae_chunk_frames, "cache": repr(cache)}
-        if plan.video is not None:  # the input video's pixels and strength are part of the video's identity
-            settings.update(video=plan.video.digest, strength=plan.video.strength)
-        if plan.chords is not None:  # CHORDS's frames are its own: its cores are part of the video's identity
-            settings.update(chords=list(plan.chords))
-        if plan.vace is not None:  # VACE's inputs (video, mask, references, scales) are part of the video's identity
-            settings.update(vace=plan.vace.digest)
+        settings.update(plan.identity())  # the inputs that make the video besides the settings
         save_video = r.save_video
         if save_video:  # every rank checks, so a bad path fails on all of them before compute; one rank writes
             output.prepare_output(target)  # folder created and writable, explicit file free (or overwrite)

@@ -296,7 +296,7 @@ class LoadOptions:
 
     model: str = option(REQUIRED, help="Hub id, Diffusers-format folder, or tiny / tiny-wan2.1 / tiny-wan2.2-a14b / "
                                        "tiny-wan2.2-ti2v / tiny-wan2.1-i2v / tiny-wan2.1-flf2v / tiny-wan2.2-i2v-a14b /"
-                                       " tiny-fastwan2.1 (CLI default: tiny)",
+                                       " tiny-fastwan2.1 / tiny-wan2.2-animate (CLI default: tiny)",
                         schema={"type": "string", "minLength": 1}, check=_model, encode=os.fspath, flag="--model",
                         cli_default="tiny")
     device: str | None = option(None, help="torch device, e.g. cuda, cuda:1, cpu (default: cuda if available)",

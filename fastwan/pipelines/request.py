@@ -53,6 +53,18 @@ class ResolvedRequest:
     def negative_prompt(self) -> str:
         return WAN_NEGATIVE_PROMPT if self.request.negative_prompt is None else self.request.negative_prompt
 
+    def identity(self) -> dict:
+        """What besides the settings makes the video (the automatic file name's identity): the input video's pixels
+        and strength, CHORDS's cores, VACE's and Animate's inputs."""
+        out = {} if self.video is None else {"video": self.video.digest, "strength": self.video.strength}
+        if self.chords is not None:  # CHORDS's frames are its own
+            out["chords"] = list(self.chords)
+        if self.vace is not None:
+            out["vace"] = self.vace.digest
+        if self.animate is not None:
+            out["animate"] = self.animate.digest
+        return out
+
     def describe(self) -> str:
         """One line: the size, frames, steps, guidance and sampler the video will be made with."""
         s = self.settings

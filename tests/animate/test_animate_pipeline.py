@@ -86,3 +86,21 @@ def test_animate_checkpoint_needs_its_inputs(animate_gen):
     with pytest.raises(InvalidArgument, match="step cache"):
         animate_gen.resolve(__import__("fastwan").GenerationRequest(
             PROMPT, image=_video(1, 8, 8, 0)[0], pose_video=frames, face_video=frames, cache="teacache"))
+
+
+def test_driving_videos_are_part_of_the_video_identity(animate_gen, tmp_path):
+    """Two videos differing only in a driving frame get different automatic file names; the same inputs, the same."""
+    from fastwan import GenerationRequest
+
+    image = _video(1, 8, 8, 0)[0]
+    pose, face = [np.asarray(f) for f in _video(9, 16, 16, 1)], [np.asarray(f) for f in _video(9, 16, 16, 2)]
+    other = [f.copy() for f in pose]
+    other[4][0, 0, 0] ^= 1
+
+    def made(p):
+        r = GenerationRequest(PROMPT, image=image, pose_video=p, face_video=face, seed=3, num_inference_steps=1,
+                              output_path=str(tmp_path), overwrite=True)
+        return animate_gen.generate(r).video_path
+
+    first, again, changed = made(pose), made(pose), made(other)
+    assert first == again and changed != first
