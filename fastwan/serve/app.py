@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastwan.serve.animate_uploads import ANIMATE_UPLOADS, refuse_without_animate
 from fastwan.serve.errors import ApiError
 from fastwan.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from fastwan.serve.metrics import render as render_metrics
@@ -122,8 +123,9 @@ async def _read(request: Request, cap: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-UPLOADS = ("input_reference", "last_image", "video", *VACE_UPLOADS)  # a create's file fields (VACE's: uploads.py)
-VIDEOS = ("video", MASK)  # the file fields that are videos
+UPLOADS = ("input_reference", "last_image", "video", *VACE_UPLOADS, *ANIMATE_UPLOADS)  # a create's file fields
+VIDEOS = ("video", MASK, *ANIMATE_UPLOADS)  # the file fields that are videos
+MAX_VIDEOS = 4  # the most video files one request reads (Animate's replace mode: pose, face, background, mask)
 
 
 def _save_upload(data: bytes, path: Path) -> None:
@@ -142,7 +144,8 @@ async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str
     a list of them)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "multipart/form-data":
-        cap = (2 + MAX_REFERENCE_IMAGES) * limits.max_upload_bytes + 2 * limits.max_video_bytes + limits.max_body_bytes
+        cap = ((2 + MAX_REFERENCE_IMAGES) * limits.max_upload_bytes + MAX_VIDEOS * limits.max_video_bytes
+               + limits.max_body_bytes)
         data = await _read(request, cap, "multipart body")
 
         async def replay():
@@ -162,7 +165,9 @@ async def _create_body(request: Request, limits: Limits) -> tuple[dict, dict[str
                 raise ApiError(400, f"the file field {key!r} is not read; upload the first frame as input_reference "
                                     "(and a first-last-frame video's last frame as last_image), or the video to "
                                     "redo as video, once each; VACE: the mask as mask, the reference images as "
-                                    "reference_images (repeated).", code="unknown_parameter", param=key)
+                                    "reference_images (repeated); Wan2.2-Animate: the driving videos as pose_video "
+                                    "and face_video (replace mode: background_video, mask_video).",
+                               code="unknown_parameter", param=key)
             elif name == REFERENCES:
                 files.setdefault(name, []).append(await value.read())
             else:
@@ -289,6 +294,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def create(request: Request):
         body, files = await _create_body(request, state.limits)
         gen = model_ready()
+        refuse_without_animate(gen.checkpoint, [key for key in ANIMATE_UPLOADS if key in files])
         images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()
                   if key not in (*VIDEOS, REFERENCES)}
         references = [await run_in_threadpool(read_image, data, state.limits, REFERENCES)
@@ -303,7 +309,7 @@ def create_app(state: ServerState) -> FastAPI:
                     await run_in_threadpool(check_video, videos[key], state.limits, key)
             checked = await run_in_threadpool(accept, body, images.get("input_reference"), gen, state.model,
                                               state.video_path(video_id), images.get("last_image"), state.loras,
-                                              videos.get("video"), videos.get(MASK), references or None)
+                                              videos.get("video"), videos.get(MASK), references or None, videos)
             return await run_in_threadpool(_admit, state, video_id, checked, files)
         except BaseException:
             remove(*videos.values())

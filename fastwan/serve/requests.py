@@ -10,12 +10,13 @@ whose values are text: each is read as its field's command-line text is, e.g. ``
   times the video's fps (the request's ``fps``, else the checkpoint's), halves rounded up. Giving ``size`` with
   ``width`` / ``height``, or ``seconds`` with ``num_frames``, is refused.
 - An unknown field is refused, naming it. A request never names a server path or server-side behaviour:
-  ``output_path``, ``image``, ``last_image``, ``video``, ``mask``, ``reference_images``, ``save_video``,
-  ``return_frames`` and ``overwrite`` are refused, and so is a ``cache`` that reads a file (the CLI's ``@FILE``); the
-  first frame of image-to-video comes only as the uploaded file ``input_reference``, the last frame of a
-  first-last-frame video only as the uploaded file ``last_image`` (beside ``input_reference``), VACE's mask and
-  reference images only as the uploaded files ``mask`` and ``reference_images`` (:mod:`fastwan.serve.uploads`).
-  ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
+  ``output_path``, ``image``, ``last_image``, ``video``, ``mask``, ``reference_images``, Animate's videos,
+  ``save_video``, ``return_frames`` and ``overwrite`` are refused, and so is a ``cache`` that reads a file (the CLI's
+  ``@FILE``); the first frame of image-to-video comes only as the uploaded file ``input_reference``, the last frame of
+  a first-last-frame video only as the uploaded file ``last_image`` (beside ``input_reference``), VACE's mask and
+  reference images only as the uploaded files ``mask`` and ``reference_images`` (:mod:`fastwan.serve.uploads`),
+  Wan2.2-Animate's videos only as the uploaded files ``pose_video``, ``face_video``, ``background_video`` and
+  ``mask_video`` (:mod:`fastwan.serve.animate_uploads`). ``prompt`` and ``negative_prompt`` are capped at 8 KiB.
 - ``lora``: LoRAs by name, served from ``--lora-dir`` (:mod:`fastwan.serve.loras`).
 - Every other rule is the request's own (:mod:`fastwan.pipelines.params`) and the checkpoint's
   (``gen.resolve``), checked before the job is accepted.
@@ -41,6 +42,8 @@ from fastwan.serve.errors import ApiError, from_user_error
 from fastwan.serve.loras import JOB_KEY as LORA_KEY
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.loras import form_items as lora_form_items
+from fastwan.serve.animate_uploads import ANIMATE_KEYS, animate_fields, animate_files, animate_inputs
+from fastwan.serve.animate_uploads import error_param as animate_error_param
 from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, error_param, refuse_without_vace, vace_files, vace_inputs
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
@@ -50,6 +53,8 @@ SERVER_ONLY = {"output_path": "the server chooses where videos go", "image": "up
                "video": "upload the video as the file video (multipart)",
                "mask": "upload the mask video as the file mask (multipart), beside the file video",
                "reference_images": "upload each image as the file reference_images (multipart, the field repeated)",
+               **{name: f"upload the {name.split('_')[0]} video as the file {name} (multipart), beside the character "
+                        "image input_reference" for name in ANIMATE_KEYS},
                "save_video": "the server always writes the video", "return_frames": "frames are downloaded as the mp4",
                "overwrite": "the server chooses where videos go"}
 REQUEST_FIELDS = {f.name: opt for f, opt in options(GenerationRequest)}
@@ -70,7 +75,8 @@ MAX_PROMPT_CHARS = 8 * 1024  # well past 512 tokens of any text: a longer prompt
 MAX_SECONDS = 3600  # before the frame count is computed; the checkpoint's limit is far lower
 LAST_IMAGE_KEY = "_last_image"  # the uploaded last frame's file in a job's stored fields
 VIDEO_KEY = "_video"  # the uploaded video's file (video-to-video) in a job's stored fields
-JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY, VIDEO_KEY, *VACE_KEYS)  # a job's stored fields: the server's, not the request's
+# a job's stored fields that are the server's, not the request's
+JOB_KEYS = (LORA_KEY, LAST_IMAGE_KEY, VIDEO_KEY, *VACE_KEYS, *ANIMATE_KEYS.values())
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -221,11 +227,13 @@ def _size(value) -> tuple[int, int]:
 
 
 def accept(body: dict, image, gen, model: str, output: Path, last_image=None, loras=None,
-           video: Path | None = None, mask: Path | None = None, references: list | None = None) -> Accepted:
+           video: Path | None = None, mask: Path | None = None, references: list | None = None,
+           animate: dict | None = None) -> Accepted:
     """Check a create ``body`` (typed values; ``image`` / ``last_image``: the uploaded first / last frame or None)
     against ``gen`` (the loaded generator, serving ``model``); ``output``: where the server writes videos (the
     request is checked with it); ``loras``: the server's :class:`~fastwan.serve.loras.ServedLoras` (None: none);
-    ``video`` / ``mask``: the uploaded videos' files; ``references``: the uploaded reference images (PIL).
+    ``video`` / ``mask``: the uploaded videos' files; ``references``: the uploaded reference images (PIL);
+    ``animate``: the uploaded Animate videos' files by field (:mod:`fastwan.serve.animate_uploads`).
     Raises an :class:`ApiError` (400) naming the first broken rule."""
     for key in body:
         if key in SERVER_ONLY:
@@ -279,6 +287,7 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         fields[VIDEO_KEY] = str(video)
     if mask is not None:
         fields[MASK_KEY] = str(mask)
+    fields.update(animate_fields(animate or {}))
     try:
         request = build(fields, output, image, last_image, references)
         resolved = gen.resolve(request)
@@ -290,6 +299,7 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
             error.param = "last_image"
         elif error.param is None:
             error.param = error_param(error.message)
+        error.param = animate_error_param(error.message, error.param)
         if error.param in ("width", "height") and "size" in body:  # the field the client sent
             error.param, error.message = "size", f"{error.message} (size={body['size']!r} sets width and height)"
         elif error.param == "num_frames" and "seconds" in body:
@@ -299,7 +309,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
     if "lora" in body:
         fields[LORA_KEY] = (loras or ServedLoras(None)).check(body["lora"], gen.checkpoint)
     s = resolved.settings
-    seconds = str(body["seconds"]) if "seconds" in body else f"{s.num_frames / s.fps:g}"
+    frames = s.num_frames if resolved.animate is None else resolved.animate.plan.frames  # Animate's: a segment's
+    seconds = str(body["seconds"]) if "seconds" in body else f"{frames / s.fps:g}"
     return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)
 
 
@@ -307,9 +318,9 @@ def build(fields: dict, output: Path, image, last_image=None, references=None) -
     """The request of a job: its stored ``fields`` (the server's own, :data:`JOB_KEYS`, read for the uploads' files),
     the server's ``output`` (a .mp4 path, replaced if a former run of the job left it), the first and last frames
     ``image`` and ``last_image`` (PIL images or None) and VACE's reference images (PIL images; None: the stored
-    files)."""
+    files). Animate's videos are read with the request's fields (its rules take them together)."""
     request = from_json(GenerationRequest, {**{k: v for k, v in fields.items() if k not in JOB_KEYS},
-                                            "output_path": str(output), "overwrite": True})
+                                            **animate_inputs(fields), "output_path": str(output), "overwrite": True})
     inputs = {k: v for k, v in (("image", image), ("last_image", last_image), ("video", fields.get(VIDEO_KEY)))
               if v is not None}
     inputs.update(vace_inputs(fields, references))
@@ -317,16 +328,17 @@ def build(fields: dict, output: Path, image, last_image=None, references=None) -
 
 
 def uploads(job) -> tuple[str | None, ...]:
-    """The files of a job's uploads: its first and last frames, its video (None: not uploaded), then VACE's mask
-    (None: not uploaded) and reference images."""
-    return job.image, job.fields.get(LAST_IMAGE_KEY), job.fields.get(VIDEO_KEY), *vace_files(job.fields)
+    """The files of a job's uploads: its first and last frames, its video (None: not uploaded), VACE's mask
+    (None: not uploaded) and reference images, then Animate's videos (None: not uploaded)."""
+    return (job.image, job.fields.get(LAST_IMAGE_KEY), job.fields.get(VIDEO_KEY), *vace_files(job.fields),
+            *animate_files(job.fields))
 
 
 def check_video(path: Path, limits: Limits, param: str = "video") -> None:
-    """An uploaded video (the file field ``param``: ``video``, VACE's ``mask``), decoded frame by frame (one in
-    memory at a time) before the request is checked: 400 when it is no readable video or has no frame, 413 when a
-    frame is over the pixel cap or the frames together are over ``max_video_pixels`` (or more than the frames a
-    request may have)."""
+    """An uploaded video (the file field ``param``: ``video``, VACE's ``mask``, Animate's videos), decoded frame by
+    frame (one in memory at a time) before the request is checked: 400 when it is no readable video or has no frame,
+    413 when a frame is over the pixel cap or the frames together are over ``max_video_pixels`` (or more than the
+    frames a request may have)."""
     import imageio.v3 as iio
 
     from fastwan.pipelines.video import MAX_VIDEO_FRAMES

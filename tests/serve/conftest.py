@@ -44,6 +44,15 @@ def vace_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def animate_server(tmp_path_factory):
+    """``fastwan serve`` of a tiny Wan2.2-Animate checkpoint (diffusers' WanAnimatePipeline layout: 32x32, segments
+    of 9 frames, 3 steps), for the Animate upload tests."""
+    srv = tiny_server(tmp_path_factory, "wan2.2-animate", 43)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def postgres():
     from tests.serve.pg import Postgres
 

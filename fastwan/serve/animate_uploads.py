@@ -1,0 +1,68 @@
+"""Wan2.2-Animate's uploads in a create: the driving videos ``pose_video`` and ``face_video`` and, in replace mode,
+``background_video`` and ``mask_video`` (multipart files), beside the character image (the upload
+``input_reference``, the request's ``image``) and the plain fields ``mode``, ``segment_frames``, ``overlap`` and
+``motion_batch_size`` (form or JSON values, read as the request's other fields are).
+
+Rules:
+
+- Each video is one file, saved to the data folder's ``uploads`` and read frame by frame like ``video``
+  (:func:`~fastwan.serve.requests.check_video`), then checked by the checkpoint's Animate rules (``gen.resolve``:
+  the driving videos of one length, the mask of the background's size, ...); a rule's error names the field it is
+  about (:func:`error_param`).
+- They are Animate's only: on another checkpoint they are refused (400 naming the first) before anything else is
+  read. Their JSON and form text forms (a path on the server's host) stay refused.
+- They are stored with the job (their files named in the job's fields, :data:`ANIMATE_KEYS`) and removed with its
+  other uploads. VACE's upload ``mask`` is another field (:mod:`fastwan.serve.uploads`).
+"""
+from __future__ import annotations
+
+import re
+
+from fastwan.serve.errors import ApiError
+
+ANIMATE_UPLOADS = ("pose_video", "face_video", "background_video", "mask_video")  # the Animate file fields
+ANIMATE_KEYS = {name: f"_{name}" for name in ANIMATE_UPLOADS}  # each upload's file in a job's stored fields
+DIFFERENT_LENGTHS = re.compile(r"the driving videos differ in length \(([^)]*) frames\)")
+
+
+def refuse_without_animate(checkpoint, given: list[str]) -> None:
+    """400 naming the first Animate upload in ``given`` when ``checkpoint``'s DiT is not Wan2.2-Animate's."""
+    if given and not checkpoint.transformer_config.animate:
+        raise ApiError(400, f"{' and '.join(given)} uploaded, but this server's model ({checkpoint.variant}) is not a "
+                            "Wan2.2-Animate checkpoint; they are inputs of Wan2.2-Animate (e.g. "
+                            "Wan-AI/Wan2.2-Animate-14B-Diffusers): leave them out, or send them to a server of an "
+                            "Animate model.", code="unsupported_parameter", param=given[0])
+
+
+def animate_fields(videos: dict) -> dict:
+    """The stored fields naming the uploaded Animate ``videos`` (their files by field)."""
+    return {ANIMATE_KEYS[name]: str(path) for name, path in videos.items() if name in ANIMATE_KEYS}
+
+
+def animate_inputs(fields: dict) -> dict:
+    """The request's Animate videos of a job's stored ``fields`` (their files)."""
+    return {name: fields[key] for name, key in ANIMATE_KEYS.items() if fields.get(key)}
+
+
+def animate_files(fields: dict) -> tuple:
+    """The files of a job's Animate uploads (None: not uploaded)."""
+    return tuple(fields.get(key) for key in ANIMATE_KEYS.values())
+
+
+def error_param(message: str, param: str | None) -> str | None:
+    """The field an Animate rule's ``message`` is about, ``param`` (the field it starts with, or None) unless the
+    rule is about another: a missing character image is ``input_reference``; driving videos of different lengths
+    name the first whose length is not ``pose_video``'s; a checkpoint without driving videos, or driving videos too
+    short for the overlap, name ``pose_video``; a message starting with an upload's name names it."""
+    if "without image=" in message:
+        return "input_reference"
+    lengths = DIFFERENT_LENGTHS.search(message)
+    if lengths:
+        counts = re.findall(r"(\w+) (\d+)", lengths.group(1))
+        return next((name for name, n in counts if n != counts[0][1]), counts[0][0])
+    if message.startswith(("this is a Wan2.2-Animate checkpoint", "the driving videos have")):
+        return "pose_video"
+    first = re.match(r"(\w+)\b", message)
+    if param is None and first and first.group(1) in ANIMATE_UPLOADS:
+        return first.group(1)
+    return param
