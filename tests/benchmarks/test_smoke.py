@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
-# script -> (arguments beyond --smoke, with {ckpt}: a tiny text-to-video checkpoint and {dir}: the test's folder;
-# the results file it writes; a line of the table it prints)
+# script, or "script[case]" for another run of one script -> (arguments beyond --smoke, with {ckpt}: a tiny
+# text-to-video checkpoint and {dir}: the test's folder; the results file it writes; a line of the table it prints)
 SMOKE = {
     "cache_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/cache.json"], "cache.json", "| residual-half |"),
     "distilled": (["--ckpt13", "{ckpt}", "--ckpt14", "{ckpt}", "--fastwan13", "{dir}/fastwan", "--fastwan14",
@@ -24,6 +24,10 @@ SMOKE = {
                   "distilled.json", "| lora14b | 32x32x5 |"),
     "e2e": (["--ckpt", "{dir}/made", "--out", "{dir}/e2e.json"], "e2e.json", "| fastwan_e2e[TORCH_SDPA,auto] |"),
     "forward_14b": (["--task", "i2v", "--out", "{dir}/forward.json"], "forward.json", "auto/fp8: TORCH_SDPA"),
+    "forward_14b[vace]": (["--task", "vace", "--out", "{dir}/forward_vace.json"], "forward_vace.json",
+                          "x eager, rel err"),
+    "forward_14b[animate]": (["--task", "animate", "--out", "{dir}/forward_animate.json"], "forward_animate.json",
+                             "x eager, rel err"),
     "i2v": (["--ckpt", "{dir}/i2v", "--out", "{dir}/i2v.json"], "i2v.json", "| i2v-14b:fastwan[auto,2 steps] |"),
     "budget_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/budget.jsonl"], "budget.jsonl", "4-step e2e"),
     "parallel_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/parallel.json"], "parallel.json", "| sp2 | 2 |"),
@@ -50,8 +54,9 @@ PLAN = {
                   "--", "--iters", "3", "--prompt-tokens", "100"]],
 }
 SUITES = ("14b", "a14b", "a14b-short", "vsa")  # benchmarks/budget_suite.sh, checked with --dry-run
-SCRIPTS = {**dict.fromkeys(SMOKE), **dict.fromkeys(PLAN), "budget_suite": None}
-HELPERS = ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker")  # imported or run by the scripts
+SCRIPTS = {**dict.fromkeys(name.partition("[")[0] for name in SMOKE), **dict.fromkeys(PLAN), "budget_suite": None}
+HELPERS = ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker",
+           "editing_inputs")  # imported or run by the scripts
 DOCUMENTS = ("RESULTS", "HISTORY", "probes")  # names after "benchmarks/" that are no script
 
 
@@ -70,7 +75,7 @@ def folder(tmp_path_factory):
 def test_smoke(name, folder, capsys):
     args, results, line = SMOKE[name]
     argv = [a.format(ckpt=folder / "wan2.1", dir=folder) for a in args]
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = importlib.import_module(f"benchmarks.{name.partition('[')[0]}")
     assert module.main(["--smoke", *argv]) == 0
     assert line in capsys.readouterr().out
     text = (folder / results).read_text()
