@@ -135,7 +135,7 @@ def test_bad_animate_uploads_are_refused_before_anything_is_queued(animate_serve
 def test_a_deleted_animate_job_leaves_no_upload(animate_server):
     client = animate_server.client()
     uploads = animate_server.data_dir / "uploads"
-    long = {"num_inference_steps": "400"}  # minutes on a CPU: still running when deleted
+    long = {"num_inference_steps": "300"}  # minutes on a CPU: still running when deleted
     running = create(client, long, pose_video=mp4(9, 32, 48, seed=8), face_video=mp4(9, 32, 32, seed=9))
     queued = create(client, {"mode": "replace", **long}, pose_video=mp4(9, 32, 48), face_video=mp4(9, 32, 32),
                     background_video=mp4(9, 32, 48), mask_video=mp4(9, 32, 48, box=True))
