@@ -19,7 +19,6 @@ The segments' frames joined are cut to the driving videos' length.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -63,13 +62,13 @@ def _driving(a: AnimateRequest, height: int, width: int, face_size: int) -> dict
 
 def animate_frames(gen, prompt: str, negative_prompt: str, s, seed: int, a: AnimateRequest, on_step=None):
     """``generate``'s compute for an Animate request ``a`` (the caller holds the generator's lock; ``s``: the
-    settings, ``s.num_frames`` the segment's frames) -> (frames uint8 [T, H, W, 3], DiT forwards, timings, peak
-    CUDA bytes or None, None). ``on_step(done, total)`` after each step, counted over all segments."""
+    settings, ``s.num_frames`` what the DiT denoises: the segment's frames after the character image's) ->
+    (frames uint8 [T, H, W, 3], DiT forwards, timings, peak CUDA bytes or None, None). ``on_step(done, total)``
+    after each step, counted over all segments."""
     check_animate_generator(gen)
     dev, dit, plan = gen.device, gen.transformers[0], a.plan
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    vt = gen.vae_scale_factors[0]
     size = (s.height, s.width)
     t0 = time.perf_counter()
     do_cfg = runs_cfg(s)
@@ -81,7 +80,6 @@ def animate_frames(gen, prompt: str, negative_prompt: str, s, seed: int, a: Anim
         videos = _driving(a, *size, dit.config.motion_encoder_size)
     sync(dev)
     t1 = time.perf_counter()
-    segment_settings = dataclasses.replace(s, num_frames=plan.segment_frames + vt)  # the reference's frame first
     generator = torch.Generator(device=dev).manual_seed(int(seed))  # one stream over the segments
     total = len(plan.starts) * s.num_inference_steps
     parts, previous, forwards, decoding = [], None, 0, 0.0
@@ -98,7 +96,7 @@ def animate_frames(gen, prompt: str, negative_prompt: str, s, seed: int, a: Anim
             step = None if on_step is None else (lambda i, n, done=done: on_step(done + i, total))
             with animate_inputs(dit, pose.to(dit.dtype), face, face_uncond=face * 0 - 1,
                                 motion_batch_size=a.motion_batch_size):
-                latents, n = denoise(gen, emb, segment_settings, seed, do_cfg, (condition, tokens), on_step=step,
+                latents, n = denoise(gen, emb, s, seed, do_cfg, (condition, tokens), on_step=step,
                                      generator=generator)
         forwards += n
         sync(dev)

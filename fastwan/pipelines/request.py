@@ -5,7 +5,7 @@ compute; the CLI resolves it from the checkpoint's files before the model loads 
 generator, so a mistyped argument fails in seconds and no rule is checked twice."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastwan.cache import CacheConfig, resolve_coefficients
 from fastwan.checkpoint.presets import WAN_NEGATIVE_PROMPT, with_overrides
@@ -47,7 +47,9 @@ class ResolvedRequest:
     chords: tuple[int, ...] | None = None
     vace: VaceRequest | None = None  # a VACE checkpoint's control input (fastwan.pipelines.vace)
     causal: object = None  # the checkpoint's CausalRecipe (None: not causal): its rules were the ones checked
-    animate: AnimateRequest | None = None  # a Wan2.2-Animate request (settings.num_frames: a segment's frames)
+    # a Wan2.2-Animate request; settings.num_frames is then what the DiT denoises: a segment's frames and 4 more (the
+    # character image's latent frame before them)
+    animate: AnimateRequest | None = None
 
     @property
     def negative_prompt(self) -> str:
@@ -100,8 +102,8 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     video = None if vace is not None or animate is not None else check_video_request(ckpt, r.video, r.strength,
                                                                                       r.image, r.num_frames)
     num_frames = r.num_frames if video is None else len(video.frames)
-    if animate is not None:  # the DiT denoises a segment at a time
-        num_frames = animate.plan.segment_frames
+    if animate is not None:  # the DiT denoises a segment at a time, after the character image's latent frame
+        num_frames = animate.plan.segment_frames + vae_factors[0]
     if vace is not None and vace.video is not None:  # VACE makes a video of the control video's frames and size
         num_frames, (height, width) = vace.frames, vace.size
     if req is not None and (height is None or width is None):  # the missing side(s) from the image's aspect
@@ -118,9 +120,7 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     else:
         check_training_grid(s, scheduler)
         sampler_shift(s, scheduler)
-    # the DiT's grid: an Animate segment's latent frames follow the reference image's
-    grid = check_inputs(s if animate is None else replace(s, num_frames=s.num_frames + vae_factors[0]),
-                        vae_factors=vae_factors, patch=cfg.patch_size, scheduler=stepper,
+    grid = check_inputs(s, vae_factors=vae_factors, patch=cfg.patch_size, scheduler=stepper,
                         max_grid=cfg.rope_max_seq_len, experts=len(ckpt.experts))
     check_frames(req, s.num_frames)
     cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
