@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # which is run by path)
 MODULES = sorted(p.relative_to(BENCHMARKS.parent).with_suffix("").as_posix().replace("/", ".")
                  for p in [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("probes/*.py")]
-                 if p.stem not in ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker"))
+                 if p.stem not in ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker", "editing_inputs"))
 
 
 def test_option_variants_follow_the_dataclass():
