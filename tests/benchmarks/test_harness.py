@@ -14,9 +14,10 @@ from fastwan.options import DiTOptions
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # every script with a command line: the benchmarks and the probes (not the helpers they import, nor the A/B worker,
 # which is run by path)
+HELPER_MODULES = ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker", "editing_inputs")  # no main
 MODULES = sorted(p.relative_to(BENCHMARKS.parent).with_suffix("").as_posix().replace("/", ".")
                  for p in [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("probes/*.py")]
-                 if p.stem not in ("__init__", "harness", "checkpoints", "sparse_configs", "ab_worker", "editing_inputs"))
+                 if p.stem not in HELPER_MODULES)
 
 
 def test_option_variants_follow_the_dataclass():
