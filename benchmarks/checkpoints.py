@@ -14,9 +14,14 @@ from types import MappingProxyType
 
 import torch
 
-from benchmarks.harness import TASKS, TEXT_DIM, dit_kwargs, log
+from benchmarks.editing_inputs import CLASS_NAMES, peer_class, peer_kwargs
+from benchmarks.harness import TASKS, TEXT_DIM, log
 
-TINY_VARIANTS = MappingProxyType({"t2v": "wan2.1", "i2v": "wan2.1-i2v", "i2v-a14b": "wan2.2-i2v-a14b"})
+TINY_VARIANTS = MappingProxyType({"t2v": "wan2.1", "i2v": "wan2.1-i2v", "i2v-a14b": "wan2.2-i2v-a14b",
+                                  "vace": "wan2.1-vace", "animate": "wan2.2-animate"})
+EDIT_SHIFTS = MappingProxyType({"vace": 3.0, "animate": 5.0})  # the scheduler shift of Wan2.1-VACE (480p) and
+# Wan2.2-Animate (its animate_14B config); neither has a second expert
+PIPELINES = MappingProxyType({"t2v": "WanPipeline", "vace": "WanVACEPipeline", "animate": "WanAnimatePipeline"})
 
 CLIP_VIT_H = MappingProxyType(dict(  # the Wan2.1 I2V image encoder's shape (ViT-H/14, 257 tokens of 1280)
     hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, image_size=224,
@@ -52,13 +57,14 @@ def transformer_config(root: Path) -> dict:
 
 def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.device | str = "cuda",
                     text_encoder_from: Path | None = None) -> None:
-    """Random weights at the real shapes of a Wan2.1 ``size`` and ``task`` (:data:`TASKS`; size "tiny": fastwan's
-    tiny checkpoint of the task, :func:`tiny_checkpoint`, on the host whatever ``device``), saved as a
-    Diffusers-format folder: bf16 DiT and UMT5-XXL, fp32 VAE; "i2v" adds a ViT-H CLIP vision encoder (fp32) and
-    its image processor; "i2v-a14b" links ``transformer_2`` to ``transformer`` (the experts load as separate
-    tensors, so time and memory are those of two experts). ``text_encoder_from``: another such checkpoint whose
-    UMT5-XXL this one links to (saves 11 GB of disk)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    """Random weights at the real shapes of a Wan2.1 ``size`` and ``task`` (:data:`TASKS`, or "vace" / "animate":
+    :func:`benchmarks.editing_inputs.peer_kwargs`' DiT; size "tiny": fastwan's tiny checkpoint of the task,
+    :func:`tiny_checkpoint`, on the host whatever ``device``), saved as a Diffusers-format folder: bf16 DiT and
+    UMT5-XXL, fp32 VAE; "i2v" and "animate" add a ViT-H CLIP vision encoder (fp32) and its image processor;
+    "i2v-a14b" links ``transformer_2`` to ``transformer`` (the experts load as separate tensors, so time and memory
+    are those of two experts). ``text_encoder_from``: another such checkpoint whose UMT5-XXL this one links to
+    (saves 11 GB of disk)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
     from fastwan.checkpoint.tiny import _tokenizer
@@ -70,11 +76,11 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
     if size == "tiny":
         tiny_checkpoint(root, task)
         return
-    _, shift, boundary = TASKS[task]
+    shift, boundary = (EDIT_SHIFTS[task], None) if task in EDIT_SHIFTS else TASKS[task][1:]
     t0 = time.time()
     with torch.device(device):
         torch.manual_seed(0)
-        m = WanTransformer3DModel(**dit_kwargs(size, task)).to(torch.bfloat16)
+        m = peer_class(task)(**peer_kwargs(size, task)).to(torch.bfloat16)
         m.save_pretrained(root / "transformer", safe_serialization=True, max_shard_size="10GB")
         del m
         cfg = UMT5Config(vocab_size=256384, d_model=TEXT_DIM, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
@@ -89,7 +95,7 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
             te.save_pretrained(root / "text_encoder", safe_serialization=True, max_shard_size="10GB")
             del te
         AutoencoderKLWan().save_pretrained(root / "vae", safe_serialization=True)
-        if task == "i2v":
+        if task in ("i2v", "animate"):
             from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
             CLIPVisionModel(CLIPVisionConfig(**CLIP_VIT_H)).save_pretrained(root / "image_encoder",
@@ -103,18 +109,30 @@ def make_checkpoint(root: Path, size: str, task: str = "t2v", device: torch.devi
     _tokenizer().save_pretrained(root / "tokenizer")
     UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
                             num_train_timesteps=1000).save_pretrained(root / "scheduler")
-    dit = ["diffusers", "WanTransformer3DModel"]
-    index = {"_class_name": "WanPipeline" if task == "t2v" else "WanImageToVideoPipeline",
-             "_diffusers_version": "0.35.0", "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    (root / "model_index.json").write_text(json.dumps(model_index(task, boundary)))
+    log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
+
+
+def model_index(task: str, boundary: float | None = None) -> dict:
+    """model_index.json of a :func:`make_checkpoint` checkpoint of ``task`` (``boundary``: the A14B boundary ratio,
+    None with one DiT): diffusers' pipeline of the task and its components. VACE and Animate have no
+    ``expand_timesteps``; Animate no second expert either."""
+    dit = ["diffusers", CLASS_NAMES.get(task, "WanTransformer3DModel")]
+    index = {"_class_name": PIPELINES.get(task, "WanImageToVideoPipeline"), "_diffusers_version": "0.35.0",
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"],
              "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
              "transformer": dit, "transformer_2": dit if boundary is not None else [None, None],
              "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": boundary, "expand_timesteps": False}
-    if task != "t2v":
-        clip = task == "i2v"
+    if task in ("vace", "animate"):
+        del index["expand_timesteps"]
+    if task == "animate":
+        for key in ("transformer_2", "boundary_ratio"):
+            del index[key]
+    if task not in ("t2v", "vace"):
+        clip = task in ("i2v", "animate")
         index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
-    (root / "model_index.json").write_text(json.dumps(index))
-    log(f"made random {size} {task} checkpoint in {time.time() - t0:.1f}s")
+    return index
 
 
 def _linked_copy(plain: Path, root: Path, skip: tuple[str, ...]) -> bool:

@@ -88,20 +88,21 @@ class StepClock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
-def diffusers_i2v(root: Path, tuned: bool, device: torch.device):
-    """diffusers' WanImageToVideoPipeline from ``root``: bf16 DiT (fp32 off CUDA), fp32 VAE and CLIP (diffusers'
-    examples)."""
-    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+def diffusers_i2v(root: Path, tuned: bool, device: torch.device, pipeline: str = "WanImageToVideoPipeline"):
+    """diffusers' ``pipeline`` (WanImageToVideoPipeline, or another Wan pipeline class) from ``root``: bf16 DiT
+    (fp32 off CUDA), fp32 VAE and CLIP where it has one (diffusers' examples)."""
+    import diffusers
+    from diffusers import AutoencoderKLWan
 
     extra = {"vae": AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=torch.float32)}
     if (root / "image_encoder").is_dir():
         from transformers import CLIPVisionModel
 
         extra["image_encoder"] = CLIPVisionModel.from_pretrained(root / "image_encoder", torch_dtype=torch.float32)
-    pipe = WanImageToVideoPipeline.from_pretrained(root, torch_dtype=bench_dtype(device), **extra).to(device)
+    pipe = getattr(diffusers, pipeline).from_pretrained(root, torch_dtype=bench_dtype(device), **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     if tuned:
-        for t in (pipe.transformer, pipe.transformer_2):
+        for t in (pipe.transformer, getattr(pipe, "transformer_2", None)):
             if t is not None:
                 tune_diffusers(t)
     return pipe
@@ -119,6 +120,19 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
     kw = dict(image=image, prompt=PROMPT, negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs)
     if gs2 is not None:
         kw["guidance_scale_2"] = gs2
+    key = f"{job}:diffusers_tuned" if tuned else f"{job}:diffusers"
+    res[key] = timed_diffusers(pipe, kw, steps, tuned, device, frames_path(out, key))
+    res[key]["setup"] = PEERS["diffusers_tuned" if tuned else "diffusers"] + ", fp32 CLIP"
+    log(f"{key}: {res[key]['seconds']:.2f} s, {res[key]['s_per_step_median']} s/step, peak {res[key]['peak_gib']} "
+        "GiB")
+    del pipe
+    release(tuned, device)
+
+
+def timed_diffusers(pipe, kw: dict, steps: int, tuned: bool, device: torch.device, frames_to: Path) -> dict:
+    """diffusers' ``pipe(**kw)`` end to end: one untimed warm-up (2 steps when tuned, to compile; latents out),
+    one timed run of ``steps`` (seed 0) whose uint8 frames are saved to ``frames_to`` -> its figures: seconds,
+    steps, warm-up seconds, peak GiB, the median and spread of steps 2..N."""
     t0 = time.perf_counter()
     pipe(**kw, num_inference_steps=2 if tuned else 1, output_type="latent")
     warmup = time.perf_counter() - t0
@@ -130,17 +144,11 @@ def phase_diffusers(root: Path, job: str, video: tuple[int, int, int], steps: in
                   output_type="np", callback_on_step_end=clock).frames[0]
     sync(device)
     e2e = time.perf_counter() - t0
-    frames = (out_np * 255).round().astype(np.uint8)
+    np.save(frames_to, (out_np * 255).round().astype(np.uint8))
     per_step = clock.step_seconds()
-    key = f"{job}:diffusers_tuned" if tuned else f"{job}:diffusers"
-    res[key] = {"seconds": e2e, "steps": steps, "warmup_s": warmup, "peak_gib": peak_gib(device),
-                "s_per_step_median": statistics.median(per_step) if per_step else None,
-                "s_per_step_spread": [min(per_step), max(per_step)] if per_step else None,
-                "setup": PEERS["diffusers_tuned" if tuned else "diffusers"] + ", fp32 CLIP"}
-    np.save(frames_path(out, key), frames)
-    log(f"{key}: {e2e:.2f} s, {res[key]['s_per_step_median']} s/step, peak {res[key]['peak_gib']} GiB")
-    del pipe
-    release(tuned, device)
+    return {"seconds": e2e, "steps": steps, "warmup_s": warmup, "peak_gib": peak_gib(device),
+            "s_per_step_median": statistics.median(per_step) if per_step else None,
+            "s_per_step_spread": [min(per_step), max(per_step)] if per_step else None}
 
 
 def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int, res: dict, out: Path,
@@ -153,7 +161,20 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
     gen = VideoGenerator.from_pretrained(root, device=device, dtype=bench_dtype(device), cfg_mode=cfg_mode,
                                          enable_torch_compile=compile_)
     kw = dict(image=bench_image(h, w), negative_prompt=NEG, height=h, width=w, num_frames=f, guidance_scale=gs,
-              guidance_scale_2=gs2, seed=0, save_video=False)
+              guidance_scale_2=gs2)
+    key = f"{job}:fastwan[{cfg_mode}{',compiled' if compile_ else ''},{steps} steps]"
+    res[key] = {**timed_fastwan(gen, kw, steps, device, frames_path(out, key)), "experts": expert_steps(gen, steps)}
+    log(f"{key}: {res[key]['seconds']:.2f} s ({res[key]['s_per_step']:.3f} s/step), peak {res[key]['peak_gib']} "
+        f"GiB, timings {res[key]['timings']}")
+    del gen
+    release(compile_, device)
+
+
+def timed_fastwan(gen, kw: dict, steps: int, device: torch.device, frames_to: Path) -> dict:
+    """fastwan's ``gen.generate_video(PROMPT, **kw)`` end to end (seed 0): one untimed 2-step warm-up (compilation,
+    kernel JIT), one timed run of ``steps`` whose frames are saved to ``frames_to`` -> its figures: seconds, steps,
+    s/step (denoising time / steps), the generator's timings, warm-up seconds, attention backend, peak GiB."""
+    kw = dict(kw, seed=0, save_video=False)
     t0 = time.perf_counter()
     gen.generate_video(PROMPT, **kw, num_inference_steps=2)
     warmup = time.perf_counter() - t0
@@ -162,16 +183,10 @@ def phase_fastwan(root: Path, job: str, video: tuple[int, int, int], steps: int,
     r = gen.generate_video(PROMPT, **kw, num_inference_steps=steps)
     sync(device)
     e2e = time.perf_counter() - t0
-    key = f"{job}:fastwan[{cfg_mode}{',compiled' if compile_ else ''},{steps} steps]"
-    res[key] = {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps,
-                "timings": r.timings, "warmup_s": warmup, "attention": r.attention_backend,
-                "peak_gib": None if r.peak_memory is None else r.peak_memory / 2**30,
-                "experts": expert_steps(gen, steps)}
-    np.save(frames_path(out, key), r.frames)
-    log(f"{key}: {e2e:.2f} s ({res[key]['s_per_step']:.3f} s/step), peak {res[key]['peak_gib']} GiB, "
-        f"timings {r.timings}")
-    del gen
-    release(compile_, device)
+    np.save(frames_to, r.frames)
+    return {"seconds": e2e, "steps": steps, "s_per_step": r.timings["denoising"] / steps, "timings": r.timings,
+            "warmup_s": warmup, "attention": r.attention_backend,
+            "peak_gib": None if r.peak_memory is None else r.peak_memory / 2**30}
 
 
 def expert_steps(gen, steps: int) -> list[int]:
@@ -206,28 +221,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.i2v", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--job", default="i2v-14b", choices=tuple(JOBS))
+    add_job_arguments(p, tuple(JOBS), "/tmp/wan-i2v-random", "i2v.json", compile_default=False)
+    return p
+
+
+def add_job_arguments(p, jobs: tuple[str, ...], ckpt: str, out: str, compile_default: bool,
+                      video_help: str = "height x width x frames (default: the job's)") -> None:
+    """The arguments :func:`run_phases` reads: --job (one of ``jobs``, the first by default), --phase, --ckpt,
+    --steps, --cfg-mode, --device, --compile, --video, --out (``out``; --smoke's in the smoke folder) and --smoke."""
+    p.add_argument("--job", default=jobs[0], choices=jobs)
     p.add_argument("--phase", default="make,diffusers,diffusers_tuned,fastwan", help="comma-separated, in order")
-    p.add_argument("--ckpt", default="/tmp/wan-i2v-random")
+    p.add_argument("--ckpt", default=ckpt)
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the job's)")
     p.add_argument("--cfg-mode", default="auto", choices=("auto", "batched", "sequential"))
-    add_device(p, compile_default=False)
-    p.add_argument("--video", default=None, metavar="HxWxF", help="height x width x frames (default: the job's)")
-    p.add_argument("--out", default="i2v.json")
-    add_smoke(p, ckpt=None, phase="make,diffusers,fastwan", video="32x32x5", steps=2,
-              out=str(SMOKE_DIR / "i2v.json"))
-    return p
+    add_device(p, compile_default=compile_default)
+    p.add_argument("--video", default=None, metavar="HxWxF", help=video_help)
+    p.add_argument("--out", default=out)
+    add_smoke(p, ckpt=None, phase="make,diffusers,fastwan", video="32x32x5", steps=2, out=str(SMOKE_DIR / out))
 
 
 def main(argv=None) -> int:
     p = build_parser()
     a = parse_args(p, argv)
+    job = JOBS[a.job]
+
+    def make(root: Path, device: torch.device) -> None:
+        make_checkpoint(root, "tiny" if a.smoke else "14b", task=job.task, device=device)
+
+    return run_phases(p, a, argv, job.steps, (job.height, job.width, job.frames), make, phase_diffusers,
+                      phase_fastwan)
+
+
+def run_phases(p, a, argv, steps: int, video: tuple[int, int, int], make, diffusers, fastwan) -> int:
+    """Run the phases of a command line ``a`` parsed by ``p`` (--job, --phase, --device, --steps, --video, --ckpt,
+    --out, --compile, --cfg-mode, --smoke) in order, appending the results to --out after each (frames compared
+    once both are saved), then print the job's summary; 0. ``steps`` and ``video``: the job's defaults;
+    ``make(root, device)`` writes the checkpoint; ``diffusers`` and ``fastwan`` are called as
+    :func:`phase_diffusers` and :func:`phase_fastwan` are. Bad arguments: the parser's error, before any work."""
     phases = parse_phases(p, a.phase, PHASES)
     device = device_arg(p, a.device, *(f"--phase {ph}" for ph in phases if ph == "diffusers_tuned"))
-    steps = a.steps if a.steps is not None else JOBS[a.job].steps
+    steps = a.steps if a.steps is not None else steps
     if steps < 2:
         p.error(f"--steps {steps}: must be at least 2 (the per-step times need two step ends)")
-    video = (JOBS[a.job].height, JOBS[a.job].width, JOBS[a.job].frames)
     if a.video is not None:
         try:
             video = parse_video(a.video)
@@ -240,11 +275,11 @@ def main(argv=None) -> int:
     res.setdefault("commands", []).append(command(p.prog, argv))
     for ph in phases:
         if ph == "make":
-            make_checkpoint(root, "tiny" if a.smoke else "14b", task=JOBS[a.job].task, device=device)
+            make(root, device)
         elif ph in ("diffusers", "diffusers_tuned"):
-            phase_diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
+            diffusers(root, a.job, video, steps, res, out, ph == "diffusers_tuned", device)
         else:
-            phase_fastwan(root, a.job, video, steps, res, out, a.compile, a.cfg_mode, device)
+            fastwan(root, a.job, video, steps, res, out, a.compile, a.cfg_mode, device)
         compare_runs(res, out, a.job)
         out.write_text(json.dumps(res, indent=1))
     summary(res, a.job)
