@@ -81,15 +81,26 @@ def _call(url: str, body: dict | None = None) -> dict:
         return json.loads(answer.read())
 
 
-def _until_done(url: str, video_id: str) -> dict:
-    """Read the video's SSE stream until its last event; that event's video object."""
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The server log's last ``lines`` lines, its progress bars and access lines left out (what a failed job's
+    error carries)."""
+    text = path.read_bytes().decode(errors="replace") if path.exists() else ""  # a bar's \r kept
+    kept = [line for line in text.split("\n") if line and "\r" not in line
+            and not line.startswith("INFO:     127.0.0.1")]
+    return "\n".join(kept[-lines:])
+
+
+def _until_done(url: str, video_id: str, log_path: Path | None = None) -> dict:
+    """Read the video's SSE stream until its last event; that event's video object. A job that does not complete
+    raises with the server log's tail (``log_path``)."""
     last = None
     with urllib.request.urlopen(f"{url}/v1/videos/{video_id}/events", timeout=3600) as answer:
         for line in answer:
             if line.startswith(b"data: "):
                 last = json.loads(line[6:])
     if last is None or last["status"] != "completed":
-        raise RuntimeError(f"video {video_id} did not complete: {last}")
+        tail = "" if log_path is None else f"\nthe server log's last lines:\n{log_tail(log_path)}"
+        raise RuntimeError(f"video {video_id} did not complete: {last}{tail}")
     return last
 
 
@@ -144,18 +155,18 @@ def phase_server(args, video) -> dict:
         body = request_fields(video, args.steps)
         warm = [_call(url + "/v1/videos", body)["id"] for _ in range(workers)]
         for video_id in warm:
-            _until_done(url, video_id)
+            _until_done(url, video_id, log_path)
         log(f"server warm-up: {workers} job(s) done")
         singles = []
         for k in range(args.repeats):
             start = time.time()
-            _until_done(url, _call(url + "/v1/videos", body)["id"])
+            _until_done(url, _call(url + "/v1/videos", body)["id"], log_path)
             singles.append(time.time() - start)
             log(f"server single job {k}: {singles[-1]:.2f} s")
         first = time.time()
         queued = [_call(url + "/v1/videos", body)["id"] for _ in range(args.queue)]
         for video_id in queued:
-            _until_done(url, video_id)
+            _until_done(url, video_id, log_path)
         time.sleep(0.5)  # the last log line is written
         jobs = _log_times(log_path.read_text())
         wall = max(jobs[v]["done"] for v in queued) - first if queued else None
