@@ -113,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     if "make" in phases:
         make_checkpoint(Path(args.plain), "tiny" if args.smoke else "1.3b", device=device)  # kept if there
         derive_causal(Path(args.plain), Path(args.ckpt))
+    previous = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps([*previous, record], indent=1, default=str))
     if "stream" in phases:
         for name in variants:
             log(f"stream: {name}")
             record["results"].append(run_variant(name, args, device))
-    previous = json.loads(out.read_text()) if out.exists() else []
-    out.write_text(json.dumps([*previous, record], indent=1, default=str))
+            out.write_text(json.dumps([*previous, record], indent=1, default=str))  # each variant kept as it ends
     print("| variant | size | first chunk (s) | sustained fps | DiT/chunk (ms) | KV write (ms) | decode (ms) | "
           "peak 10 s / end (GiB) |")
     print("|---|---|---|---|---|---|---|---|")
