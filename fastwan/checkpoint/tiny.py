@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -46,9 +47,10 @@ TINY_CAUSAL_DIT = {"num_frames_per_block": 3, "local_attn_size": -1, "sink_size"
 TINY_CAUSAL_SCHEDULER = {"_class_name": "SelfForcingFlowMatchScheduler", "num_inference_steps": 1000, "shift": 5.0,
                          "sigma_min": 0.0, "extra_one_step": True, "training": True}
 # the tiny Animate DiT's own keys: a face adapter after blocks 0 and 2 of 4, face frames of 16 x 16 pixels
-TINY_ANIMATE_DIT = dict(motion_encoder_channel_sizes={"4": 8, "8": 6, "16": 5}, motion_encoder_size=16,
-                        motion_style_dim=8, motion_dim=4, motion_encoder_dim=7, face_encoder_hidden_dim=6,
-                        face_encoder_num_heads=2, inject_face_latents_blocks=2, motion_encoder_batch_size=5)
+TINY_ANIMATE_DIT = MappingProxyType(dict(
+    motion_encoder_channel_sizes=MappingProxyType({"4": 8, "8": 6, "16": 5}), motion_encoder_size=16,
+    motion_style_dim=8, motion_dim=4, motion_encoder_dim=7, face_encoder_hidden_dim=6, face_encoder_num_heads=2,
+    inject_face_latents_blocks=2, motion_encoder_batch_size=5))
 TINY_VACE_LAYERS = (0, 2)  # of 3 blocks: a hint after the first and the last, none after the middle one
 TINY_IDS = {
     "tiny": "wan2.1",
@@ -164,7 +166,9 @@ def _write(path: Path, variant: str, seed: int, shard: dict) -> None:
     if vace:  # the control latents: the video's inactive and reactive latents and the 8 x 8 mask's 64 channels
         image_cfg = dict(image_cfg, vace_layers=list(TINY_VACE_LAYERS), vace_in_channels=2 * channels + 64)
     if animate:
-        image_cfg = dict(image_cfg, latent_channels=channels, **TINY_ANIMATE_DIT)
+        sizes = dict(TINY_ANIMATE_DIT["motion_encoder_channel_sizes"])  # a JSON object in the config
+        image_cfg = dict(image_cfg, latent_channels=channels,
+                         **{**TINY_ANIMATE_DIT, "motion_encoder_channel_sizes": sizes})
 
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")

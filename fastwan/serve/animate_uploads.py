@@ -17,11 +17,13 @@ Rules:
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 
 from fastwan.serve.errors import ApiError
 
 ANIMATE_UPLOADS = ("pose_video", "face_video", "background_video", "mask_video")  # the Animate file fields
-ANIMATE_KEYS = {name: f"_{name}" for name in ANIMATE_UPLOADS}  # each upload's file in a job's stored fields
+# each upload's file in a job's stored fields
+ANIMATE_KEYS = MappingProxyType({name: f"_{name}" for name in ANIMATE_UPLOADS})
 DIFFERENT_LENGTHS = re.compile(r"the driving videos differ in length \(([^)]*) frames\)")
 
 
