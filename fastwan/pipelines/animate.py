@@ -198,9 +198,15 @@ def read_animate_videos(r, default_segment: int = 77) -> dict[str, list]:
         (mw, mh), (bw, bh) = videos["mask_video"][0].size, videos["background_video"][0].size
         raise InvalidArgument(f"mask_video frames are {mw}x{mh} but background_video frames are {bw}x{bh} (width x "
                               "height); give a mask of the background video's size.")
-    plan_segments(frames["pose_video"], default_segment if r.segment_frames is None else r.segment_frames,
-                  1 if r.overlap is None else r.overlap)
+    _plan(r, frames["pose_video"], default_segment)
     return videos
+
+
+def _plan(r, frames: int, default_segment: int) -> SegmentPlan:
+    """The segments of ``frames`` driving frames for the request ``r`` (its segment_frames, else
+    ``default_segment``; its overlap, else 1)."""
+    return plan_segments(frames, default_segment if r.segment_frames is None else r.segment_frames,
+                         1 if r.overlap is None else r.overlap)
 
 
 @dataclass(frozen=True)
@@ -268,12 +274,7 @@ def check_animate_request(checkpoint, r) -> AnimateRequest | None:
         raise InvalidArgument(f"num_frames={r.num_frames!r}, but the driving videos have {frames} frames; "
                               "Wan2.2-Animate makes one frame per driving frame: leave num_frames unset, or cut "
                               "the driving videos.")
-    segment = default_segment if r.segment_frames is None else r.segment_frames
-    overlap = 1 if r.overlap is None else r.overlap
-    if 2 * overlap >= segment:
-        raise InvalidArgument(f"segment_frames={segment} (the checkpoint's default) must be more than twice "
-                              f"overlap={overlap}; pass segment_frames=.")
-    plan = plan_segments(frames, segment, overlap)
+    plan = _plan(r, frames, default_segment)  # its rules were checked as the videos were read
     return AnimateRequest(read_image(r.image, "image"), videos, plan, r.mode or "animate", r.motion_batch_size)
 
 

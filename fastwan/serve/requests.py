@@ -309,7 +309,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
     if "lora" in body:
         fields[LORA_KEY] = (loras or ServedLoras(None)).check(body["lora"], gen.checkpoint)
     s = resolved.settings
-    frames = s.num_frames if resolved.animate is None else resolved.animate.plan.frames  # Animate's: a segment's
+    # an Animate video's frames are the driving videos' (its settings' are what the DiT denoises per segment)
+    frames = s.num_frames if resolved.animate is None else resolved.animate.plan.frames
     seconds = str(body["seconds"]) if "seconds" in body else f"{frames / s.fps:g}"
     return Accepted(fields, request.prompt, f"{s.width}x{s.height}", seconds, image)
 
