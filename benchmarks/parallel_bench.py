@@ -1,23 +1,37 @@
-"""Several GPUs (issue #22): the same video on 1, 2, 4 ... processes, measured back to back on one machine.
+"""Several GPUs (issues #22, #46): the same video on 1, 2, 4 ... processes, measured back to back on one machine.
 
-Each layout is its own ParallelGenerator (``from_pretrained(num_gpus=N, cfg_parallel=...)``: N worker processes,
-one GPU each): an untimed 1-step warm-up video (compilation), then --repeats timed videos of --steps steps. Reported:
-s/step (denoising time / steps), the end-to-end time of a --full-steps video (measured text + decode + --full-steps
-x s/step), the speedup over the 1-process layout, and the frames of the last video against the 1-process frames
-(PSNR, max abs difference). The split of a step into communication and compute comes from one more --steps video
-under torch.profiler on rank 0: communication is the time its GPU spends in NCCL kernels (the all-to-alls, the
-CFG all-gather, and the waits for the other ranks inside them), divided by the steps; compute is the rest of s/step.
+Each layout is its own ParallelGenerator (``from_pretrained(num_gpus=N, cfg_parallel=..., ring_degree=...)``: N
+worker processes, one GPU each): an untimed 1-step warm-up video (compilation), then --repeats timed videos of
+--steps steps. Reported: s/step (denoising time / steps), the end-to-end time of a --full-steps video (measured text
++ decode + --full-steps x s/step), the speedup over the first layout, and the frames of the last video against the
+first layout's frames (PSNR, max abs difference; or against --ref-frames, a .npy another run saved with
+--save-frames). The split of a step into communication and compute comes from one more --steps video under
+torch.profiler on rank 0: communication is the time its GPU spends in NCCL kernels (all-to-alls, ring key/value
+passes, the CFG all-gather, CHORDS's latents, and the waits for the other ranks inside them), divided by the steps;
+compute is the rest of s/step.
+
+Layouts: "1"; "spN" (N sequence-parallel processes, split Ulysses x Ring automatically); "spNrR" (ring degree R
+pinned); "cfg2" and "cfg2xspN[rR]" (CFG parallelism, times N); "chordsK" (CHORDS step-parallel sampling, K cores on
+K processes), "chordsKxspS" (each core on S processes), "chordsK@s0-s1-..." (the cores' start steps). A CHORDS
+video is not extrapolated: with a chords layout --steps must equal --full-steps (its rounds are fewer than its
+steps), and every layout samples with --sampler (default euler then, the sampler CHORDS needs) so that the first
+layout is the sequential video CHORDS approximates.
 
   python -m benchmarks.parallel_bench --ckpt /tmp/wan14b --layouts 1,sp2,cfg2,sp4,cfg2xsp2
+  python -m benchmarks.parallel_bench --ckpt /tmp/wan14b --layouts sp3 --ref-frames one.npy   # 3 GPUs: USP
+  python -m benchmarks.parallel_bench --ckpt /tmp/wan13b --video 480x832x81 --layouts 1,sp4r2,chords4@0-12-20-28 \
+      --steps 50 --full-steps 50
   python -m benchmarks.parallel_bench --ckpt tiny --device cpu --video 48x80x9 --layouts 1,sp2,cfg2xsp2  # gloo
-  python -m benchmarks.parallel_bench --smoke      # CI: a tiny checkpoint on the CPU, one process and two (gloo)
+  python -m benchmarks.parallel_bench --smoke      # CI: a tiny checkpoint on the CPU: one process, Ring 2, CHORDS 2
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,12 +42,47 @@ from benchmarks.harness import (
     psnr, versions)
 
 
-def layout(text: str) -> tuple[int, bool]:
-    """"1", "spN", "cfg2" or "cfg2xspN" -> (num_gpus, cfg_parallel)."""
-    cfg = text.startswith("cfg2")
-    rest = text[len("cfg2"):].lstrip("x") if cfg else text
-    sp = 1 if rest in ("", "1") else int(rest.removeprefix("sp"))
-    return sp * (2 if cfg else 1), cfg
+@dataclass(frozen=True)
+class Layout:
+    """One layout of --layouts: ``num_gpus`` processes, CFG parallelism, a pinned ring degree (None: automatic),
+    CHORDS's cores (None: sequential sampling) and their start steps (None: the default schedule)."""
+    num_gpus: int
+    cfg: bool = False
+    ring: int | None = None
+    cores: int | None = None
+    init: tuple[int, ...] | None = None
+
+    def load(self) -> dict:
+        return {"num_gpus": self.num_gpus, "cfg_parallel": self.cfg, "ring_degree": self.ring}
+
+    def request(self) -> dict:
+        if self.cores is None:
+            return {}
+        return {"chords_cores": self.cores, **({} if self.init is None else {"chords_init": list(self.init)})}
+
+
+_SEQUENCE = re.compile(r"(?:(?P<cfg>cfg2)(?:xsp)?|sp)(?P<sp>\d*)(?:r(?P<ring>\d+))?")
+_CHORDS = re.compile(r"chords(?P<cores>\d+)(?:xsp(?P<sp>\d+))?(?:@(?P<init>\d+(?:-\d+)*))?")
+
+
+def layout(text: str) -> Layout:
+    """"1", "spN[rR]", "cfg2", "cfg2xspN[rR]", "chordsK[xspS][@s0-s1-...]" -> :class:`Layout`."""
+    if text == "1":
+        return Layout(1)
+    if m := _CHORDS.fullmatch(text):
+        cores = int(m["cores"])
+        init = None if m["init"] is None else tuple(int(v) for v in m["init"].split("-"))
+        if init is not None and len(init) != cores:
+            raise ValueError(f"--layouts entry {text!r}: {len(init)} start steps for {cores} CHORDS cores; give one "
+                             "per core")
+        return Layout(cores * int(m["sp"] or 1), cores=cores, init=init)
+    m = _SEQUENCE.fullmatch(text)
+    # "cfg2" alone has no sequence degree; "spN" and "cfg2xspN" need theirs
+    if m is None or (m["sp"] == "") != (text == "cfg2"):
+        raise ValueError(f"--layouts entry {text!r} is not one of 1, spN, spNrR, cfg2, cfg2xspN[rR], "
+                         "chordsK[xspS][@s0-s1-...] (e.g. 1,sp3,sp4r2,cfg2xsp2,chords4@0-12-20-28)")
+    sp = int(m["sp"] or 1)
+    return Layout(sp * (2 if m["cfg"] else 1), cfg=bool(m["cfg"]), ring=None if m["ring"] is None else int(m["ring"]))
 
 
 class Profiled:
@@ -75,9 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--full-steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sampler", default=None,
+                   help="every layout's sampler (default: euler with a chords layout, else the checkpoint's)")
+    p.add_argument("--save-frames", default=None, help="write the first layout's frames here (.npy)")
+    p.add_argument("--ref-frames", default=None,
+                   help="compare every layout's frames with this .npy (a --save-frames of another run)")
     p.add_argument("--out", default="parallel.json")
-    add_smoke(p, ckpt=str(SMOKE_DIR / "wan2.1"), video="32x32x5", layouts="1,sp2", steps=2, full_steps=4, repeats=1,
-              out=str(SMOKE_DIR / "parallel.json"))
+    add_smoke(p, ckpt=str(SMOKE_DIR / "wan2.1"), video="32x32x5", layouts="1,sp2r2,chords2", steps=3, full_steps=3,
+              repeats=1, out=str(SMOKE_DIR / "parallel.json"))
     return p
 
 
@@ -92,24 +146,32 @@ def main(argv=None) -> int:
         layouts = {name: layout(name) for name in a.layouts.split(",")}
     except ValueError as exc:
         p.error(str(exc))
+    chords = [name for name, lay in layouts.items() if lay.cores is not None]
+    if chords and a.steps != a.full_steps:
+        p.error(f"--layouts {','.join(chords)}: a CHORDS video is timed whole, not extrapolated from s/step; pass "
+                f"--steps equal to --full-steps (now {a.steps} and {a.full_steps})")
+    sampler = a.sampler or ("euler" if chords else None)
     if a.smoke:
         tiny_checkpoint(a.ckpt)
     cuda = device.type == "cuda"
     load = dict(device=a.device, dtype=bench_dtype(device), enable_torch_compile=a.compile,
                 attention_backend="FLASH_ATTN" if cuda else None)
-    job = dict(height=h, width=w, num_frames=f, guidance_scale=5.0, seed=0, save_video=False)
-    timed = {**job, "num_inference_steps": a.steps}
-    rows, ref = [], None
-    for name, (n, cfg) in layouts.items():
+    job = dict(height=h, width=w, num_frames=f, guidance_scale=5.0, seed=0, save_video=False,
+               **({} if sampler is None else {"sampler": sampler}))
+    rows, ref = [], None if a.ref_frames is None else np.load(a.ref_frames)
+    for name, lay in layouts.items():
+        n, run = lay.num_gpus, {**job, **lay.request()}
         # the workers are the ones from_pretrained(num_gpus=n) starts, each generator wrapped in Profiled
         gen = (profiled_loader(a.ckpt, **load) if n == 1 else
-               ParallelGenerator(profiled_loader, a.ckpt, {**load, "num_gpus": n, "cfg_parallel": cfg}, n,
+               ParallelGenerator(profiled_loader, a.ckpt, {**load, **lay.load()}, n,
                                  torch.device(a.device)))
         try:
-            gen.generate_video(PROMPT, **job, num_inference_steps=1, return_frames=False)
-            runs = [gen.generate_video(PROMPT, **timed) for _ in range(a.repeats)]
+            # CHORDS needs a step per core: its warm-up runs as many steps as it has cores
+            gen.generate_video(PROMPT, **run, num_inference_steps=lay.cores or 1, return_frames=False)
+            runs = [gen.generate_video(PROMPT, **run, num_inference_steps=a.steps) for _ in range(a.repeats)]
             # one process has nothing to communicate: its split is all compute
-            prof = (gen._call("profile_video", (PROMPT,), {**timed, "return_frames": False}) if cuda and n > 1
+            prof = (gen._call("profile_video", (PROMPT,), {**run, "num_inference_steps": a.steps,
+                                                             "return_frames": False}) if cuda and n > 1
                     else None)
         finally:
             if isinstance(gen, ParallelGenerator):  # layout "1" is one process: nothing to end
@@ -117,8 +179,12 @@ def main(argv=None) -> int:
         step = statistics.median(r.timings["denoising"] / a.steps for r in runs)
         fixed = statistics.median(r.timings["total"] - r.timings["denoising"] for r in runs)
         frames = runs[-1].frames
-        ref = frames if ref is None else ref
-        row = {"layout": name, "num_gpus": n, "cfg_parallel": cfg, "step_s": step, "fixed_s": fixed,
+        if ref is None:
+            ref = frames
+            if a.save_frames:
+                np.save(output(a.save_frames), frames)
+        row = {"layout": name, "num_gpus": n, "cfg_parallel": lay.cfg, "ring_degree": lay.ring,
+               "chords_cores": lay.cores, "chords_init": lay.init, "sampler": sampler, "step_s": step, "fixed_s": fixed,
                "e2e_full_s": fixed + a.full_steps * step, "psnr_vs_first": psnr(frames, ref),
                "max_diff_vs_first": int(np.abs(frames.astype(int) - ref.astype(int)).max()),
                "comm_s_per_step": (prof["nccl_s"] / a.steps if prof else 0.0 if cuda else None), "profile_rank0": prof}
@@ -130,7 +196,7 @@ def main(argv=None) -> int:
            "command": command(p.prog, argv)}
     with open(output(a.out), "w") as fh:
         json.dump(res, fh, indent=1)
-    first = rows[0]['layout']
+    first = rows[0]['layout'] if a.ref_frames is None else a.ref_frames
     print(f"\n| layout | GPUs | s/step | comm / compute s/step | {a.full_steps}-step e2e s | speedup | "
           f"PSNR / max diff vs {first} |")
     print("|---|---|---|---|---|---|---|")

@@ -35,7 +35,7 @@ SMOKE = {
                               "{dir}/editing_animate.json"], "editing_animate.json",
                              "| animate-14b:fastwan[auto,2 steps] |"),
     "budget_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/budget.jsonl"], "budget.jsonl", "4-step e2e"),
-    "parallel_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/parallel.json"], "parallel.json", "| sp2 | 2 |"),
+    "parallel_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/parallel.json"], "parallel.json", "| chords2 | 2 |"),
     "fp8_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/fp8.json"], "fp8.json", "e2e: bf16"),
     "vae_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/vae.json"], "vae.json", "bf16+tiling"),
     "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
