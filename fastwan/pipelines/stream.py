@@ -10,7 +10,8 @@ CausalRecipe`). Each chunk (Self-Forcing's inference loop):
 2. the last ``x0`` is the chunk; the DiT runs once more on it at timestep ``context_noise`` with ``write=True``, so
    the cache holds the clean chunk's keys and values (:class:`fastwan.models.wan.causal.CausalRun`);
 3. the VAE decodes the chunk with its causal feature cache (:class:`fastwan.vae.stream.StreamDecoder`) and its
-   frames leave at once.
+   frames leave: at once, or, with ``overlap_decode`` (the default on CUDA), once the next chunk's DiT work is
+   queued, its decode on a side CUDA stream running beside that DiT (:mod:`fastwan.pipelines.stream_decode`).
 
 The stream has no length limit when ``num_frames`` is None: with the recipe's (or the caller's) window of frames
 the caches stay one size. :meth:`VideoStream.switch_prompt` changes the text of the chunks that follow.
@@ -30,7 +31,8 @@ from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
 from fastwan.pipelines.inputs import random_seed
-from fastwan.pipelines.setup import on_device, sync
+from fastwan.pipelines.setup import on_device
+from fastwan.pipelines.stream_decode import DecodeQueue
 from fastwan.pipelines.text import encode_prompts
 
 
@@ -39,7 +41,12 @@ class StreamChunk:
     """One chunk of a stream: ``frames`` uint8 [t, H, W, 3], the index of its first frame in the video
     (``first_frame``), its chunk ``index``, the ``prompt`` it was made from, and ``timings`` in seconds: ``text``
     (encoding a new prompt, else 0), ``dit`` (the denoising steps), ``kv_write`` (the clean chunk's cache write),
-    ``decode``, and ``elapsed`` (from the start of the stream until these frames were ready)."""
+    ``decode`` (the VAE decode and the frames' copy to the host), and ``elapsed`` (host time from the start of the
+    stream until these frames were on the host). Serial, the first four are host times with the device
+    synchronised around each. Overlapped on CUDA they are GPU times between CUDA events on the stream that ran the
+    work: ``text``, ``dit`` and ``kv_write`` on the main stream, ``decode`` on the side stream, where it shared the
+    GPU with the next chunk's DiT; they add up to more than the wall time, and ``elapsed`` between chunks is the
+    sustained rate."""
     frames: np.ndarray
     first_frame: int
     index: int
@@ -57,14 +64,14 @@ def sample_chunk(run: CausalRun, noise: torch.Tensor, text: torch.Tensor, recipe
     x0 = None
     dtype = next(run.model.parameters()).dtype
     for i, t in enumerate(schedule):
-        flow = run.forward(x.to(dtype), torch.tensor([t], device=x.device, dtype=torch.float32), text)
+        flow = run.forward(x.to(dtype), torch.full((1,), t, device=x.device, dtype=torch.float32), text)
         x0 = x - recipe.sigma(t) * flow.float()
         if i + 1 < len(schedule):
             s = recipe.sigma(schedule[i + 1])
             fresh = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             x = (1.0 - s) * x0 + s * fresh
-    run.forward(x0.to(dtype), torch.tensor([recipe.context_noise], device=x.device, dtype=torch.float32), text,
-                write=True)
+    run.forward(x0.to(dtype), torch.full((1,), recipe.context_noise, device=x.device, dtype=torch.float32), text,
+                write=True)  # timesteps made on the device without a host copy: nothing here waits for the GPU
     return x0
 
 
@@ -98,10 +105,12 @@ class StreamSettings:
     fps: int
     recipe: CausalRecipe
     chunks: int | None  # chunks of the video (:func:`chunk_plan`); None: endless
+    overlap_decode: bool  # a chunk's decode overlaps the next chunk's DiT (:mod:`fastwan.pipelines.stream_decode`)
 
 
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
-                    window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe") -> StreamSettings:
+                    window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe",
+                    overlap_decode: bool | None = None) -> StreamSettings:
     """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix)."""
     recipe = gen.checkpoint.causal
     if recipe is None:
@@ -141,8 +150,12 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
     fps = preset.fps if fps is None else fps
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
+    if overlap_decode is None:
+        overlap_decode = gen.device.type == "cuda"
+    elif not isinstance(overlap_decode, bool):
+        raise InvalidArgumentType(f"overlap_decode={overlap_decode!r} must be True, False or None (True on CUDA).")
     seed = random_seed() if seed is None else seed
-    return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks)
+    return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks, overlap_decode)
 
 
 class VideoStream:
@@ -161,7 +174,9 @@ class VideoStream:
         self._chunks = self._run(contextlib.nullcontext() if locked else gen._lock)
 
     def switch_prompt(self, prompt: str) -> None:
-        """The chunks made from now on follow ``prompt`` (the frames already made, and the cache, stay)."""
+        """The chunks started from now on follow ``prompt`` (the frames already made, and the cache, stay). With
+        ``overlap_decode`` the chunk after the last one handed out is already started: the switch applies from
+        the one after it."""
         self._prompt = _check_prompt(prompt)
 
     def __iter__(self) -> Iterator[StreamChunk]:
@@ -192,48 +207,66 @@ class VideoStream:
             generator = torch.Generator(device=dev).manual_seed(self.seed)
             texts: dict[str, torch.Tensor] = {}
             with CausalRun(model, recipe.window_frames, recipe.sink_frames) as run, decoder:
-                timed = _Timed(run)
+                queue = DecodeQueue(decoder, dev, s.overlap_decode)
+                clock = queue.clock
+                timed = _Timed(run, clock)
                 index, first = 0, 0
-                while chunks is None or index < chunks:
-                    prompt = self._prompt
-                    text_s = 0.0
-                    if prompt not in texts:  # one encoding per prompt (the DiT keys its text once per prompt)
-                        t0 = time.perf_counter()
-                        texts.clear()
-                        texts[prompt] = encode_prompts([prompt], gen.tokenizer, gen.text_encoder, device=dev,
-                                                       dtype=gen.dtype)
-                        sync(dev)
-                        text_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
-                    x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
-                    sync(dev)
-                    t2 = time.perf_counter()
-                    frames = decoder.push(x0)
-                    t3 = time.perf_counter()
-                    timings = {"text": text_s, "dit": t2 - t1 - timed.write_seconds,
-                               "kv_write": timed.write_seconds,
-                               "decode": t3 - t2, "elapsed": t3 - start}
-                    yield StreamChunk(frames, first, index, prompt, timings)
-                    first += len(frames)
-                    index += 1
+                try:
+                    while chunks is None or index < chunks:
+                        prompt = self._prompt
+                        text = None
+                        if prompt not in texts:  # one encoding per prompt (the DiT keys its text once per prompt)
+                            t0 = clock.mark()
+                            texts.clear()
+                            texts[prompt] = encode_prompts([prompt], gen.tokenizer, gen.text_encoder, device=dev,
+                                                           dtype=gen.dtype)
+                            text = (t0, clock.mark())
+                        t1 = clock.mark()
+                        noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
+                        x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
+                        queue.put(x0, _Made(index, prompt, text, (t1, clock.mark()), timed.write))
+                        index += 1
+                        while queue.waiting > (0 if index == chunks else queue.lag):  # the last chunk: all leave
+                            chunk = _hand_out(queue, first, start)
+                            first += len(chunk.frames)
+                            yield chunk
+                finally:
+                    queue.drop()
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A chunk in the decode queue: its index, prompt, and clock marks (text: None when no prompt was encoded)."""
+    index: int
+    prompt: str
+    text: tuple | None
+    steps: tuple  # from before the noise until after the cache write
+    write: tuple  # around the cache write
+
+
+def _hand_out(queue: DecodeQueue, first: int, start: float) -> StreamChunk:
+    """The queue's oldest chunk, once on the host, with its timings (:class:`StreamChunk`)."""
+    frames, decode_s, made = queue.pop()
+    seconds = queue.clock.seconds
+    write = seconds(*made.write)
+    timings = {"text": 0.0 if made.text is None else seconds(*made.text), "dit": seconds(*made.steps) - write,
+               "kv_write": write, "decode": decode_s, "elapsed": time.perf_counter() - start}
+    return StreamChunk(frames, first, made.index, made.prompt, timings)
 
 
 class _Timed:
-    """A :class:`CausalRun` whose write forwards are timed (``write_seconds``: the last one)."""
+    """A :class:`CausalRun` whose write forwards are timed by ``clock`` (``write``: the last one's two marks)."""
 
-    def __init__(self, run: CausalRun):
-        self._run, self.model = run, run.model
-        self.write_seconds = 0.0
+    def __init__(self, run: CausalRun, clock):
+        self._run, self.model, self._clock = run, run.model, clock
+        self.write: tuple = ()
 
     def forward(self, latents, timestep, text, *, write: bool = False):
         if not write:
             return self._run.forward(latents, timestep, text)
-        sync(latents.device)
-        t0 = time.perf_counter()
+        t0 = self._clock.mark()
         out = self._run.forward(latents, timestep, text, write=True)
-        sync(latents.device)
-        self.write_seconds = time.perf_counter() - t0
+        self.write = (t0, self._clock.mark())
         return out
 
 
@@ -247,7 +280,9 @@ def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     """A :class:`VideoStream` of ``prompt`` from the causal generator ``gen``; every argument is checked before any
     compute (:func:`stream_settings`). ``num_frames`` None streams without end (stop by closing the stream);
     ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame). Without a window
-    in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many."""
+    in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many.
+    ``overlap_decode`` (None: True on CUDA, False elsewhere) decodes each chunk while the next one's DiT runs
+    (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way."""
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 
@@ -283,15 +318,17 @@ def causal_frames(gen, prompt: str, s, seed: int, on_step=None):
         torch.cuda.reset_peak_memory_stats(dev)
     settings = stream_settings(gen, height=s.height, width=s.width, num_frames=s.num_frames, seed=seed, fps=s.fps)
     total = settings.chunks
-    parts, sums = [], {"text": 0.0, "dit": 0.0, "kv_write": 0.0, "decode": 0.0}
+    parts, sums, elapsed = [], {"text": 0.0, "dit": 0.0, "kv_write": 0.0, "decode": 0.0}, 0.0
     for chunk in VideoStream(gen, prompt, settings, locked=True):
         parts.append(chunk.frames)
         for key in sums:
             sums[key] += chunk.timings[key]
+        elapsed = chunk.timings["elapsed"]
         if on_step is not None:
             on_step(chunk.index + 1, total)
+    # overlapped decodes run beside the DiT: the total is the stream's wall time, not the parts' sum
     timings = {"text_encoding": sums["text"], "denoising": sums["dit"] + sums["kv_write"],
-               "decoding": sums["decode"], "total": sum(sums.values())}
+               "decoding": sums["decode"], "total": elapsed if settings.overlap_decode else sum(sums.values())}
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     forwards = total * (len(settings.recipe.timesteps) + 1)
     return np.concatenate(parts), forwards, timings, peak, None

@@ -155,19 +155,32 @@ def iter_decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", ba
         yield _uint8(video)
 
 
-def _denormalised(vae, latents: torch.Tensor) -> torch.Tensor:
-    """WanPipeline's ``latents / (1 / std) + mean``, the reciprocal taken in the VAE's dtype."""
+def latent_stats(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vae``'s latent (mean, std) [1, C, 1, 1, 1] in its dtype on ``device`` (made from the config's lists: on
+    CUDA a copy that waits for the current stream; a caller that decodes often makes them once)."""
     c = vae.config
+    mean = torch.tensor(c.latents_mean, device=device, dtype=vae.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(c.latents_std, device=device, dtype=vae.dtype).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+def _denormalised(vae, latents: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """WanPipeline's ``latents / (1 / std) + mean``, the reciprocal taken in the VAE's dtype (``stats``:
+    :func:`latent_stats` made earlier, else made here)."""
     z = latents.to(vae.dtype)
-    mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-    std = torch.tensor(c.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    mean, std = latent_stats(vae, z.device) if stats is None else stats
     return z / (1.0 / std) + mean
 
 
 def _uint8(video: torch.Tensor) -> np.ndarray:
     """[1, 3, T, H, W] in [-1, 1] -> uint8 [T, H, W, 3] (diffusers' postprocess, then x 255 rounded)."""
+    return uint8_tensor(video).cpu().numpy()
+
+
+def uint8_tensor(video: torch.Tensor) -> torch.Tensor:
+    """:func:`uint8_frames` left on the video's device: uint8 [T, H, W, 3] (a permuted view)."""
     video = (video[0] / 2 + 0.5).clamp(0, 1).float()
-    return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    return (video * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
 
 
 # AutoencoderKLWan's default: which of its three downsampling stages also halve time

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.vae.decode import (_denormalised, _uint8, auto_chunk, check_chunk, decoder_call, decoder_calls,
+from fastwan.vae import decode, tiny
+from fastwan.vae.decode import (_denormalised, auto_chunk, check_chunk, decoder_call, decoder_calls, latent_stats,
                                 tiles_latent)
-from fastwan.vae.tiny import SPATIAL_UPSAMPLING, TRIMMED, TinyDecoder, uint8_frames
+from fastwan.vae.tiny import SPATIAL_UPSAMPLING, TRIMMED, TinyDecoder
 
 
 class StreamDecoder:
@@ -49,6 +50,7 @@ class StreamDecoder:
         self._shape: tuple[int, int] | None = None  # the latent (h, w) of the first chunk
         self._frames = 0  # latent frames decoded so far
         self._state: dict | list | None = None  # TAEHV's carry / the Wan decoder's feature cache
+        self._stats: tuple | None = None  # the Wan VAE's latent (mean, std) on the device, made at the first push
         self._closed = self._broken = False
         if (height is None) != (width is None):
             raise InvalidArgument(f"StreamDecoder(height={height!r}, width={width!r}): give both or neither.")
@@ -67,17 +69,23 @@ class StreamDecoder:
     def push(self, latents: torch.Tensor) -> np.ndarray:
         """The next chunk's normalised latents [1, C, f, h, w] -> its uint8 frames [t, H, W, 3] (t = 1 + 4 (f - 1)
         for the first push, 4 f after)."""
+        return self.push_device(latents).cpu().numpy()
+
+    def push_device(self, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`push` with the frames left on the latents' device (uint8 [t, H, W, 3], queued on the current
+        CUDA stream). After the first push nothing in it waits for the device: a caller can queue it on a side
+        stream and go on."""
         self._check(latents)
         first = self._frames == 0
         self._broken = True  # until the decoder calls return: their state is half-updated if one raises
         video = self._tiny_part(latents, first) if self._tiny else self._wan_part(latents)
         self._broken = False
         self._frames += latents.shape[2]
-        return uint8_frames(video) if self._tiny else _uint8(video)
+        return tiny.uint8_tensor(video) if self._tiny else decode.uint8_tensor(video)
 
     def close(self) -> None:
         """Drop the decoder state (idempotent); later pushes are refused."""
-        self._closed, self._state = True, None
+        self._closed, self._state, self._stats = True, None, None
 
     def __enter__(self) -> StreamDecoder:
         return self
@@ -125,9 +133,12 @@ class StreamDecoder:
             chunk = auto_chunk(vae, h * self._spatial, w * self._spatial)
         if self._state is None:
             self._state = [None] * vae._cached_conv_counts["decoder"]
+        if self._stats is None:
+            self._stats = latent_stats(vae, latents.device)
         start = self._frames
         with torch.no_grad():
-            x = vae.post_quant_conv(_denormalised(vae, latents))  # a 1x1x1 convolution: per frame, no cache
+            x = _denormalised(vae, latents, self._stats)
+            x = vae.post_quant_conv(x)  # a 1x1x1 convolution: per frame, no cache
             outs = [decoder_call(vae, x[:, :, a - start:b - start], self._state, first=a == 0)
                     for a, b in decoder_calls(start, start + latents.shape[2], chunk)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)

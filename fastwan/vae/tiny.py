@@ -162,4 +162,9 @@ class TinyDecoder(nn.Module):
 
 def uint8_frames(video: torch.Tensor) -> np.ndarray:
     """[1, 3, T, H, W] in [0, 1] -> uint8 [T, H, W, 3] (x 255 rounded)."""
-    return (video[0].float() * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    return uint8_tensor(video).cpu().numpy()
+
+
+def uint8_tensor(video: torch.Tensor) -> torch.Tensor:
+    """:func:`uint8_frames` left on the video's device: uint8 [T, H, W, 3] (a permuted view)."""
+    return (video[0].float() * 255).round().to(torch.uint8).permute(1, 2, 3, 0)

@@ -1,0 +1,165 @@
+"""How a causal stream decodes its chunks and in which order it hands them out: :class:`DecodeQueue`.
+
+A chunk's clean latents go to the queue (:meth:`DecodeQueue.put`) as soon as its DiT steps and cache write are
+queued; chunks leave the queue (:meth:`DecodeQueue.pop`) in order, as uint8 frames on the host. Rules:
+
+- Serial (``overlap`` off): a chunk is decoded at ``put``, on the calling thread's stream, and leaves before the
+  next chunk starts (``lag`` 0).
+- Overlapped (``overlap`` on): a chunk leaves only after the next chunk has been put (``lag`` 1), so the next
+  chunk's DiT work is queued on the device before the caller waits for this chunk's frames. On CUDA the decode
+  runs on a side stream (:class:`SideStreamDecode`): it waits on an event recorded on the main stream after the
+  chunk's latents are final, decodes, copies the frames to pinned host memory without blocking, and records an
+  event that ``pop`` waits on; the main stream goes on with the next chunk's DiT meanwhile. Off CUDA the decode
+  runs at ``put`` (the same order of calls, nothing overlaps).
+- Stream semantics: the latents a decode reads are marked as used by the side stream (``record_stream``) and
+  kept referenced until the decode is done; nothing on the main stream writes them after ``put``. The decoder's
+  causal state is touched only by the side stream, chunk after chunk. :meth:`DecodeQueue.drop` (a stream closed
+  early, or an error) waits for every queued kernel of the device, then forgets the chunks not handed out.
+- Timings come from a clock (:class:`HostClock`: the device synchronised, then the host's time; :class:`EventClock`:
+  CUDA events, read once they are complete), so serial and overlapped chunks report the same quantities: with
+  events, each is the GPU time of that work on its own stream, which, overlapped, shares the GPU with the other
+  stream's work.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastwan.pipelines.setup import sync
+
+
+class HostClock:
+    """Marks are host times taken after the device's queued work is done (on CUDA a synchronisation: every stream
+    waits)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+
+    def mark(self) -> float:
+        sync(self._device)
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(a: float, b: float) -> float:
+        return b - a
+
+
+class EventClock:
+    """Marks are timing CUDA events recorded on the current stream (nothing waits); :meth:`seconds` needs both
+    complete."""
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def seconds(a: torch.cuda.Event, b: torch.cuda.Event) -> float:
+        return a.elapsed_time(b) / 1000.0
+
+
+@dataclass
+class Decoded:
+    """A chunk whose frames are on the host: ``wait()`` -> (frames uint8 [t, H, W, 3], decode seconds)."""
+    frames: np.ndarray
+    seconds: float
+
+    def wait(self) -> tuple[np.ndarray, float]:
+        return self.frames, self.seconds
+
+
+class InlineDecode:
+    """Decode at ``submit`` on the current stream, timed with ``clock``."""
+
+    def __init__(self, decoder, clock):
+        self._decoder, self._clock = decoder, clock
+
+    def submit(self, latents: torch.Tensor) -> Decoded:
+        t0 = self._clock.mark()
+        frames = self._decoder.push(latents)
+        return Decoded(frames, self._clock.seconds(t0, self._clock.mark()))
+
+
+class _OnSide:
+    """A decode queued on the side stream: its pinned host frames, its timing events and the tensors it reads."""
+
+    def __init__(self, host: torch.Tensor, start, end, keep: tuple):
+        self._host, self._start, self._end, self._keep = host, start, end, keep
+
+    def wait(self) -> tuple[np.ndarray, float]:
+        self._end.synchronize()
+        self._keep = ()
+        frames = self._host.numpy().copy()  # out of pinned memory: a consumer may keep every chunk
+        return frames, self._start.elapsed_time(self._end) / 1000.0
+
+
+class SideStreamDecode:
+    """CUDA: decode on a side stream of ``device`` (the module's rules)."""
+
+    def __init__(self, decoder, device: torch.device):
+        self._decoder = decoder
+        self._side = torch.cuda.Stream(device)
+
+    def submit(self, latents: torch.Tensor) -> _OnSide:
+        ready = torch.cuda.Event()
+        ready.record()  # the main stream: the latents are final once it gets here
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            start.record()
+            latents.record_stream(self._side)
+            frames = self._decoder.push_device(latents).contiguous()
+            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            host.copy_(frames, non_blocking=True)
+            end.record()
+        return _OnSide(host, start, end, (latents, frames))
+
+
+@dataclass
+class _Entry:
+    decoding: Decoded | _OnSide
+    info: object
+
+
+class DecodeQueue:
+    """Chunks between their DiT and their hand-out (the module's rules). ``decoder``: a
+    :class:`~fastwan.vae.stream.StreamDecoder`; ``overlap``: the stream's setting, fixed for its life."""
+
+    def __init__(self, decoder, device: torch.device, overlap: bool):
+        self.lag = 1 if overlap else 0
+        self._device = device
+        self._side = overlap and device.type == "cuda"
+        self.clock = EventClock() if self._side else HostClock(device)
+        self._decode = SideStreamDecode(decoder, device) if self._side else InlineDecode(decoder, self.clock)
+        self._pending: deque[_Entry] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Chunks put and not yet popped."""
+        return len(self._pending)
+
+    def put(self, latents: torch.Tensor, info) -> None:
+        """Queue the decode of a chunk's clean latents, on the current stream after its DiT work; ``info`` comes
+        back with its frames."""
+        self._pending.append(_Entry(self._decode.submit(latents), info))
+
+    def pop(self) -> tuple[np.ndarray, float, object]:
+        """The oldest chunk: (frames uint8 [t, H, W, 3], decode seconds, its info), once its frames are on the
+        host."""
+        entry = self._pending.popleft()
+        frames, seconds = entry.decoding.wait()
+        return frames, seconds, entry.info
+
+    def drop(self) -> None:
+        """Wait for the device's queued work (both streams), then forget the chunks not handed out."""
+        if self._side:
+            sync(self._device)
+        self._pending.clear()
+
+
+__all__ = ["DecodeQueue", "EventClock", "HostClock", "InlineDecode", "SideStreamDecode"]
