@@ -10,11 +10,15 @@ Phases (each appends to the JSON given by --out):
            --seconds of video at --size; each stream's first-chunk latency (from the call until its frames are
            decoded) and its sustained rate (frames of the chunks after the first / their time); the per-chunk
            medians of the DiT steps, the KV-cache write and the decode; peak memory after 10 s of video and at the end
-Variants: "eager", "compiled" (enable_torch_compile) and "+window" (window_frames=21, sink_frames=3: memory flat
-over any length; without a window every earlier frame is kept).
+Variants: "eager", "compiled" (enable_torch_compile), "+window" (window_frames=21, sink_frames=3: memory flat
+over any length; without a window every earlier frame is kept) and "+serial" (overlap_decode=False: each chunk
+decoded after its DiT, before the next chunk starts; without it, overlap_decode=True: the decode runs on a side
+CUDA stream beside the next chunk's DiT, off CUDA the same order of calls). "compiled+window" against
+"compiled+window+serial" in one run is the overlap's A/B. Overlapped, the per-chunk DiT / KV write / decode times
+are GPU times of each stream's work (they overlap); the sustained rate is the wall-clock figure.
 
   python -m benchmarks.stream_bench --phase make
-  python -m benchmarks.stream_bench --phase stream --variants compiled,compiled+window --seconds 60
+  python -m benchmarks.stream_bench --phase stream --variants compiled+window,compiled+window+serial --seconds 60
   python -m benchmarks.stream_bench --smoke    # CI: a tiny causal checkpoint on the CPU
 """
 from __future__ import annotations
@@ -33,7 +37,8 @@ from benchmarks.harness import (
     parse_phases, parse_video, peak_gib, release, reset_peak, versions)
 
 PHASES = ("make", "stream")
-VARIANTS = ("eager", "compiled", "eager+window", "compiled+window")
+VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled") for window in ("", "+window")
+                 for serial in ("", "+serial"))
 WINDOW = dict(window_frames=21, sink_frames=3)
 
 
@@ -45,21 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", default="/tmp/wan13b-causal", help="its causal-layout twin (make writes it)")
     p.add_argument("--size", default="480x832", help="HxW of the video")
     p.add_argument("--seconds", type=float, default=60.0, help="video length of each timed stream, in seconds")
-    p.add_argument("--variants", default="compiled,compiled+window", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="compiled,compiled+window,compiled+window+serial",
+                   help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=3, help="timed streams per variant (the median is reported)")
     p.add_argument("--warmup-chunks", type=int, default=3, help="chunks of the untimed stream (compilation), >= 1")
     p.add_argument("--out", default="stream_bench.json", help="results JSON (appended)")
     add_device(p)
     add_smoke(p, plain=str(SMOKE_DIR / "wan2.1"), ckpt=str(SMOKE_DIR / "causal"), size="32x32", seconds=2.0,
-              variants="eager,eager+window", repeats=1, warmup_chunks=1, phase="make,stream")
+              variants="eager,eager+window,eager+window+serial", repeats=1, warmup_chunks=1, phase="make,stream")
     return p
 
 
-def one_stream(gen, frames: int, fps: int, h: int, w: int, window: dict, device: torch.device) -> dict:
+def one_stream(gen, frames: int, fps: int, h: int, w: int, options: dict, device: torch.device) -> dict:
     """One stream of ``frames`` frames -> its first-chunk latency, sustained rate, per-chunk medians and peaks."""
     reset_peak(device)
     chunks, peak_10s = [], None
-    with gen.stream_video(PROMPT, height=h, width=w, seed=0, fps=fps, **window) as stream:
+    with gen.stream_video(PROMPT, height=h, width=w, seed=0, fps=fps, **options) as stream:
         for chunk in stream:
             chunks.append(chunk)
             made = chunk.first_frame + len(chunk.frames)
@@ -81,15 +87,15 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     from fastwan import VideoGenerator
 
     compiled = name.startswith("compiled")
-    window = WINDOW if name.endswith("+window") else {}
+    options = {**(WINDOW if "+window" in name else {}), "overlap_decode": not name.endswith("+serial")}
     h, w = parse_video(f"{args.size}x1")[:2]  # the size's rule (multiples of 16)
     gen = VideoGenerator.from_pretrained(args.ckpt, device=str(device), dtype=bench_dtype(device),
                                          enable_torch_compile=compiled)
     gen.set_progress_bar_config(disable=True)
     fps = gen.preset.fps
     frames = int(args.seconds * fps)
-    one_stream(gen, args.warmup_chunks * 12 - 3, fps, h, w, window, device)  # compilation, untimed
-    runs = [one_stream(gen, frames, fps, h, w, window, device) for _ in range(args.repeats)]
+    one_stream(gen, args.warmup_chunks * 12 - 3, fps, h, w, options, device)  # compilation, untimed
+    runs = [one_stream(gen, frames, fps, h, w, options, device) for _ in range(args.repeats)]
     release(compiled, device)
     median = {k: statistics.median(r[k] for r in runs) for k in ("first_chunk_s", "sustained_fps", "dit_ms",
                                                                   "kv_write_ms", "decode_ms")}
