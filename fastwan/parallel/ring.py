@@ -8,9 +8,9 @@ so the transfer overlaps the compute). The partial outputs are merged by their l
 ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``, which equals the
 softmax over every key at once.
 
-The per-chunk attention and its log-sum-exp are computed here in plain torch, in fp32 whatever the input dtype
-(:func:`attention_lse`), on any device; the model's attention backend is not called under a ring (backends return
-no log-sum-exp). Sparse backends choose key blocks from the whole sequence, which no rank of a ring holds, so they
+Each step's attention and its log-sum-exp come from a kernel of :mod:`fastwan.parallel.ring_kernels` (FA4 or
+PyTorch's flash kernel on GPUs, fp32 torch on the CPU), chosen when the ring's dispatch is built; the merged output
+is held in fp32. Sparse backends choose key blocks from the whole sequence, which no rank of a ring holds, so they
 are refused under a ring (:func:`check_ring_backend`).
 
 The P2P calls cannot be traced by ``torch.compile``: :func:`ring_attention` runs outside compiled graphs
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from fastwan.errors import InvalidArgument
+from fastwan.parallel.ring_kernels import KERNELS
 
-SCORES_PER_CALL = 1 << 26  # fp32 attention scores held at once by attention_lse (256 MiB); heads are split to fit
 
 
 @dataclass(frozen=True)
@@ -51,38 +51,24 @@ def check_ring_backend(backend, ring_degree: int) -> None:
                               "process count whose sequence degree divides the attention heads.")
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Softmax attention of q [B, Sq, H, D] over k, v [B, Sk, H, D] in fp32 -> (out [B, Sq, H, D], log-sum-exp of
-    the scaled scores [B, Sq, H]); no keys: out 0, lse -inf."""
-    B, Sq, H, D = q.shape
-    Sk = k.shape[1]
-    step = max(1, SCORES_PER_CALL // max(1, B * Sq * Sk))
-    outs, lses = [], []
-    for h in range(0, H, step):
-        qh, kh, vh = (t[:, :, h:h + step].float() for t in (q, k, v))
-        scores = torch.einsum("bqhd,bkhd->bhqk", qh, kh) * scale
-        lse = scores.logsumexp(-1)  # [B, h, Sq]
-        probs = torch.exp(scores - lse.unsqueeze(-1)) if Sk else scores
-        outs.append(torch.einsum("bhqk,bkhd->bqhd", probs, vh))
-        lses.append(lse.transpose(1, 2))
-    return torch.cat(outs, 2), torch.cat(lses, 2)
-
-
 def merge(out, lse, part_out, part_lse):
-    """Two partial attentions of the same queries over disjoint key sets -> the attention over their union."""
+    """Two partial attentions of the same queries over disjoint key sets -> the attention over their union, out in
+    fp32. ``out`` (fp32, from an earlier merge) is updated in place; ``part_out`` may be any float dtype."""
     if out is None:
-        return part_out, part_lse
+        return part_out.float(), part_lse
     new = torch.logaddexp(lse, part_lse)
     # both -inf (no keys in either): weights 0 rather than nan
     a = torch.exp(torch.where(torch.isinf(new), 0.0, lse - new)).nan_to_num(0.0)
     b = torch.exp(torch.where(torch.isinf(new), 0.0, part_lse - new)).nan_to_num(0.0)
-    return out * a.unsqueeze(-1) + part_out * b.unsqueeze(-1), new
+    return out.mul_(a.unsqueeze(-1)).addcmul_(part_out, b.unsqueeze(-1)), new
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, chunks: tuple[int, ...],
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, kernel: str = "exact") -> torch.Tensor:
     """q, k, v: this rank's chunk [B, chunks[ring.rank], H, D] -> its queries' attention over every rank's keys
-    [B, chunks[ring.rank], H, D]. ``chunks``: every ring rank's token count, in ring order."""
+    [B, chunks[ring.rank], H, D]. ``chunks``: every ring rank's token count, in ring order; ``kernel``: a step's
+    attention (:data:`fastwan.parallel.ring_kernels.KERNELS`)."""
+    step_attention = KERNELS[kernel]
     R, me = ring.world, ring.rank
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kv = torch.stack((k, v)).contiguous()  # [2, B, S, H, D]: one message per step
@@ -98,7 +84,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
             if size:
                 ops.append(dist.P2POp(dist.irecv, nxt, ring.peers[(me - 1) % R], ring.group))
             reqs = dist.batch_isend_irecv(ops) if ops else []
-        out, lse = merge(out, lse, *attention_lse(q, kv[0], kv[1], scale))
+        out, lse = merge(out, lse, *step_attention(q, kv[0], kv[1], scale))
         for req in reqs:
             req.wait()
         if nxt is not None:

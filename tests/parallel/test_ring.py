@@ -16,7 +16,8 @@ from fastwan.errors import InvalidArgument
 from fastwan.parallel import SequenceParallel, UlyssesDispatch, shard_sizes
 from fastwan.parallel.mesh import layouts, sequence_layout
 from fastwan.parallel.plan import apply_sequence_parallel
-from fastwan.parallel.ring import Ring, attention_lse, merge
+from fastwan.parallel.ring import Ring, merge
+from fastwan.parallel.ring_kernels import attention_lse
 from tests.parallel.test_sequence_parallel import inputs, model, run
 
 # (processes, heads, tokens, ring degree): every (Ulysses, Ring) split the heads allow, tokens not divided
