@@ -226,7 +226,7 @@ class VideoStream:
                         x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
                         queue.put(x0, _Made(index, prompt, text, (t1, clock.mark()), timed.write))
                         index += 1
-                        while queue.waiting > (0 if index == chunks else queue.lag):  # the last chunk: all leave
+                        while queue.waiting > queue.may_wait(index, index == chunks):
                             chunk = _hand_out(queue, first, start)
                             first += len(chunk.frames)
                             yield chunk

@@ -6,7 +6,8 @@ queued; chunks leave the queue (:meth:`DecodeQueue.pop`) in order, as uint8 fram
 - Serial (``overlap`` off): a chunk is decoded at ``put``, on the calling thread's stream, and leaves before the
   next chunk starts (``lag`` 0).
 - Overlapped (``overlap`` on): a chunk leaves only after the next chunk has been put (``lag`` 1), so the next
-  chunk's DiT work is queued on the device before the caller waits for this chunk's frames. On CUDA the decode
+  chunk's DiT work is queued on the device before the caller waits for this chunk's frames; the first chunk
+  leaves at once (:meth:`DecodeQueue.may_wait`: the first frames' latency stays the serial one). On CUDA the decode
   runs on a side stream (:class:`SideStreamDecode`): it waits on an event recorded on the main stream after the
   chunk's latents are final, decodes, copies the frames to pinned host memory without blocking, and records an
   event that ``pop`` waits on; the main stream goes on with the next chunk's DiT meanwhile. Off CUDA the decode
@@ -142,6 +143,12 @@ class DecodeQueue:
     def waiting(self) -> int:
         """Chunks put and not yet popped."""
         return len(self._pending)
+
+    def may_wait(self, put: int, last: bool) -> int:
+        """How many chunks may stay queued after the ``put``-th chunk (1-based). Rule: the first chunk and the last
+        leave at once (the first's frames are the stream's first, whose latency must not include the next chunk's
+        DiT); the others lag by :attr:`lag`."""
+        return 0 if last or put == 1 else self.lag
 
     def put(self, latents: torch.Tensor, info) -> None:
         """Queue the decode of a chunk's clean latents, on the current stream after its DiT work; ``info`` comes

@@ -55,9 +55,11 @@ def progress(gen, monkeypatch, overlap: bool, num_frames=33) -> list[tuple[int, 
 
 
 def test_a_chunk_leaves_after_the_next_one_is_started_and_the_last_is_flushed(gen, monkeypatch):
+    """Overlapped, the first chunk leaves at once (the first frames' latency), a middle chunk once the next one is
+    started, the last at once."""
     per_chunk = len(gen.causal.timesteps) + 1  # the steps and the cache write
     assert progress(gen, monkeypatch, False) == [(per_chunk, 1), (2 * per_chunk, 2), (3 * per_chunk, 3)]
-    assert progress(gen, monkeypatch, True) == [(2 * per_chunk, 2), (3 * per_chunk, 3), (3 * per_chunk, 3)]
+    assert progress(gen, monkeypatch, True) == [(per_chunk, 1), (3 * per_chunk, 3), (3 * per_chunk, 3)]
     assert progress(gen, monkeypatch, True, num_frames=9) == [(per_chunk, 1)]  # one chunk: flushed at once
 
 
@@ -94,21 +96,21 @@ def test_an_error_in_the_next_chunk_propagates_and_drops_the_queue(gen, monkeypa
 
     def failing(self, *args, **kwargs):
         calls[0] += 1
-        if calls[0] > len(gen.causal.timesteps) + 2:  # inside chunk 1
+        if calls[0] > 2 * (len(gen.causal.timesteps) + 1) + 1:  # inside chunk 2
             raise RuntimeError("boom")
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(CausalRun, "forward", failing)
     with pytest.raises(RuntimeError, match="boom"):
-        list(gen.stream_video(PROMPT, num_frames=21, seed=1, overlap_decode=True))
-    assert drops == [(1, 0)]  # chunk 0 decoded, not handed out: the error came first
+        list(gen.stream_video(PROMPT, num_frames=33, seed=1, overlap_decode=True))
+    assert drops == [(1, 0)]  # chunk 1 decoded, not handed out: the error came first (chunk 0 left at once)
 
 
 def test_a_prompt_switch_applies_from_the_chunk_not_yet_started(gen):
     other = "a red car in the snow"
 
     def switched(overlap: bool, after: int):
-        stream = gen.stream_video(PROMPT, num_frames=33, seed=11, overlap_decode=overlap)
+        stream = gen.stream_video(PROMPT, num_frames=45, seed=11, overlap_decode=overlap)
         out = []
         for chunk in stream:
             out.append(chunk)
@@ -116,9 +118,9 @@ def test_a_prompt_switch_applies_from_the_chunk_not_yet_started(gen):
                 stream.switch_prompt(other)
         return out
 
-    overlapped = switched(True, 0)
-    assert [c.prompt for c in overlapped] == [PROMPT, PROMPT, other]  # chunk 1 was under way at the switch
-    serial = switched(False, 1)
+    overlapped = switched(True, 1)
+    assert [c.prompt for c in overlapped] == [PROMPT, PROMPT, PROMPT, other]  # chunk 2 was under way at the switch
+    serial = switched(False, 2)
     assert all(np.array_equal(a.frames, b.frames) for a, b in zip(overlapped, serial))
 
 
