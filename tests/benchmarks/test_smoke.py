@@ -39,6 +39,7 @@ SMOKE = {
     "fp8_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/fp8.json"], "fp8.json", "e2e: bf16"),
     "vae_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/vae.json"], "vae.json", "bf16+tiling"),
     "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
+    "ring_bench": (["--out", "{dir}/ring.json"], "ring.json", "| tiny-ring4 | ring | "),
     "stream_bench": (["--plain", "{dir}/stream-plain", "--ckpt", "{dir}/stream-causal", "--out", "{dir}/stream.json"],
                      "stream.json", "| eager+window | 32x32 |"),
 }
