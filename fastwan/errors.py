@@ -4,7 +4,8 @@ Rule: an error whose cause is the caller's input, files or environment (a bad ar
 not fit, an output path that cannot be written, a backend that cannot run here) is a :class:`UserError`, and its
 message names the value, the rule and the fix. The CLI prints a user error as one line and exits 2; any other
 exception is a bug and keeps its traceback. Each concrete class also derives from the builtin a Python caller
-would catch (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working.
+would catch (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working. A check that
+knows which request field it refuses says so (``field=``); callers read the field from it, never from the message.
 """
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ INTERRUPT_EXIT = 130  # the exit code of a command stopped by Ctrl-C (128 + SIGI
 
 
 class UserError(Exception):
-    """Base of every error caused by the caller's input, files or environment."""
+    """Base of every error caused by the caller's input, files or environment. ``field``: the request field the
+    error is about when the check that raises knows it (a server names it as the error's ``param``), else None."""
+
+    def __init__(self, *args, field: str | None = None):
+        super().__init__(*args)
+        self.field = field
 
 
 class InvalidArgument(UserError, ValueError):

@@ -80,7 +80,7 @@ def plan_segments(frames: int, segment_frames: int = 77, overlap: int = 1) -> Se
                               "makes more new frames than it takes from the one before); pass longer segments.")
     if not (_is_int(frames) and frames > overlap):
         raise InvalidArgument(f"the driving videos have {frames!r} frames; they need more than overlap={overlap} "
-                              "(pass longer pose and face videos).")
+                              "(pass longer pose and face videos).", field="pose_video")
     step = segment_frames - overlap
     count = max(1, -(-(frames - overlap) // step))
     starts = tuple(k * step for k in range(count))
@@ -158,25 +158,25 @@ def check_animate_fields(r) -> None:
     if (r.pose_video is None) != (r.face_video is None):
         given, missing = ("pose_video", "face_video") if r.face_video is None else ("face_video", "pose_video")
         raise InvalidArgument(f"{given} is given without {missing}; Wan2.2-Animate reads both (the body's pose and "
-                              f"the face, one frame each per video frame): pass {missing} too.")
+                              f"the face, one frame each per video frame): pass {missing} too.", field=given)
     if r.pose_video is None:
         given = [name for name in ANIMATE_FIELDS if getattr(r, name) is not None]
         if given:
             raise InvalidArgument(f"{', '.join(given)} given without pose_video and face_video; they are "
                                   "Wan2.2-Animate's: pass pose_video= and face_video= (an Animate checkpoint), or "
-                                  "leave them out.")
+                                  "leave them out.", field=given[0])
         return
     replace = r.mode == "replace"
     missing = [name for name in ("background_video", "mask_video") if getattr(r, name) is None]
     if replace and missing:
         raise InvalidArgument(f"mode='replace' needs {' and '.join(missing)} (the video whose character is replaced "
                               "and the mask of that character, white where the new one is drawn): pass them, or "
-                              "mode='animate'.")
+                              "mode='animate'.", field="mode")
     extra = [name for name in ("background_video", "mask_video") if getattr(r, name) is not None]
     if not replace and extra:
         them = "them" if len(extra) > 1 else "it"
         raise InvalidArgument(f"{' and '.join(extra)} given with mode={r.mode or 'animate'!r}; only mode='replace' "
-                              f"reads {them}: pass mode='replace', or leave {them} out.")
+                              f"reads {them}: pass mode='replace', or leave {them} out.", field=extra[0])
     segment = 77 if r.segment_frames is None else r.segment_frames
     overlap = 1 if r.overlap is None else r.overlap
     if 2 * overlap >= segment:
@@ -192,12 +192,13 @@ def read_animate_videos(r, default_segment: int = 77) -> dict[str, list]:
     frames = {name: len(v) for name, v in videos.items()}
     if len(set(frames.values())) > 1:
         counts = ", ".join(f"{name} {n}" for name, n in frames.items())
+        differs = next(name for name, n in frames.items() if n != frames["pose_video"])
         raise InvalidArgument(f"the driving videos differ in length ({counts} frames); Wan2.2-Animate reads one frame "
-                              "of each per video frame: cut them to one length.")
+                              "of each per video frame: cut them to one length.", field=differs)
     if "mask_video" in videos and videos["mask_video"][0].size != videos["background_video"][0].size:
         (mw, mh), (bw, bh) = videos["mask_video"][0].size, videos["background_video"][0].size
         raise InvalidArgument(f"mask_video frames are {mw}x{mh} but background_video frames are {bw}x{bh} (width x "
-                              "height); give a mask of the background video's size.")
+                              "height); give a mask of the background video's size.", field="mask_video")
     _plan(r, frames["pose_video"], default_segment)
     return videos
 
@@ -252,28 +253,28 @@ def check_animate_request(checkpoint, r) -> AnimateRequest | None:
         if animate:
             raise InvalidArgument(f"this is a Wan2.2-Animate checkpoint ({checkpoint.variant}): it animates the "
                                   "character image= with the pose_video= and face_video= driving videos; pass all "
-                                  "three.")
+                                  "three.", field="pose_video")
         return None
     if not animate:
         raise InvalidArgument(f"pose_video= and face_video= given, but this checkpoint ({checkpoint.variant}) is not "
                               "a Wan2.2-Animate checkpoint; they are inputs of Wan2.2-Animate (model_index.json "
                               "\"_class_name\": \"WanAnimatePipeline\", e.g. Wan-AI/Wan2.2-Animate-14B-Diffusers): "
-                              "use such a checkpoint, or leave them out.")
+                              "use such a checkpoint, or leave them out.", field="pose_video")
     for name, what in NOT_ANIMATE:
         if getattr(r, name, None) is not None:
             raise InvalidArgument(f"{name}= is {what}; a Wan2.2-Animate checkpoint reads image=, pose_video=, "
                                   f"face_video= (and in replace mode background_video=, mask_video=): leave {name} "
-                                  "out.")
+                                  "out.", field=name)
     if r.image is None:
         raise InvalidArgument("pose_video= and face_video= given without image=; Wan2.2-Animate animates a "
-                              "character image: pass image= (a path, PIL image or uint8 array).")
+                              "character image: pass image= (a path, PIL image or uint8 array).", field="image")
     default_segment = checkpoint.preset.num_frames
     videos = read_animate_videos(r, default_segment)
     frames = len(videos["pose_video"])
     if r.num_frames is not None and r.num_frames != frames:
         raise InvalidArgument(f"num_frames={r.num_frames!r}, but the driving videos have {frames} frames; "
                               "Wan2.2-Animate makes one frame per driving frame: leave num_frames unset, or cut "
-                              "the driving videos.")
+                              "the driving videos.", field="num_frames")
     plan = _plan(r, frames, default_segment)  # its rules were checked as the videos were read
     return AnimateRequest(read_image(r.image, "image"), videos, plan, r.mode or "animate", r.motion_batch_size)
 

@@ -320,7 +320,7 @@ def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
                               "only. Drop last_image=.")
     if last_image is None and variant == "wan2.1-flf2v":
         raise InvalidArgument("this first-last-frame checkpoint (Wan2.1-FLF2V) needs last_image= as well "
-                              "(CLI --last-image PATH).")
+                              "(CLI --last-image PATH).", field="last_image")
     if last_image is not None and variant == "wan2.1-i2v":
         raise InvalidArgument("last_image= needs a first-last-frame checkpoint (Wan2.1-FLF2V or Wan2.2-I2V-A14B); "
                               "Wan2.1-I2V conditions on the first frame only.")

@@ -102,11 +102,11 @@ def check_vace_request(checkpoint, r, multiple: int) -> VaceRequest | None:
     if mask is not None:
         if len(mask) != len(video):
             raise InvalidArgument(f"mask has {len(mask)} frames but video has {len(video)}; give one mask frame per "
-                                  "video frame.")
+                                  "video frame.", field="mask")
         if mask[0].size != video[0].size:
             raise InvalidArgument(f"mask frames are {mask[0].size[0]}x{mask[0].size[1]} but video frames are "
                                   f"{video[0].size[0]}x{video[0].size[1]} (width x height); give a mask of the "
-                                  "video's size.")
+                                  "video's size.", field="mask")
     refs = r.reference_images or ()
     refs = tuple(read_image(img, f"reference_images[{i}]") for i, img in enumerate(refs))
     if video is not None:

@@ -48,31 +48,33 @@ class VideoRequest:
 def read_video(video: Any, name: str = "video") -> list:
     """``video`` (a file path, a sequence of images, or an np.uint8 array [T, H, W(, C)]) -> RGB PIL frames."""
     if isinstance(video, (str, os.PathLike)):
-        frames = _read_file(Path(os.fspath(video)).expanduser(), f"{name}={os.fspath(video)!r}")
+        frames = _read_file(Path(os.fspath(video)).expanduser(), f"{name}={os.fspath(video)!r}", name)
     elif isinstance(video, (np.ndarray, Sequence)) and not isinstance(video, (str, bytes)):
         if isinstance(video, np.ndarray) and (video.dtype != np.uint8 or video.ndim not in (3, 4)):
             raise InvalidArgument(f"{name}: an array must be np.uint8 of shape T x H x W x 3 (or x 4, x 1, or "
-                                  f"T x H x W), got {video.dtype} {video.shape}.")
+                                  f"T x H x W), got {video.dtype} {video.shape}.", field=name)
         frames = [read_image(frame, f"{name}[{i}]") for i, frame in enumerate(video[:MAX_VIDEO_FRAMES + 1])]
     else:
         raise InvalidArgumentType(f"{name}={video!r} must be a video file path, a list of images, or an np.uint8 "
-                                  "array T x H x W x 3.")
+                                  "array T x H x W x 3.", field=name)
     if not frames:
-        raise InvalidArgument(f"{name} has no frames; give a video of 4k+1 frames (e.g. 81).")
+        raise InvalidArgument(f"{name} has no frames; give a video of 4k+1 frames (e.g. 81).", field=name)
     if len(frames) > MAX_VIDEO_FRAMES:
         raise InvalidArgument(f"{name} has more than {MAX_VIDEO_FRAMES} frames; cut it to the frames to be "
-                              "regenerated (4k+1 of them, e.g. 81).")
+                              "regenerated (4k+1 of them, e.g. 81).", field=name)
     sizes = {f.size for f in frames}
     if len(sizes) > 1:
-        raise InvalidArgument(f"{name}: its frames differ in size ({sorted(sizes)[:3]}...); give frames of one size.")
+        raise InvalidArgument(f"{name}: its frames differ in size ({sorted(sizes)[:3]}...); give frames of one size.",
+                              field=name)
     return frames
 
 
-def _read_file(path: Path, label: str) -> list:
+def _read_file(path: Path, label: str, field: str) -> list:
     from PIL import Image
 
     if not path.is_file():
-        raise InvalidArgument(f"{label}: no such file; give the path of a video file (e.g. .mp4).")
+        raise InvalidArgument(f"{label}: no such file; give the path of a video file (e.g. .mp4).",
+                              field=field)
     if path.suffix.lower() == ".gif":
         try:
             with Image.open(path) as gif:
@@ -82,7 +84,7 @@ def _read_file(path: Path, label: str) -> list:
                     frames.append(gif.convert("RGB"))
                 return frames
         except OSError as exc:
-            raise InvalidArgument(f"{label}: not a readable GIF ({exc}).") from None
+            raise InvalidArgument(f"{label}: not a readable GIF ({exc}).", field=field) from None
     import imageio.v3 as iio
 
     frames = []
@@ -93,7 +95,7 @@ def _read_file(path: Path, label: str) -> list:
                 break
     except Exception as exc:  # noqa: BLE001 -- any decoder failure is the file's
         raise InvalidArgument(f"{label}: not a readable video ({type(exc).__name__}: {exc}); give an .mp4 (or "
-                              "any file ffmpeg reads), a .gif, or the frames themselves.") from None
+                              "any file ffmpeg reads), a .gif, or the frames themselves.", field=field) from None
     return frames
 
 

@@ -7,8 +7,8 @@ Rules:
 
 - Each video is one file, saved to the data folder's ``uploads`` and read frame by frame like ``video``
   (:func:`~fastwan.serve.requests.check_video`), then checked by the checkpoint's Animate rules (``gen.resolve``:
-  the driving videos of one length, the mask of the background's size, ...); a rule's error names the field it is
-  about (:func:`error_param`).
+  the driving videos of one length, the mask of the background's size, ...); a rule's error carries the field it
+  is about (its ``field``, the API error's ``param``).
 - They are Animate's only: on another checkpoint they are refused (400 naming the first) before anything else is
   read. Their JSON and form text forms (a path on the server's host) stay refused.
 - They are stored with the job (their files named in the job's fields, :data:`ANIMATE_KEYS`) and removed with its
@@ -16,7 +16,6 @@ Rules:
 """
 from __future__ import annotations
 
-import re
 from types import MappingProxyType
 
 from fastwan.serve.errors import ApiError
@@ -24,7 +23,6 @@ from fastwan.serve.errors import ApiError
 ANIMATE_UPLOADS = ("pose_video", "face_video", "background_video", "mask_video")  # the Animate file fields
 # each upload's file in a job's stored fields
 ANIMATE_KEYS = MappingProxyType({name: f"_{name}" for name in ANIMATE_UPLOADS})
-DIFFERENT_LENGTHS = re.compile(r"the driving videos differ in length \(([^)]*) frames\)")
 
 
 def refuse_without_animate(checkpoint, given: list[str]) -> None:
@@ -50,21 +48,3 @@ def animate_files(fields: dict) -> tuple:
     """The files of a job's Animate uploads (None: not uploaded)."""
     return tuple(fields.get(key) for key in ANIMATE_KEYS.values())
 
-
-def error_param(message: str, param: str | None) -> str | None:
-    """The field an Animate rule's ``message`` is about, ``param`` (the field it starts with, or None) unless the
-    rule is about another: a missing character image is ``input_reference``; driving videos of different lengths
-    name the first whose length is not ``pose_video``'s; a checkpoint without driving videos, or driving videos too
-    short for the overlap, name ``pose_video``; a message starting with an upload's name names it."""
-    if "without image=" in message:
-        return "input_reference"
-    lengths = DIFFERENT_LENGTHS.search(message)
-    if lengths:
-        counts = re.findall(r"(\w+) (\d+)", lengths.group(1))
-        return next((name for name, n in counts if n != counts[0][1]), counts[0][0])
-    if message.startswith(("this is a Wan2.2-Animate checkpoint", "the driving videos have")):
-        return "pose_video"
-    first = re.match(r"(\w+)\b", message)
-    if param is None and first and first.group(1) in ANIMATE_UPLOADS:
-        return first.group(1)
-    return param

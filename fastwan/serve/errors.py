@@ -30,8 +30,11 @@ class ApiError(Exception):
 
 def from_user_error(exc: UserError, fields: tuple[str, ...] = (), param: str | None = None) -> ApiError:
     """A fastwan user error raised while checking a request as a 400; ``param``: the field it is about, else the
-    first of ``fields`` its message names as ``name=`` (fastwan's messages start with the value they refuse)."""
+    error's own ``field`` (set by the check that raised it), else the first of ``fields`` its message names as
+    ``name=`` (fastwan's messages start with the value they refuse)."""
     message = re.sub(CLI_REMARK, "", one_line(exc))
+    if param is None:
+        param = getattr(exc, "field", None)
     if param is None:
         named = re.match(r"\W*(\w+)=", message)
         param = named.group(1) if named and named.group(1) in fields else None

@@ -43,8 +43,7 @@ from fastwan.serve.loras import JOB_KEY as LORA_KEY
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.loras import form_items as lora_form_items
 from fastwan.serve.animate_uploads import ANIMATE_KEYS, animate_fields, animate_files, animate_inputs
-from fastwan.serve.animate_uploads import error_param as animate_error_param
-from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, error_param, refuse_without_vace, vace_files, vace_inputs
+from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, refuse_without_vace, vace_files, vace_inputs
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
@@ -293,13 +292,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         resolved = gen.resolve(request)
     except UserError as exc:
         error = from_user_error(exc, tuple(REQUEST_FIELDS))
-        if error.param == "image":  # the uploads' fields
+        if error.param == "image":  # the upload's field
             error.param = "input_reference"
-        elif error.param is None and "last_image=" in error.message:
-            error.param = "last_image"
-        elif error.param is None:
-            error.param = error_param(error.message)
-        error.param = animate_error_param(error.message, error.param)
         if error.param in ("width", "height") and "size" in body:  # the field the client sent
             error.param, error.message = "size", f"{error.message} (size={body['size']!r} sets width and height)"
         elif error.param == "num_frames" and "seconds" in body:

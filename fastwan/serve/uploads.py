@@ -4,7 +4,8 @@ video (the upload ``video``) and ``conditioning_scale`` (a form or JSON number, 
 Rules:
 
 - ``mask``: one video file, read frame by frame like ``video`` (:func:`~fastwan.serve.requests.check_video`), then
-  by the checkpoint's VACE rules (``gen.resolve``: one mask frame per video frame, the video's frame size).
+  by the checkpoint's VACE rules (``gen.resolve``: one mask frame per video frame, the video's frame size), whose
+  errors name ``mask`` as their field.
 - ``reference_images``: one to :data:`MAX_REFERENCE_IMAGES` image files, the field repeated (``reference_images``
   or, as clients spell a list, ``reference_images[]``), each read as ``input_reference`` is.
 - Both are VACE's only: on another checkpoint they are refused (400 naming the field) before anything is read
@@ -57,7 +58,3 @@ def vace_files(fields: dict) -> tuple:
     """The files of a job's VACE uploads: its mask (None: not uploaded) and its reference images."""
     return fields.get(MASK_KEY), *fields.get(REFERENCES_KEY, ())
 
-
-def error_param(message: str) -> str | None:
-    """The VACE upload a checkpoint rule's message is about (its messages name ``mask`` first), else None."""
-    return MASK if message.startswith("mask ") else None

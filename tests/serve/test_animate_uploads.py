@@ -7,6 +7,7 @@ is not Animate's, and they leave with their job (completed or deleted)."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import imageio.v3 as iio
 import numpy as np
@@ -117,6 +118,7 @@ def test_bad_animate_uploads_are_refused_before_anything_is_queued(animate_serve
         ({}, dict(pose_video=pose, face_video=face, mask_video=mask), "mask_video", "only mode='replace'"),
         ({"overlap": "3"}, dict(pose_video=pose, face_video=face), "overlap", "1 or 5"),
         ({}, dict(pose_video=pose, face_video=face), "input_reference", "without image"),
+        ({"segment_frames": "13"}, {}, "segment_frames", "given without pose_video and face_video"),
     ]
     for fields, videos, param, words in cases:
         image = None if param == "input_reference" else IMAGE
@@ -130,6 +132,25 @@ def test_bad_animate_uploads_are_refused_before_anything_is_queued(animate_serve
         assert f"as the file {name}" in answer["error"]["message"]
     assert len(client.videos.list(limit=100).data) == before  # nothing was queued
     assert not list((animate_server.data_dir / "uploads").iterdir())  # no refused upload stays
+
+
+def test_an_errors_param_is_the_field_its_rule_names_not_a_word_of_its_message(tmp_path):
+    from fastwan.errors import InvalidArgument
+    from fastwan.pipelines.animate import read_animate_videos
+    from fastwan.serve.errors import from_user_error
+
+    files = {"pose_video": mp4(9, 32, 48), "face_video": mp4(5, 32, 32)}
+    for name, data in files.items():
+        (tmp_path / f"{name}.mp4").write_bytes(data)
+    r = SimpleNamespace(background_video=None, mask_video=None, segment_frames=None, overlap=None,
+                        **{name: str(tmp_path / f"{name}.mp4") for name in files})
+    with pytest.raises(InvalidArgument, match="differ in length") as exc:
+        read_animate_videos(r, 13)
+    assert exc.value.field == "face_video"  # the video whose length is not pose_video's
+    # a message reworded to start with another field's name keeps the param its rule set
+    reworded = InvalidArgument("pose_video= and face_video= are of two lengths; cut them to one.", field="face_video")
+    assert from_user_error(reworded, ("pose_video", "face_video")).param == "face_video"
+    assert from_user_error(InvalidArgument("pose_video= is bad."), ("pose_video",)).param == "pose_video"
 
 
 def test_a_deleted_animate_job_leaves_no_upload(animate_server):
