@@ -18,20 +18,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from fastwan.serve.errors import ApiError
-
 ANIMATE_UPLOADS = ("pose_video", "face_video", "background_video", "mask_video")  # the Animate file fields
 # each upload's file in a job's stored fields
 ANIMATE_KEYS = MappingProxyType({name: f"_{name}" for name in ANIMATE_UPLOADS})
-
-
-def refuse_without_animate(checkpoint, given: list[str]) -> None:
-    """400 naming the first Animate upload in ``given`` when ``checkpoint``'s DiT is not Wan2.2-Animate's."""
-    if given and not checkpoint.transformer_config.animate:
-        raise ApiError(400, f"{' and '.join(given)} uploaded, but this server's model ({checkpoint.variant}) is not a "
-                            "Wan2.2-Animate checkpoint; they are inputs of Wan2.2-Animate (e.g. "
-                            "Wan-AI/Wan2.2-Animate-14B-Diffusers): leave them out, or send them to a server of an "
-                            "Animate model.", code="unsupported_parameter", param=given[0])
 
 
 def animate_fields(videos: dict) -> dict:

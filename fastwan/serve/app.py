@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastwan.serve.animate_uploads import ANIMATE_UPLOADS, refuse_without_animate
+from fastwan.serve.animate_uploads import ANIMATE_UPLOADS
 from fastwan.serve.errors import ApiError
 from fastwan.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from fastwan.serve.metrics import render as render_metrics
@@ -41,7 +41,7 @@ from fastwan.serve.site import add_page
 from fastwan.serve.store import JobStore, new_id
 from fastwan.serve.streaming import is_causal, stream_response
 from fastwan.serve.uploads import MASK, MAX_REFERENCE_IMAGES, REFERENCES, REFERENCES_KEY, VACE_UPLOADS, check_count
-from fastwan.serve.uploads import file_field
+from fastwan.serve.uploads import file_field, refuse_uploads
 from fastwan.serve.worker import Worker, remove
 
 logger = logging.getLogger("fastwan.serve")
@@ -294,7 +294,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def create(request: Request):
         body, files = await _create_body(request, state.limits)
         gen = model_ready()
-        refuse_without_animate(gen.checkpoint, [key for key in ANIMATE_UPLOADS if key in files])
+        refuse_uploads(gen.checkpoint, [key for key in ANIMATE_UPLOADS if key in files], "animate")
         images = {key: await run_in_threadpool(read_image, data, state.limits, key) for key, data in files.items()
                   if key not in (*VIDEOS, REFERENCES)}
         references = [await run_in_threadpool(read_image, data, state.limits, REFERENCES)

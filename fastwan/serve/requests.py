@@ -43,7 +43,7 @@ from fastwan.serve.loras import JOB_KEY as LORA_KEY
 from fastwan.serve.loras import ServedLoras
 from fastwan.serve.loras import form_items as lora_form_items
 from fastwan.serve.animate_uploads import ANIMATE_KEYS, animate_fields, animate_files, animate_inputs
-from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, refuse_without_vace, vace_files, vace_inputs
+from fastwan.serve.uploads import MASK_KEY, VACE_KEYS, refuse_uploads, vace_files, vace_inputs
 
 OPENAI_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 SERVER_FIELDS = ("lora",)  # the server's own fields beside the request's (LoRAs by name)
@@ -264,7 +264,8 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
     if last_image is not None and image is None:
         raise ApiError(400, "last_image is the last frame of a first-last-frame video; upload the first frame as "
                             "input_reference beside it.", code="missing_required_parameter", param="last_image")
-    refuse_without_vace(gen.checkpoint, [name for name, v in (("mask", mask), ("reference_images", references)) if v])
+    refuse_uploads(gen.checkpoint, [name for name, v in (("mask", mask), ("reference_images", references)) if v],
+                   "vace")
     if "model" in body and body["model"] != model:
         raise ApiError(400, f"model={body['model']!r}: this server serves {model!r}; leave model out or send "
                             f"{model!r}.", code="model_not_found", param="model")

@@ -15,6 +15,8 @@ Rules:
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from fastwan.serve.errors import ApiError
 
 MASK_KEY = "_mask"  # the uploaded mask video's file in a job's stored fields
@@ -24,6 +26,11 @@ MASK = "mask"
 REFERENCES = "reference_images"
 VACE_UPLOADS = (MASK, REFERENCES)  # the VACE file fields of a create
 MAX_REFERENCE_IMAGES = 4  # VACE's reference images are a subject or a background or two; more is a mistake
+# the models whose uploads a create refuses on another checkpoint, by their DiT config's flag: the model's name, an
+# example checkpoint, the server to send them to
+UPLOAD_MODELS = MappingProxyType({
+    "vace": ("VACE", "Wan-AI/Wan2.1-VACE-1.3B-diffusers", "a VACE model"),
+    "animate": ("Wan2.2-Animate", "Wan-AI/Wan2.2-Animate-14B-Diffusers", "an Animate model")})
 
 
 def file_field(key: str) -> str:
@@ -38,13 +45,14 @@ def check_count(references: list) -> None:
                             "send fewer.", code="invalid_value", param=REFERENCES)
 
 
-def refuse_without_vace(checkpoint, given: list[str]) -> None:
-    """400 naming the first VACE upload in ``given`` when ``checkpoint`` has no VACE layers."""
-    if given and not checkpoint.transformer_config.vace:
+def refuse_uploads(checkpoint, given: list[str], kind: str) -> None:
+    """400 naming the first upload in ``given`` when ``checkpoint``'s DiT is not of ``kind`` (a key of
+    :data:`UPLOAD_MODELS`: its DiT config's flag)."""
+    if given and not getattr(checkpoint.transformer_config, kind):
+        model, example, server = UPLOAD_MODELS[kind]
         raise ApiError(400, f"{' and '.join(given)} uploaded, but this server's model ({checkpoint.variant}) is not a "
-                            "VACE checkpoint; they are inputs of VACE (e.g. Wan-AI/Wan2.1-VACE-1.3B-diffusers): leave "
-                            "them out, or send them to a server of a VACE model.", code="unsupported_parameter",
-                       param=given[0])
+                            f"{model} checkpoint; they are inputs of {model} (e.g. {example}): leave them out, or send "
+                            f"them to a server of {server}.", code="unsupported_parameter", param=given[0])
 
 
 def vace_inputs(fields: dict, references=None) -> dict:
