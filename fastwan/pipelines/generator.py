@@ -159,7 +159,7 @@ class VideoGenerator:
             raise InvalidArgument(f"max_gpu_memory={budget!r} budgets CUDA memory, but device={device}; "
                                   "leave it unset off CUDA.")
         ckpt = causal_checkpoint(resolve(model, allow_pickle=allow_pickle, revision=o.revision), o)
-        check_vace_generator(ckpt, launch != "single", budget)
+        check_vace_generator(ckpt, budget)
         mesh = None
         if launch == "join":  # this process is one rank: its own device from here on
             mesh, device = join(ckpt, num_gpus, cfg_parallel, cache, device, o.ring_degree)

@@ -150,13 +150,12 @@ def check_vace_composes(vace: VaceRequest | None, cache, chords) -> None:
         raise InvalidArgument("parallel_sampling='chords' (CLI --chords) does not run with VACE yet; leave it out.")
 
 
-def check_vace_generator(checkpoint, parallel: bool, budget) -> None:
-    """Rules of the generator: a VACE checkpoint runs in one process (not ``parallel``), with no memory ``budget``
-    (the control blocks are neither sharded nor streamed)."""
+def check_vace_generator(checkpoint, budget) -> None:
+    """Rule of the generator: a VACE checkpoint runs with no memory ``budget`` (the control blocks are neither
+    sharded nor streamed). Every process layout runs it (sequence parallelism, Ulysses x Ring, CFG parallelism:
+    :mod:`fastwan.models.wan.vace`)."""
     if not checkpoint.transformer_config.vace:
         return
-    if parallel:
-        raise InvalidArgument("a VACE checkpoint runs in one process: leave num_gpus (CLI --num-gpus) unset.")
     if budget is not None:
         raise InvalidArgument(f"max_gpu_memory={budget!r}: the memory planner does not place VACE's control blocks "
                               "yet; leave it unset for a VACE checkpoint.")

@@ -81,8 +81,15 @@ def test_field_types():
 
 
 def test_the_generator_refuses_what_it_cannot_place(vace_ckpts):
-    with pytest.raises(InvalidArgument, match="VACE checkpoint runs in one process"):
-        VideoGenerator.from_pretrained(vace_ckpts["wan2.1-vace"], device="cpu", num_gpus=2)
+    """A memory budget is refused for a VACE checkpoint (the planner does not place its control blocks); several
+    processes are not (tests/vace/test_vace_parallel.py)."""
+    from fastwan.checkpoint import resolve
+    from fastwan.pipelines.vace import check_vace_generator
+
+    ckpt = resolve(vace_ckpts["wan2.1-vace"])
+    with pytest.raises(InvalidArgument, match="max_gpu_memory='10GiB': the memory planner does not place VACE"):
+        check_vace_generator(ckpt, "10GiB")
+    check_vace_generator(ckpt, None)
 
 
 class Stop(Exception):

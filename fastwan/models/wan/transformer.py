@@ -29,7 +29,7 @@ from fastwan.models.wan.block import FastWanBlock, Residual, WanBlock, settle
 from fastwan.models.wan.config import WanConfig
 from fastwan.models.wan.cross import CrossInputs, PromptCache
 from fastwan.models.wan.layers import TimeTextEmbedding, fp32_layer_norm, keep_in_fp32, rope_tables
-from fastwan.models.wan.vace import vace_modules
+from fastwan.models.wan.vace import ControlTokens, control_tokens, vace_modules
 from fastwan.options import DiTOptions
 
 __all__ = ["Embedded", "WanTransformer", "keep_in_fp32"]
@@ -57,8 +57,9 @@ class WanTransformer(nn.Module):
     """Wan DiT. ``forward(latents [B, C, F, H, W], timestep [B] or [B, S], text [B, L, text_dim])``."""
 
     # where sequence parallelism splits the token sequence over the ranks and gathers it back
-    # (fastwan.parallel.plan): the embedding's stream, RoPE table and per-token modulation; the head's input
-    _sp_plan = {"embed": Split({"x": 3, "rope": 4, "mod": 4}), "head": Gather(0)}
+    # (fastwan.parallel.plan): the embedding's stream, RoPE table and per-token modulation, VACE's control tokens
+    # (the same token count, so the same shards); the head's input
+    _sp_plan = {"embed": Split({"x": 3, "rope": 4, "mod": 4}), "embed_control": Split({"c": 3}), "head": Gather(0)}
 
     def __init__(self, cfg: WanConfig, attention: AttentionDispatch | None = None,
                  options: DiTOptions | None = None):
@@ -247,6 +248,11 @@ class WanTransformer(nn.Module):
             if mod.dim() == 4:  # per-token modulation [B, S, 6, C]; temb stays raster (used after unpermute)
                 mod = layout.permute_compact(mod, dim=1)
         return Embedded(x, rope, temb, mod, grid, layout)
+
+    def embed_control(self, control: torch.Tensor, grid: tuple[int, int, int], layout) -> ControlTokens:
+        """VACE's control latents patch-embedded, in the stream's order (call point "embed_control";
+        :func:`fastwan.models.wan.vace.control_tokens`)."""
+        return control_tokens(self, control, grid, layout)
 
     def attention_meta(self, e: Embedded, i: int, step_index, num_steps) -> AttentionMetadata | None:
         """Block ``i``'s attention metadata (a sparse backend's; for a dense one None, or a hybrid schedule's step)."""

@@ -16,11 +16,23 @@ The control input is not an argument of the forward: :func:`vace_control` attach
 points ``block_calls.i`` of the VACE layers; ``run_cfg`` runs both CFG passes through ``run_blocks`` (the hints
 depend on each pass's text, so the passes share no block-0 half). A VACE DiT with no hook attached runs its main
 blocks alone.
+
+Several processes (:mod:`fastwan.parallel`):
+
+* sequence parallelism: the control tokens come from the call point ``embed_control``, which the DiT's sequence plan
+  splits as it splits ``embed`` (the same shard sizes, after the same sparse compact order), so each rank's hints
+  are its shard's; the control blocks run with the DiT's attention dispatch, so their self-attention takes the
+  main blocks' Ulysses / ring path;
+* CFG parallelism splits the passes above the DiT: each CFG group's ranks run one plain forward with their pass's
+  text, which computes that pass's hints at ``run_blocks``; ``run_cfg`` (wrapped by this hook alone: the step
+  cache, the other hook there, is refused with VACE) runs only where one process group runs both passes.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -63,22 +75,41 @@ def control_scales(scale, layers: int) -> tuple[float, ...]:
     return tuple(float(s) for s in scale)
 
 
-def control_hints(model, e, control: torch.Tensor, contexts: list, scales: Sequence[float], step_index,
-                  num_steps) -> list[torch.Tensor]:
-    """The hints [B, S, C] of ``model``'s control blocks (each times its scale), for the embedded input ``e`` (an
-    :class:`~fastwan.models.wan.transformer.Embedded`, its stream not yet run through any block), the control
-    latents ``control`` [1, vace_in_channels, F, H, W] and the cross-attention inputs ``contexts`` (the main
-    blocks' first, then the control blocks')."""
+class ControlTokens(NamedTuple):
+    """The control tokens ``c`` [1, S, C] of one forward, in the stream's order (a sparse backend's compact order)."""
+    c: torch.Tensor
+
+
+def control_tokens(model, control: torch.Tensor, grid: tuple[int, int, int], layout) -> ControlTokens:
+    """The control latents ``control`` [1, vace_in_channels, F, H, W] patch-embedded, for the token ``grid`` of the
+    stream and its sparse ``layout`` (None for a dense backend) -> every token's control token, in the stream's
+    order."""
     cfg = model.config
     if not (control.dim() == 5 and control.shape[1] == cfg.vace_in_channels):
         raise InvalidArgument(f"VACE control latents {list(control.shape)} must be [1, {cfg.vace_in_channels}, F, H, "
                               "W] (this DiT's vace_in_channels).")
     c = model.vace_patch_embedding(control.to(model.dtype)).flatten(2).transpose(1, 2)
-    if c.shape[1] != e.x.shape[1]:
+    if c.shape[1] != math.prod(grid):
         raise InvalidArgument(f"VACE control latents {list(control.shape)} give {c.shape[1]} tokens, but the latents "
-                              f"give {e.x.shape[1]}; pass control latents of the latents' frames, height and width.")
-    if e.layout is not None:  # a sparse backend's compact order, as the stream's
-        c = e.layout.permute_compact(c, dim=1)
+                              f"give {math.prod(grid)}; pass control latents of the latents' frames, height and "
+                              "width.")
+    if layout is not None:  # a sparse backend's compact order, as the stream's
+        c = layout.permute_compact(c, dim=1)
+    return ControlTokens(c.contiguous())
+
+
+def control_hints(model, e, control: torch.Tensor, contexts: list, scales: Sequence[float], step_index,
+                  num_steps) -> list[torch.Tensor]:
+    """The hints [B, S, C] of ``model``'s control blocks (each times its scale), for the embedded input ``e`` (an
+    :class:`~fastwan.models.wan.transformer.Embedded`, its stream not yet run through any block; under sequence
+    parallelism this rank's shard, and the control tokens the same shard), the control latents ``control``
+    [1, vace_in_channels, F, H, W] and the cross-attention inputs ``contexts`` (the main blocks' first, then the
+    control blocks')."""
+    cfg = model.config
+    c = model.embed_control(control, e.grid, e.layout).c
+    if c.shape[1] != e.x.shape[1]:
+        raise RuntimeError(f"VACE control tokens {list(c.shape)} and the stream {list(e.x.shape)} differ in length: "
+                           "a sequence plan must split 'embed_control' as it splits 'embed'.")
     first = len(model.blocks)
     hints = []
     for k, (blk, layer) in enumerate(zip(model.vace_blocks, cfg.vace_layers)):
