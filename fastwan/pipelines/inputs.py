@@ -46,23 +46,30 @@ def expert_guidance(preset, guidance_scale, guidance_scale_2) -> tuple:
     return guidance_scale, guidance_scale_2
 
 
-def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
-                     max_grid: int | None = None) -> tuple[int, int, int]:
-    """The size rules of a video for a VAE of (temporal, spatial) ``vae_factors`` and a DiT of ``patch`` (time,
-    height, width) whose RoPE covers ``max_grid`` tokens per axis (None: not checked): height and width positive
-    int multiples of the VAE factor times their patch, num_frames a positive int ``vt``k+1 whose latent frames
-    divide by the time patch, and every token axis within ``max_grid``. Returns the DiT's token grid (frames,
-    height, width); raises InvalidArgumentType for a non-int, InvalidArgument for an int that breaks a rule."""
-    vt, vs = vae_factors
+def check_frame_size(height, width, *, spatial: int, patch: tuple[int, int, int]) -> None:
+    """The frame size rule for a VAE of ``spatial`` factor and a DiT of ``patch`` (time, height, width): height and
+    width positive int multiples of the factor times their patch; raises InvalidArgumentType for a non-int,
+    InvalidArgument for an int that breaks the rule."""
     for name, v, p in (("height", height, patch[1]), ("width", width, patch[2])):
-        step = vs * p
+        step = spatial * p
         if not is_int(v) or v <= 0:  # a type error for a non-int, a value error for an int out of range
             raise (InvalidArgument if is_int(v) else InvalidArgumentType)(
                 f"{name}={v!r} must be a positive int (a multiple of {step}).")
         if v % step:
             lo = max(step, v // step * step)
-            raise InvalidArgument(f"{name}={v} is not a multiple of {step} (VAE factor {vs} x patch {p}); use {lo} or "
-                                  f"{lo + step}.")
+            raise InvalidArgument(f"{name}={v} is not a multiple of {step} (VAE factor {spatial} x patch {p}); use "
+                                  f"{lo} or {lo + step}.")
+
+
+def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
+                     max_grid: int | None = None) -> tuple[int, int, int]:
+    """The size rules of a video for a VAE of (temporal, spatial) ``vae_factors`` and a DiT of ``patch`` (time,
+    height, width) whose RoPE covers ``max_grid`` tokens per axis (None: not checked): the frame size
+    (:func:`check_frame_size`), num_frames a positive int ``vt``k+1 whose latent frames
+    divide by the time patch, and every token axis within ``max_grid``. Returns the DiT's token grid (frames,
+    height, width); raises InvalidArgumentType for a non-int, InvalidArgument for an int that breaks a rule."""
+    vt, vs = vae_factors
+    check_frame_size(height, width, spatial=vs, patch=patch)
     if not is_int(num_frames) or num_frames < 1:
         raise (InvalidArgument if is_int(num_frames) else InvalidArgumentType)(
             f"num_frames={num_frames!r} must be a positive int of the form {vt}k+1 (e.g. {vt * 20 + 1}).")

@@ -30,7 +30,8 @@ import torch
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
-from fastwan.pipelines.inputs import random_seed
+from fastwan.pipelines.inputs import check_frame_size, random_seed
+from fastwan.pipelines.params import check_field
 from fastwan.pipelines.setup import on_device
 from fastwan.pipelines.stream_decode import DecodeQueue
 from fastwan.pipelines.text import encode_prompts
@@ -111,7 +112,9 @@ class StreamSettings:
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
                     window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe",
                     overlap_decode: bool | None = None) -> StreamSettings:
-    """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix)."""
+    """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix): height, width,
+    seed and fps by the request fields' own rules (:func:`~fastwan.pipelines.params.check_field`), the frame size
+    by the checkpoint's (:func:`~fastwan.pipelines.inputs.check_frame_size`), num_frames by the chunks'."""
     recipe = gen.checkpoint.causal
     if recipe is None:
         raise InvalidArgument(
@@ -128,14 +131,12 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
         raise InvalidArgument("a causal stream needs a dense attention backend (its chunks attend to a cache); "
                               "load with a dense attention_backend (e.g. TORCH_SDPA, FLASH_ATTN).")
     preset = gen.preset
+    height, width, seed, fps = (check_field(name, value) for name, value in
+                                (("height", height), ("width", width), ("seed", seed), ("fps", fps)))
     height = preset.height if height is None else height
     width = preset.width if width is None else width
-    _, spatial = gen.vae_scale_factors
-    patch = gen.checkpoint.transformer_config.patch_size
-    for name, value, unit in (("height", height, spatial * patch[1]), ("width", width, spatial * patch[2])):
-        if isinstance(value, bool) or not isinstance(value, int) or value < unit or value % unit:
-            raise InvalidArgument(f"{name}={value!r} must be a positive multiple of {unit} (the VAE's factor "
-                                  f"{spatial} x the DiT's patch {unit // spatial}); round it to a multiple of {unit}.")
+    check_frame_size(height, width, spatial=gen.vae_scale_factors[1],
+                     patch=gen.checkpoint.transformer_config.patch_size)
     chunks = chunk_plan(num_frames, recipe, gen.vae_scale_factors[0])
     changes = {}
     if window_frames != "recipe":
@@ -145,11 +146,7 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
     if sink_frames != "recipe":
         changes["sink_frames"] = sink_frames
     recipe = dataclasses.replace(recipe, **changes) if changes else recipe
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise InvalidArgument(f"seed={seed!r} must be an int in [0, 2**64) or None (a random one).")
     fps = preset.fps if fps is None else fps
-    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
-        raise InvalidArgument(f"fps={fps!r} must be an int >= 1.")
     if overlap_decode is None:
         overlap_decode = gen.device.type == "cuda"
     elif not isinstance(overlap_decode, bool):

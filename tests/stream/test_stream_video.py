@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastwan import VideoGenerator
-from fastwan.errors import InvalidArgument
+from fastwan.errors import InvalidArgument, UserError
 from fastwan.vae.decode import decode_frames
 from tests.stream.test_causal_dit import Masked
 
@@ -132,7 +132,7 @@ def test_misuse_is_refused_before_any_compute(gen, tiny_ckpts):
         gen.generate_video(PROMPT, guidance_scale=5.0)
     with pytest.raises(InvalidArgument, match="num_inference_steps=8 does not apply"):
         gen.generate_video(PROMPT, num_inference_steps=8)
-    with pytest.raises(InvalidArgument, match="height=100 must be a positive multiple of 16"):
+    with pytest.raises(InvalidArgument, match="height=100 is not a multiple of 16 .*; use 96 or 112"):
         gen.stream_video(PROMPT, height=100)
     with pytest.raises(InvalidArgument, match="window_frames=4 must be"):
         gen.stream_video(PROMPT, window_frames=4)
@@ -141,6 +141,18 @@ def test_misuse_is_refused_before_any_compute(gen, tiny_ckpts):
     plain = VideoGenerator.from_pretrained(str(tiny_ckpts["wan2.1"]), device="cpu", dtype=torch.float32)
     with pytest.raises(InvalidArgument, match="is not a causal checkpoint"):
         plain.stream_video(PROMPT)
+
+
+@pytest.mark.parametrize("field, value", [("height", 100), ("width", 40.0), ("height", 0), ("seed", -1),
+                                          ("seed", True), ("fps", 0), ("fps", 10**6)])
+def test_a_stream_refuses_a_field_by_the_requests_own_rule(gen, field, value):
+    from fastwan.pipelines.params import GenerationRequest
+
+    with pytest.raises(UserError) as request:
+        gen.resolve(GenerationRequest(PROMPT, save_video=False, **{field: value}))
+    with pytest.raises(type(request.value)) as stream:
+        gen.stream_video(PROMPT, **{field: value})
+    assert str(stream.value) == str(request.value)
 
 
 def test_a_compiled_generator_streams_the_eager_frames(gen, tiny_causal):
