@@ -133,7 +133,7 @@ def decoder_call(vae, x: torch.Tensor, cache: list, first: bool) -> torch.Tensor
 def decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> np.ndarray:
     """Normalised latents [1, C, F, h, w] (what the denoiser makes) -> uint8 video frames [T, H, W, 3] (``bars``:
     :func:`decode_latents`'s progress bar)."""
-    return _uint8(decode_latents(vae, _denormalised(vae, latents), chunk, bars))
+    return uint8_frames(decode_pixels(vae, latents, chunk, bars))
 
 
 def decode_pixels(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True) -> torch.Tensor:
@@ -145,14 +145,14 @@ def decode_pixels(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: b
 def uint8_frames(video: torch.Tensor) -> np.ndarray:
     """A decoded video [1, 3, T, H, W] in [-1, 1] -> uint8 frames [T, H, W, 3] (diffusers' postprocess, x 255
     rounded)."""
-    return _uint8(video)
+    return uint8_tensor(video).cpu().numpy()
 
 
 def iter_decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True):
     """:func:`decode_frames` as the frames are made: yields uint8 [t, H, W, 3] per decoder call
     (:func:`iter_decode_latents`); their concatenation is :func:`decode_frames`'s video."""
     for video in iter_decode_latents(vae, _denormalised(vae, latents), chunk, bars):
-        yield _uint8(video)
+        yield uint8_frames(video)
 
 
 def latent_stats(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,11 +170,6 @@ def _denormalised(vae, latents: torch.Tensor, stats: tuple[torch.Tensor, torch.T
     z = latents.to(vae.dtype)
     mean, std = latent_stats(vae, z.device) if stats is None else stats
     return z / (1.0 / std) + mean
-
-
-def _uint8(video: torch.Tensor) -> np.ndarray:
-    """[1, 3, T, H, W] in [-1, 1] -> uint8 [T, H, W, 3] (diffusers' postprocess, then x 255 rounded)."""
-    return uint8_tensor(video).cpu().numpy()
 
 
 def uint8_tensor(video: torch.Tensor) -> torch.Tensor:
