@@ -7,11 +7,14 @@ CausalRecipe`). Each chunk (Self-Forcing's inference loop):
    flow prediction ``v`` gives the clean estimate ``x0 = x - sigma_i v`` (``recipe.sigma``), and, before any step
    but the last, the next input is ``x0`` noised again to the next level with fresh noise,
    ``(1 - sigma_{i+1}) x0 + sigma_{i+1} noise``;
-2. the last ``x0`` is the chunk; the DiT runs once more on it at timestep ``context_noise`` with ``write=True``, so
-   the cache holds the clean chunk's keys and values (:class:`fastwan.models.wan.causal.CausalRun`);
-3. the VAE decodes the chunk with its causal feature cache (:class:`fastwan.vae.stream.StreamDecoder`) and its
-   frames leave: at once, or, with ``overlap_decode`` (the default on CUDA), once the next chunk's DiT work is
-   queued, its decode on a side CUDA stream running beside that DiT (:mod:`fastwan.pipelines.stream_decode`).
+2. the last ``x0`` is the chunk; the VAE decodes it with its causal feature cache
+   (:class:`fastwan.vae.stream.StreamDecoder`) and its frames leave: at once, or, with ``overlap_decode`` (the
+   default on CUDA), once the next chunk's DiT work is queued, its decode on a side CUDA stream running beside that
+   DiT (:mod:`fastwan.pipelines.stream_decode`);
+3. before the next chunk's steps, the DiT runs once more on the clean chunk at timestep ``context_noise`` with
+   ``write=True``, so the cache holds its keys and values (:func:`write_chunk`, :class:`fastwan.models.wan.causal.
+   CausalRun`). The write is queued after the chunks that may leave have left, so no frames wait for it; the last
+   chunk of a finite stream has none (no chunk reads it).
 
 The stream has no length limit when ``num_frames`` is None: with the recipe's (or the caller's) window of frames
 the caches stay one size. :meth:`VideoStream.switch_prompt` changes the text of the chunks that follow.
@@ -41,13 +44,14 @@ from fastwan.pipelines.text import encode_prompts
 class StreamChunk:
     """One chunk of a stream: ``frames`` uint8 [t, H, W, 3], the index of its first frame in the video
     (``first_frame``), its chunk ``index``, the ``prompt`` it was made from, and ``timings`` in seconds: ``text``
-    (encoding a new prompt, else 0), ``dit`` (the denoising steps), ``kv_write`` (the clean chunk's cache write),
-    ``decode`` (the VAE decode and the frames' copy to the host), and ``elapsed`` (host time from the start of the
-    stream until these frames were on the host). Serial, the first four are host times with the device
-    synchronised around each. Overlapped on CUDA they are GPU times between CUDA events on the stream that ran the
-    work: ``text``, ``dit`` and ``kv_write`` on the main stream, ``decode`` on the side stream, where it shared the
-    GPU with the next chunk's DiT; they add up to more than the wall time, and ``elapsed`` between chunks is the
-    sustained rate."""
+    (encoding a new prompt, else 0), ``dit`` (the denoising steps), ``kv_write`` (the cache write that ran before
+    this chunk's steps: the previous chunk's, 0 for the first), ``decode`` (the VAE decode and the frames' copy to
+    the host), and ``elapsed`` (host time from the start of the stream until these frames were on the host).
+    Serial, the first four are host times with the device synchronised around each, and they add up to the time
+    between the previous chunk's hand-out and this one's. Overlapped on CUDA they are GPU times between CUDA events
+    on the stream that ran the work: ``text``, ``dit`` and ``kv_write`` on the main stream, ``decode`` on the side
+    stream, where it shared the GPU with the next chunk's DiT; they add up to more than the wall time, and
+    ``elapsed`` between chunks is the sustained rate."""
     frames: np.ndarray
     first_frame: int
     index: int
@@ -57,9 +61,9 @@ class StreamChunk:
 
 def sample_chunk(run: CausalRun, noise: torch.Tensor, text: torch.Tensor, recipe: CausalRecipe,
                  generator: torch.Generator) -> torch.Tensor:
-    """One chunk by the recipe's rule (steps 1 and 2 of the module docstring): ``noise`` [B, C, f, h, w] fp32 at
-    the run's next frame -> the clean chunk [B, C, f, h, w] fp32, written into the run's cache. ``generator``
-    draws the noise of each re-noising, in order."""
+    """A chunk's steps by the recipe's rule (step 1 of the module docstring): ``noise`` [B, C, f, h, w] fp32 at the
+    run's next frame -> the clean chunk [B, C, f, h, w] fp32 (not yet in the cache: :func:`write_chunk`).
+    ``generator`` draws the noise of each re-noising, in order."""
     schedule = recipe.schedule()
     x = noise
     x0 = None
@@ -71,9 +75,15 @@ def sample_chunk(run: CausalRun, noise: torch.Tensor, text: torch.Tensor, recipe
             s = recipe.sigma(schedule[i + 1])
             fresh = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             x = (1.0 - s) * x0 + s * fresh
-    run.forward(x0.to(dtype), torch.full((1,), recipe.context_noise, device=x.device, dtype=torch.float32), text,
-                write=True)  # timesteps made on the device without a host copy: nothing here waits for the GPU
     return x0
+
+
+def write_chunk(run: CausalRun, x0: torch.Tensor, text: torch.Tensor, recipe: CausalRecipe) -> None:
+    """Step 3 of the module docstring: the clean chunk ``x0`` [B, C, f, h, w] (from :func:`sample_chunk`, with the
+    ``text`` it was made from) runs at timestep ``recipe.context_noise`` with a cache write; the run moves past it."""
+    dtype = next(run.model.parameters()).dtype
+    run.forward(x0.to(dtype), torch.full((1,), recipe.context_noise, device=x0.device, dtype=torch.float32), text,
+                write=True)  # timesteps made on the device without a host copy: nothing here waits for the GPU
 
 
 def chunk_plan(num_frames: int | None, recipe: CausalRecipe, temporal: int) -> int | None:
@@ -208,8 +218,11 @@ class VideoStream:
                 clock = queue.clock
                 timed = _Timed(run, clock)
                 index, first = 0, 0
+                due = None  # (x0, text) of the last chunk made: its cache write runs before the next chunk's steps
                 try:
                     while chunks is None or index < chunks:
+                        if due is not None:
+                            timed.write_chunk(*due, recipe)
                         prompt = self._prompt
                         text = None
                         if prompt not in texts:  # one encoding per prompt (the DiT keys its text once per prompt)
@@ -220,8 +233,9 @@ class VideoStream:
                             text = (t0, clock.mark())
                         t1 = clock.mark()
                         noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
-                        x0 = sample_chunk(timed, noise, texts[prompt], recipe, generator)
+                        x0 = sample_chunk(run, noise, texts[prompt], recipe, generator)
                         queue.put(x0, _Made(index, prompt, text, (t1, clock.mark()), timed.write))
+                        due = x0, texts[prompt]
                         index += 1
                         while queue.waiting > queue.may_wait(index, index == chunks):
                             chunk = _hand_out(queue, first, start)
@@ -237,34 +251,31 @@ class _Made:
     index: int
     prompt: str
     text: tuple | None
-    steps: tuple  # from before the noise until after the cache write
-    write: tuple  # around the cache write
+    steps: tuple  # around the chunk's noise and steps
+    write: tuple  # around the previous chunk's cache write, which ran before them (empty: none)
 
 
 def _hand_out(queue: DecodeQueue, first: int, start: float) -> StreamChunk:
     """The queue's oldest chunk, once on the host, with its timings (:class:`StreamChunk`)."""
     frames, decode_s, made = queue.pop()
     seconds = queue.clock.seconds
-    write = seconds(*made.write)
-    timings = {"text": 0.0 if made.text is None else seconds(*made.text), "dit": seconds(*made.steps) - write,
+    write = seconds(*made.write) if made.write else 0.0
+    timings = {"text": 0.0 if made.text is None else seconds(*made.text), "dit": seconds(*made.steps),
                "kv_write": write, "decode": decode_s, "elapsed": time.perf_counter() - start}
     return StreamChunk(frames, first, made.index, made.prompt, timings)
 
 
 class _Timed:
-    """A :class:`CausalRun` whose write forwards are timed by ``clock`` (``write``: the last one's two marks)."""
+    """The cache writes of a :class:`CausalRun`, timed by ``clock`` (``write``: the last one's two marks)."""
 
     def __init__(self, run: CausalRun, clock):
-        self._run, self.model, self._clock = run, run.model, clock
+        self._run, self._clock = run, clock
         self.write: tuple = ()
 
-    def forward(self, latents, timestep, text, *, write: bool = False):
-        if not write:
-            return self._run.forward(latents, timestep, text)
+    def write_chunk(self, x0: torch.Tensor, text: torch.Tensor, recipe: CausalRecipe) -> None:
         t0 = self._clock.mark()
-        out = self._run.forward(latents, timestep, text, write=True)
+        write_chunk(self._run, x0, text, recipe)
         self.write = (t0, self._clock.mark())
-        return out
 
 
 def _check_prompt(prompt) -> str:
@@ -327,9 +338,9 @@ def causal_frames(gen, prompt: str, s, seed: int, on_step=None):
     timings = {"text_encoding": sums["text"], "denoising": sums["dit"] + sums["kv_write"],
                "decoding": sums["decode"], "total": elapsed if settings.overlap_decode else sum(sums.values())}
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    forwards = total * (len(settings.recipe.timesteps) + 1)
+    forwards = total * (len(settings.recipe.timesteps) + 1) - 1  # the last chunk has no cache write
     return np.concatenate(parts), forwards, timings, peak, None
 
 
 __all__ = ["NOT_CAUSAL", "StreamChunk", "VideoStream", "causal_frames", "check_causal_request", "chunk_plan",
-           "sample_chunk", "stream_settings", "stream_video"]
+           "sample_chunk", "stream_settings", "stream_video", "write_chunk"]

@@ -1,7 +1,8 @@
-"""The per-chunk rule of a causal stream (fastwan.pipelines.stream.sample_chunk, CausalRecipe.schedule) against a
-float64 transcription of Self-Forcing's inference loop (pipeline/causal_inference.py with its FlowMatchScheduler):
-the warped timesteps, x0 from the flow prediction at each step's sigma, the re-noising to the next step's level,
-and the clean chunk run once more at context_noise with a cache write."""
+"""The per-chunk rule of a causal stream (fastwan.pipelines.stream.sample_chunk and write_chunk,
+CausalRecipe.schedule) against a float64 transcription of Self-Forcing's inference loop
+(pipeline/causal_inference.py with its FlowMatchScheduler): the warped timesteps, x0 from the flow prediction at each
+step's sigma, the re-noising to the next step's level, and the clean chunk run once more at context_noise with a
+cache write."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument
-from fastwan.pipelines.stream import chunk_plan, sample_chunk
+from fastwan.pipelines.stream import chunk_plan, sample_chunk, write_chunk
 
 
 def self_forcing_table(shift: float) -> torch.Tensor:
@@ -67,6 +68,7 @@ def test_a_chunk_follows_self_forcings_inference_loop(recipe):
     noise = torch.randn(1, 4, 3, 2, 4, generator=g)
     seeded = torch.Generator().manual_seed(5)
     got = sample_chunk(run := Recording(denoiser), noise, None, recipe, seeded)
+    write_chunk(run, got, None, recipe)
     again = torch.Generator().manual_seed(5)  # the same draws, in the same order
     noises = iter([torch.randn(noise.shape, generator=again) for _ in recipe.timesteps])
     expected, calls = reference_chunk(denoiser, noise, recipe, noises)

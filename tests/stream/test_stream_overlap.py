@@ -57,10 +57,10 @@ def progress(gen, monkeypatch, overlap: bool, num_frames=33) -> list[tuple[int, 
 def test_a_chunk_leaves_after_the_next_one_is_started_and_the_last_is_flushed(gen, monkeypatch):
     """Overlapped, the first chunk leaves at once (the first frames' latency), a middle chunk once the next one is
     started, the last at once."""
-    per_chunk = len(gen.causal.timesteps) + 1  # the steps and the cache write
-    assert progress(gen, monkeypatch, False) == [(per_chunk, 1), (2 * per_chunk, 2), (3 * per_chunk, 3)]
-    assert progress(gen, monkeypatch, True) == [(per_chunk, 1), (3 * per_chunk, 3), (3 * per_chunk, 3)]
-    assert progress(gen, monkeypatch, True, num_frames=9) == [(per_chunk, 1)]  # one chunk: flushed at once
+    steps = len(gen.causal.timesteps)  # a chunk's cache write runs after its hand-out, the last chunk has none
+    assert progress(gen, monkeypatch, False) == [(steps, 1), (2 * steps + 1, 2), (3 * steps + 2, 3)]
+    assert progress(gen, monkeypatch, True) == [(steps, 1), (3 * steps + 2, 3), (3 * steps + 2, 3)]
+    assert progress(gen, monkeypatch, True, num_frames=9) == [(steps, 1)]  # one chunk: flushed at once
 
 
 def watch_drops(monkeypatch) -> list[tuple[int, int]]:
