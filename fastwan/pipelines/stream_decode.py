@@ -1,7 +1,8 @@
 """How a causal stream decodes its chunks and in which order it hands them out: :class:`DecodeQueue`.
 
 A chunk's clean latents go to the queue (:meth:`DecodeQueue.put`) as soon as its DiT steps are queued (its cache
-write comes after the hand-outs: :mod:`fastwan.pipelines.stream`); chunks leave the queue (:meth:`DecodeQueue.pop`) in order, as uint8 frames on the host. Rules:
+write comes after the hand-outs: :mod:`fastwan.pipelines.stream`); chunks leave the queue (:meth:`DecodeQueue.pop`)
+in order, as uint8 frames on the host. Rules:
 
 - Serial (``overlap`` off): a chunk is decoded at ``put``, on the calling thread's stream, and leaves before the
   next chunk starts (``lag`` 0).
