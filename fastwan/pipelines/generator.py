@@ -93,6 +93,9 @@ class VideoGenerator:
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
         # decode feature cache, the DiT's text K/V cache), so one generator makes one video at a time
         self._lock = threading.Lock()
+        # the side stream of stream_video's overlapped decodes: one per generator, so the memory its decodes cached
+        # serves the next stream (the allocator reuses a block only on the stream that freed it)
+        self.decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod

@@ -13,8 +13,10 @@ CausalRecipe`). Each chunk (Self-Forcing's inference loop):
    DiT (:mod:`fastwan.pipelines.stream_decode`);
 3. before the next chunk's steps, the DiT runs once more on the clean chunk at timestep ``context_noise`` with
    ``write=True``, so the cache holds its keys and values (:func:`write_chunk`, :class:`fastwan.models.wan.causal.
-   CausalRun`). The write is queued after the chunks that may leave have left, so no frames wait for it; the last
-   chunk of a finite stream has none (no chunk reads it).
+   CausalRun`). A chunk's frames never wait for its own write: a chunk that leaves at once (serial; the first
+   chunk overlapped) is handed out before its write is queued; one that stays queued (overlapped) has its write
+   queued before the host waits for the chunk ahead of it, so the device has that work in hand meanwhile. The
+   last chunk of a finite stream has no write (no chunk reads it).
 
 The stream has no length limit when ``num_frames`` is None: with the recipe's (or the caller's) window of frames
 the caches stay one size. :meth:`VideoStream.switch_prompt` changes the text of the chunks that follow.
@@ -214,7 +216,7 @@ class VideoStream:
             generator = torch.Generator(device=dev).manual_seed(self.seed)
             texts: dict[str, torch.Tensor] = {}
             with CausalRun(model, recipe.window_frames, recipe.sink_frames) as run, decoder:
-                queue = DecodeQueue(decoder, dev, s.overlap_decode)
+                queue = DecodeQueue(decoder, dev, s.overlap_decode, gen.decode_stream)
                 clock = queue.clock
                 timed = _Timed(run, clock)
                 index, first = 0, 0
@@ -237,7 +239,11 @@ class VideoStream:
                         queue.put(x0, _Made(index, prompt, text, (t1, clock.mark()), timed.write))
                         due = x0, texts[prompt]
                         index += 1
-                        while queue.waiting > queue.may_wait(index, index == chunks):
+                        stays = queue.may_wait(index, index == chunks)
+                        if stays and index != chunks:  # its frames leave later: the write goes before the wait
+                            timed.write_chunk(*due, recipe)
+                            due = None
+                        while queue.waiting > stays:
                             chunk = _hand_out(queue, first, start)
                             first += len(chunk.frames)
                             yield chunk

@@ -101,11 +101,11 @@ class _OnSide:
 
 
 class SideStreamDecode:
-    """CUDA: decode on a side stream of ``device`` (the module's rules)."""
+    """CUDA: decode on the side stream ``side`` (the module's rules)."""
 
-    def __init__(self, decoder, device: torch.device):
+    def __init__(self, decoder, side: torch.cuda.Stream):
         self._decoder = decoder
-        self._side = torch.cuda.Stream(device)
+        self._side = side
 
     def submit(self, latents: torch.Tensor) -> _OnSide:
         ready = torch.cuda.Event()
@@ -130,14 +130,20 @@ class _Entry:
 
 class DecodeQueue:
     """Chunks between their DiT and their hand-out (the module's rules). ``decoder``: a
-    :class:`~fastwan.vae.stream.StreamDecoder`; ``overlap``: the stream's setting, fixed for its life."""
+    :class:`~fastwan.vae.stream.StreamDecoder`; ``overlap``: the stream's setting, fixed for its life; ``side``: the
+    CUDA stream overlapped decodes run on (None: a new one). A caller making several streams passes one side stream
+    to all (the generator's ``decode_stream``): the caching allocator reuses a block only on the stream that freed
+    it, so a new side stream per video would allocate its decode's memory afresh, on the first chunk's path."""
 
-    def __init__(self, decoder, device: torch.device, overlap: bool):
+    def __init__(self, decoder, device: torch.device, overlap: bool, side: torch.cuda.Stream | None = None):
         self.lag = 1 if overlap else 0
         self._device = device
         self._side = overlap and device.type == "cuda"
         self.clock = EventClock() if self._side else HostClock(device)
-        self._decode = SideStreamDecode(decoder, device) if self._side else InlineDecode(decoder, self.clock)
+        if self._side:
+            self._decode = SideStreamDecode(decoder, torch.cuda.Stream(device) if side is None else side)
+        else:
+            self._decode = InlineDecode(decoder, self.clock)
         self._pending: deque[_Entry] = deque()
 
     @property

@@ -56,11 +56,14 @@ def progress(gen, monkeypatch, overlap: bool, num_frames=33) -> list[tuple[int, 
 
 def test_a_chunk_leaves_after_the_next_one_is_started_and_the_last_is_flushed(gen, monkeypatch):
     """Overlapped, the first chunk leaves at once (the first frames' latency), a middle chunk once the next one is
-    started, the last at once."""
+    started, the last at once; no chunk waits for its own cache write, and the last has none."""
     steps = len(gen.causal.timesteps)  # a chunk's cache write runs after its hand-out, the last chunk has none
     assert progress(gen, monkeypatch, False) == [(steps, 1), (2 * steps + 1, 2), (3 * steps + 2, 3)]
     assert progress(gen, monkeypatch, True) == [(steps, 1), (3 * steps + 2, 3), (3 * steps + 2, 3)]
     assert progress(gen, monkeypatch, True, num_frames=9) == [(steps, 1)]  # one chunk: flushed at once
+    # a middle chunk that stays queued has its write queued before the host waits for the chunk ahead of it
+    assert progress(gen, monkeypatch, True, num_frames=45) == [(steps, 1), (3 * steps + 3, 3), (4 * steps + 3, 4),
+                                                               (4 * steps + 3, 4)]
 
 
 def watch_drops(monkeypatch) -> list[tuple[int, int]]:
