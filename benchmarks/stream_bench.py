@@ -77,6 +77,7 @@ def one_stream(gen, frames: int, fps: int, h: int, w: int, options: dict, device
     span = rest[-1].timings["elapsed"] - first.timings["elapsed"] if rest else float("nan")
     return {"chunks": len(chunks), "frames": sum(len(c.frames) for c in chunks),
             "first_chunk_s": first.timings["elapsed"], "first_chunk_frames": len(first.frames),
+            **{f"first_{k}_ms": 1000 * first.timings[k] for k in ("text", "dit", "decode")},
             "sustained_fps": sum(len(c.frames) for c in rest) / span if rest else float("nan"),
             **{f"{k}_ms": 1000 * statistics.median(c.timings[k] for c in rest or chunks)
                for k in ("dit", "kv_write", "decode")},
@@ -98,7 +99,8 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     runs = [one_stream(gen, frames, fps, h, w, options, device) for _ in range(args.repeats)]
     release(compiled, device)
     median = {k: statistics.median(r[k] for r in runs) for k in ("first_chunk_s", "sustained_fps", "dit_ms",
-                                                                  "kv_write_ms", "decode_ms")}
+                                                                  "kv_write_ms", "decode_ms", "first_text_ms",
+                                                                  "first_dit_ms", "first_decode_ms")}
     return {"variant": name, "size": args.size, "seconds": args.seconds, "runs": runs, "median": median,
             "peak_gib_10s": runs[-1]["peak_gib_10s"], "peak_gib_end": runs[-1]["peak_gib_end"]}
 
@@ -126,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"stream: {name}")
             record["results"].append(run_variant(name, args, device))
             out.write_text(json.dumps([*previous, record], indent=1, default=str))  # each variant kept as it ends
-    print("| variant | size | first chunk (s) | sustained fps | DiT/chunk (ms) | KV write (ms) | decode (ms) | "
-          "peak 10 s / end (GiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | size | first chunk (s) | its text / DiT / decode (ms) | sustained fps | DiT/chunk (ms) | "
+          "KV write (ms) | decode (ms) | peak 10 s / end (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in record["results"]:
         m = r["median"]
-        print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['sustained_fps']:.1f} | "
+        print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['first_text_ms']:.0f} / "
+              f"{m['first_dit_ms']:.0f} / {m['first_decode_ms']:.0f} | {m['sustained_fps']:.1f} | "
               f"{m['dit_ms']:.1f} | {m['kv_write_ms']:.1f} | {m['decode_ms']:.1f} | "
               f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} |")
     return 0

@@ -236,10 +236,11 @@ class VideoStream:
                         t1 = clock.mark()
                         noise = torch.randn(shape, generator=generator, device=dev, dtype=torch.float32)
                         x0 = sample_chunk(run, noise, texts[prompt], recipe, generator)
-                        queue.put(x0, _Made(index, prompt, text, (t1, clock.mark()), timed.write))
-                        due = x0, texts[prompt]
                         index += 1
                         stays = queue.may_wait(index, index == chunks)
+                        queue.put(x0, _Made(index - 1, prompt, text, (t1, clock.mark()), timed.write),
+                                  at_once=not stays)
+                        due = x0, texts[prompt]
                         if stays and index != chunks:  # its frames leave later: the write goes before the wait
                             timed.write_chunk(*due, recipe)
                             due = None

@@ -11,8 +11,10 @@ in order, as uint8 frames on the host. Rules:
   leaves at once (:meth:`DecodeQueue.may_wait`: the first frames' latency stays the serial one). On CUDA the decode
   runs on a side stream (:class:`SideStreamDecode`): it waits on an event recorded on the main stream after the
   chunk's latents are final, decodes, copies the frames to pinned host memory without blocking, and records an
-  event that ``pop`` waits on; the main stream goes on with the next chunk's DiT meanwhile. Off CUDA the decode
-  runs at ``put`` (the same order of calls, nothing overlaps).
+  event that ``pop`` waits on; the main stream goes on with the next chunk's DiT meanwhile. A chunk that leaves at
+  once (the first, the last) has nothing to run beside: its decode runs on the main stream, after the side
+  stream's earlier decodes (the main stream waits for them), so the first frames take the serial path's time.
+  Off CUDA the decode runs at ``put`` (the same order of calls, nothing overlaps).
 - Stream semantics: the latents a decode reads are marked as used by the side stream (``record_stream``) and
   kept referenced until the decode is done; nothing on the main stream writes them after ``put``. The decoder's
   causal state is touched only by the side stream, chunk after chunk. :meth:`DecodeQueue.drop` (a stream closed
@@ -81,7 +83,7 @@ class InlineDecode:
     def __init__(self, decoder, clock):
         self._decoder, self._clock = decoder, clock
 
-    def submit(self, latents: torch.Tensor) -> Decoded:
+    def submit(self, latents: torch.Tensor, at_once: bool = False) -> Decoded:
         t0 = self._clock.mark()
         frames = self._decoder.push(latents)
         return Decoded(frames, self._clock.seconds(t0, self._clock.mark()))
@@ -107,18 +109,26 @@ class SideStreamDecode:
         self._decoder = decoder
         self._side = side
 
-    def submit(self, latents: torch.Tensor) -> _OnSide:
+    def submit(self, latents: torch.Tensor, at_once: bool = False) -> _OnSide:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if at_once:  # nothing would run beside it: the main stream, after the side stream's earlier decodes
+            torch.cuda.current_stream().wait_stream(self._side)
+            return self._decode(latents, start, end)
         ready = torch.cuda.Event()
         ready.record()  # the main stream: the latents are final once it gets here
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._side):
             self._side.wait_event(ready)
-            start.record()
             latents.record_stream(self._side)
-            frames = self._decoder.push_device(latents).contiguous()
-            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-            host.copy_(frames, non_blocking=True)
-            end.record()
+            return self._decode(latents, start, end)
+
+    def _decode(self, latents: torch.Tensor, start, end) -> _OnSide:
+        """The decode and the frames' copy to pinned host memory, queued on the current stream between ``start``
+        and ``end``."""
+        start.record()
+        frames = self._decoder.push_device(latents).contiguous()
+        host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+        host.copy_(frames, non_blocking=True)
+        end.record()
         return _OnSide(host, start, end, (latents, frames))
 
 
@@ -157,10 +167,11 @@ class DecodeQueue:
         DiT); the others lag by :attr:`lag`."""
         return 0 if last or put == 1 else self.lag
 
-    def put(self, latents: torch.Tensor, info) -> None:
+    def put(self, latents: torch.Tensor, info, at_once: bool = False) -> None:
         """Queue the decode of a chunk's clean latents, on the current stream after its DiT work; ``info`` comes
-        back with its frames."""
-        self._pending.append(_Entry(self._decode.submit(latents), info))
+        back with its frames. ``at_once``: the chunk leaves before anything else is queued (:meth:`may_wait` gave
+        0), so its decode runs on the main stream (see the module's rules)."""
+        self._pending.append(_Entry(self._decode.submit(latents, at_once), info))
 
     def pop(self) -> tuple[np.ndarray, float, object]:
         """The oldest chunk: (frames uint8 [t, H, W, 3], decode seconds, its info), once its frames are on the
