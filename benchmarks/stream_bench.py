@@ -10,6 +10,10 @@ Phases (each appends to the JSON given by --out):
            --seconds of video at --size; each stream's first-chunk latency (from the call until its frames are
            decoded) and its sustained rate (frames of the chunks after the first / their time); the per-chunk
            medians of the DiT steps, the KV-cache write and the decode; peak memory after 10 s of video and at the end
+  launch   (GPU only) is the causal DiT bound by the host or the GPU? One denoising forward per chunk of a windowed
+           stream (--launch-chunks chunks, compiled unless the first variant is eager) is queued while the GPU is
+           held busy (torch.cuda._sleep), so the host's queueing time and the GPU's execution (CUDA events) are
+           timed apart; host > GPU: launch-bound
 Variants: "eager", "compiled" (enable_torch_compile), "+window" (window_frames=21, sink_frames=3: memory flat
 over any length; without a window every earlier frame is kept) and "+serial" (overlap_decode=False: each chunk
 decoded after its DiT, before the next chunk starts; without it, overlap_decode=True: the decode runs on a side
@@ -19,6 +23,7 @@ are GPU times of each stream's work (they overlap); the sustained rate is the wa
 
   python -m benchmarks.stream_bench --phase make
   python -m benchmarks.stream_bench --phase stream --variants compiled+window,compiled+window+serial --seconds 60
+  python -m benchmarks.stream_bench --phase launch --launch-chunks 10
   python -m benchmarks.stream_bench --smoke    # CI: a tiny causal checkpoint on the CPU
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +42,7 @@ from benchmarks.harness import (
     PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, gib, log, output, parse_args,
     parse_phases, parse_video, peak_gib, release, reset_peak, versions)
 
-PHASES = ("make", "stream")
+PHASES = ("make", "stream", "launch")
 VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled") for window in ("", "+window")
                  for serial in ("", "+serial"))
 WINDOW = dict(window_frames=21, sink_frames=3)
@@ -54,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=3, help="timed streams per variant (the median is reported)")
     p.add_argument("--warmup-chunks", type=int, default=3, help="chunks of the untimed stream (compilation), >= 1")
+    p.add_argument("--launch-chunks", type=int, default=10, help="chunks of the launch phase, >= 1")
     p.add_argument("--out", default="stream_bench.json", help="results JSON (appended)")
     add_device(p)
     add_smoke(p, plain=str(SMOKE_DIR / "wan2.1"), ckpt=str(SMOKE_DIR / "causal"), size="32x32", seconds=2.0,
@@ -105,17 +112,55 @@ def run_variant(name: str, args, device: torch.device) -> dict:
             "peak_gib_10s": runs[-1]["peak_gib_10s"], "peak_gib_end": runs[-1]["peak_gib_end"]}
 
 
+def launch(args, variant: str) -> list[dict]:
+    """The launch phase (module docstring): per chunk, the host's ms to queue one denoising forward and the GPU's ms
+    to run it."""
+    from fastwan import VideoGenerator
+    from fastwan.models.wan.causal import CausalRun
+    from fastwan.pipelines.text import encode_prompts
+
+    compiled = not variant.startswith("eager")
+    gen = VideoGenerator.from_pretrained(args.ckpt, device="cuda", dtype=torch.bfloat16, enable_torch_compile=compiled)
+    gen.set_progress_bar_config(disable=True)
+    h, w = parse_video(f"{args.size}x1")[:2]
+    for _ in gen.stream_video(PROMPT, height=h, width=w, num_frames=33, **WINDOW):
+        pass  # compilation, untimed
+    model = gen.transformers[0]
+    _, spatial = gen.vae_scale_factors
+    text = encode_prompts([PROMPT], gen.tokenizer, gen.text_encoder, device=gen.device, dtype=gen.dtype)
+    shape = (1, model.config.in_channels, gen.causal.frames_per_chunk, h // spatial, w // spatial)
+    t = torch.full((1,), 500.0, device="cuda")
+    rows = []
+    with torch.no_grad(), CausalRun(model, WINDOW["window_frames"], WINDOW["sink_frames"]) as run:
+        for c in range(args.launch_chunks):
+            x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(3_000_000_000)  # ~1.5 s of GPU time: the forward is queued before the GPU reaches it
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            run.forward(x, t, text)
+            host = time.perf_counter() - t0
+            b.record()
+            torch.cuda.synchronize()
+            rows.append({"chunk": c, "host_ms": 1000 * host, "gpu_ms": a.elapsed_time(b)})
+            log(f"launch: chunk {c}: host {1000 * host:.1f} ms, gpu {a.elapsed_time(b):.1f} ms")
+            run.forward(x, t, text, write=True)
+    release(compiled)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     phases = parse_phases(parser, args.phase, PHASES)
-    if args.warmup_chunks < 1 or args.repeats < 1 or not args.seconds > 0:
-        parser.error("--warmup-chunks and --repeats must be >= 1 and --seconds > 0")
+    if args.warmup_chunks < 1 or args.repeats < 1 or args.launch_chunks < 1 or not args.seconds > 0:
+        parser.error("--warmup-chunks, --repeats and --launch-chunks must be >= 1 and --seconds > 0")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants {','.join(unknown)}: not a variant; use {', '.join(VARIANTS)}")
-    device = device_arg(parser, args.device)
+    device = device_arg(parser, args.device, *(["--phase launch"] if "launch" in phases else []))
     out = output(args.out)
     record = {"command": command("benchmarks.stream_bench", argv), "versions": versions(), "results": []}
     if "make" in phases:
@@ -128,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"stream: {name}")
             record["results"].append(run_variant(name, args, device))
             out.write_text(json.dumps([*previous, record], indent=1, default=str))  # each variant kept as it ends
+    if "launch" in phases:
+        record["launch"] = launch(args, variants[0])
+        out.write_text(json.dumps([*previous, record], indent=1, default=str))
+        print("| chunk | host ms to queue a forward | GPU ms to run it |\n|---|---|---|")
+        for r in record["launch"]:
+            print(f"| {r['chunk']} | {r['host_ms']:.1f} | {r['gpu_ms']:.1f} |")
+    if "stream" not in phases:
+        return 0
     print("| variant | size | first chunk (s) | its text / DiT / decode (ms) | sustained fps | DiT/chunk (ms) | "
           "KV write (ms) | decode (ms) | peak 10 s / end (GiB) |")
     print("|---|---|---|---|---|---|---|---|---|")
