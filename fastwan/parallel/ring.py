@@ -10,14 +10,18 @@ softmax over every key at once.
 
 Each step's attention and its log-sum-exp come from a kernel of :mod:`fastwan.parallel.ring_kernels` (FA4 or
 PyTorch's flash kernel on GPUs, fp32 torch on the CPU), chosen when the ring's dispatch is built; the merged output
-is held in fp32. Sparse backends choose key blocks from the whole sequence, which no rank of a ring holds, so they
-are refused under a ring (:func:`check_ring_backend`).
+is held in fp32. On CUDA devices the merge runs compiled (``torch.compile``: fused kernels instead of several
+elementwise launches a step), chosen when the dispatch is built (:func:`ring_merge`; measured in
+benchmarks/RESULTS.md, "Several GPUs"). Sparse backends choose key blocks from the whole sequence, which no rank of
+a ring holds, so they are refused under a ring (:func:`check_ring_backend`).
 
 The P2P calls cannot be traced by ``torch.compile``: :func:`ring_attention` runs outside compiled graphs
-(``torch.compiler.disable``, applied when a ring dispatch is built), so blocks compile with ``fullgraph=False``.
+(``torch.compiler.disable``, applied when a ring dispatch is built), so blocks compile with ``fullgraph=False``; the
+compiled merge, called there, compiles as a graph of its own.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +29,6 @@ import torch.distributed as dist
 
 from fastwan.errors import InvalidArgument
 from fastwan.parallel.ring_kernels import KERNELS
-
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,28 @@ def merge(out, lse, part_out, part_lse):
     return out.mul_(a.unsqueeze(-1)).addcmul_(part_out, b.unsqueeze(-1)), new
 
 
+Merge = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def ring_device(ring: Ring) -> torch.device:
+    """Where a ring's tensors are: CUDA under NCCL (which moves CUDA tensors only), the CPU under gloo."""
+    return torch.device("cuda" if dist.get_backend(ring.group) == "nccl" else "cpu")
+
+
+def ring_merge(device: torch.device | str) -> Merge:
+    """The merge a ring on ``device`` runs (:func:`merge`'s semantics): compiled on CUDA devices, where fusing its
+    elementwise ops into one kernel pays; plain elsewhere (the CPU, gloo), which spares each process a compile."""
+    if torch.device(device).type == "cuda":
+        return torch.compile(merge, fullgraph=True, dynamic=False)
+    return merge
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, chunks: tuple[int, ...],
-                   scale: float | None = None, kernel: str = "exact") -> torch.Tensor:
+                   scale: float | None = None, kernel: str = "exact", merge_fn: Merge = merge) -> torch.Tensor:
     """q, k, v: this rank's chunk [B, chunks[ring.rank], H, D] -> its queries' attention over every rank's keys
     [B, chunks[ring.rank], H, D]. ``chunks``: every ring rank's token count, in ring order; ``kernel``: a step's
-    attention (:data:`fastwan.parallel.ring_kernels.KERNELS`)."""
+    attention (:data:`fastwan.parallel.ring_kernels.KERNELS`); ``merge_fn``: the merge of the steps after the
+    first (:func:`ring_merge`)."""
     step_attention = KERNELS[kernel]
     R, me = ring.world, ring.rank
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -84,7 +104,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
             if size:
                 ops.append(dist.P2POp(dist.irecv, nxt, ring.peers[(me - 1) % R], ring.group))
             reqs = dist.batch_isend_irecv(ops) if ops else []
-        out, lse = merge(out, lse, *step_attention(q, kv[0], kv[1], scale))
+        # the first step only takes its partial as it is: plain, so a compiled merge_fn keeps one graph per shape
+        out, lse = (merge if out is None else merge_fn)(out, lse, *step_attention(q, kv[0], kv[1], scale))
         for req in reqs:
             req.wait()
         if nxt is not None:

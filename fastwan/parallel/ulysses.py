@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fastwan.attention.base import TOKEN_EXTRAS, AttentionMetadata
 from fastwan.errors import InvalidArgument
-from fastwan.parallel.ring import Ring, check_ring_backend, ring_attention
+from fastwan.parallel.ring import Ring, check_ring_backend, ring_attention, ring_device, ring_merge
 from fastwan.parallel.ring_kernels import ring_kernel
 
 
@@ -159,6 +159,7 @@ class UlyssesDispatch:
         # the ring's P2P calls run outside compiled graphs (torch.compiler.disable imports dynamo: applied here)
         self._ring = torch.compiler.disable(ring_attention) if sp.ring is not None else None
         self.ring_kernel = ring_kernel(inner.self_backend) if sp.ring is not None else None
+        self.ring_merge = ring_merge(ring_device(sp.ring)) if sp.ring is not None else None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -173,7 +174,7 @@ class UlyssesDispatch:
         if uly is not None:
             q, k, v = (uly.seq_to_heads(t, sizes) for t in (q, k, v))
         if ring is not None:
-            out = self._ring(q, k, v, ring, chunks, kernel=self.ring_kernel)
+            out = self._ring(q, k, v, ring, chunks, kernel=self.ring_kernel, merge_fn=self.ring_merge)
         else:
             if meta is not None:  # this rank holds heads [rank * H / world, (rank + 1) * H / world) of the layer's H
                 extra = {**(meta.extra or {}), "head_range": (uly.rank * (heads // uly.world), heads)}
