@@ -17,7 +17,8 @@ Phases (each appends to the JSON given by --out):
 Variants: "eager", "compiled" (enable_torch_compile), "+window" (window_frames=21, sink_frames=3: memory flat
 over any length; without a window every earlier frame is kept) and "+serial" (overlap_decode=False: each chunk
 decoded after its DiT, before the next chunk starts; without it, overlap_decode=True: the decode runs on a side
-CUDA stream beside the next chunk's DiT, off CUDA the same order of calls). "compiled+window" against
+CUDA stream beside the next chunk's DiT, off CUDA the same order of calls); "+graphs" (after "+window", CUDA only:
+cuda_graphs=True, full-window chunk forwards replay a CUDA graph). "compiled+window" against
 "compiled+window+serial" in one run is the overlap's A/B. Overlapped, the per-chunk DiT / KV write / decode times
 are GPU times of each stream's work (they overlap); the sustained rate is the wall-clock figure.
 
@@ -43,8 +44,8 @@ from benchmarks.harness import (
     parse_phases, parse_video, peak_gib, release, reset_peak, versions)
 
 PHASES = ("make", "stream", "launch")
-VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled") for window in ("", "+window")
-                 for serial in ("", "+serial"))
+VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled")
+                 for window in ("", "+window", "+window+graphs") for serial in ("", "+serial"))
 WINDOW = dict(window_frames=21, sink_frames=3)
 
 
@@ -95,7 +96,8 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     from fastwan import VideoGenerator
 
     compiled = name.startswith("compiled")
-    options = {**(WINDOW if "+window" in name else {}), "overlap_decode": not name.endswith("+serial")}
+    options = {**(WINDOW if "+window" in name else {}), "overlap_decode": not name.endswith("+serial"),
+               "cuda_graphs": "+graphs" in name}
     h, w = parse_video(f"{args.size}x1")[:2]  # the size's rule (multiples of 16)
     gen = VideoGenerator.from_pretrained(args.ckpt, device=str(device), dtype=bench_dtype(device),
                                          enable_torch_compile=compiled)
@@ -160,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants {','.join(unknown)}: not a variant; use {', '.join(VARIANTS)}")
-    device = device_arg(parser, args.device, *(["--phase launch"] if "launch" in phases else []))
+    gpu_only = (["--phase launch"] if "launch" in phases else []) + [f"--variants {v}" for v in variants
+                                                                      if "+graphs" in v]
+    device = device_arg(parser, args.device, *gpu_only)
     out = output(args.out)
     record = {"command": command("benchmarks.stream_bench", argv), "versions": versions(), "results": []}
     if "make" in phases:

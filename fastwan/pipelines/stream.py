@@ -35,6 +35,7 @@ import torch
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
+from fastwan.models.wan.causal_graph import ChunkGraphs
 from fastwan.pipelines.inputs import check_frame_size, random_seed
 from fastwan.pipelines.params import check_field
 from fastwan.pipelines.setup import on_device
@@ -119,11 +120,12 @@ class StreamSettings:
     recipe: CausalRecipe
     chunks: int | None  # chunks of the video (:func:`chunk_plan`); None: endless
     overlap_decode: bool  # a chunk's decode overlaps the next chunk's DiT (:mod:`fastwan.pipelines.stream_decode`)
+    cuda_graphs: bool = False  # full-window chunk forwards replay a CUDA graph (:mod:`fastwan.models.wan.causal_graph`)
 
 
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
                     window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe",
-                    overlap_decode: bool | None = None) -> StreamSettings:
+                    overlap_decode: bool | None = None, cuda_graphs: bool = False) -> StreamSettings:
     """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix): height, width,
     seed and fps by the request fields' own rules (:func:`~fastwan.pipelines.params.check_field`), the frame size
     by the checkpoint's (:func:`~fastwan.pipelines.inputs.check_frame_size`), num_frames by the chunks'."""
@@ -163,8 +165,23 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
         overlap_decode = gen.device.type == "cuda"
     elif not isinstance(overlap_decode, bool):
         raise InvalidArgumentType(f"overlap_decode={overlap_decode!r} must be True, False or None (True on CUDA).")
+    check_cuda_graphs(cuda_graphs, gen.device, recipe)
     seed = random_seed() if seed is None else seed
-    return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks, overlap_decode)
+    return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks, overlap_decode, cuda_graphs)
+
+
+def check_cuda_graphs(cuda_graphs, device: torch.device, recipe: CausalRecipe) -> None:
+    """Rule: ``cuda_graphs`` is True or False; True needs a CUDA device and a rolling window (the window's shapes
+    are what a graph replays; without one every chunk attends to more frames)."""
+    if not isinstance(cuda_graphs, bool):
+        raise InvalidArgumentType(f"cuda_graphs={cuda_graphs!r} must be True or False.")
+    if cuda_graphs and recipe.window_frames is None:
+        raise InvalidArgument("cuda_graphs=True replays a full window's chunk forward, and this stream has no "
+                              "window (every earlier frame is kept); pass window_frames=N, or leave cuda_graphs "
+                              "False.")
+    if cuda_graphs and device.type != "cuda":
+        raise InvalidArgument(f"cuda_graphs=True needs a CUDA device (this generator is on {device}); leave it "
+                              "False.")
 
 
 class VideoStream:
@@ -215,7 +232,8 @@ class VideoStream:
         with lock, on_device(dev), torch.no_grad():
             generator = torch.Generator(device=dev).manual_seed(self.seed)
             texts: dict[str, torch.Tensor] = {}
-            with CausalRun(model, recipe.window_frames, recipe.sink_frames) as run, decoder:
+            graphs = ChunkGraphs() if s.cuda_graphs else None
+            with CausalRun(model, recipe.window_frames, recipe.sink_frames, graphs) as run, decoder:
                 queue = DecodeQueue(decoder, dev, s.overlap_decode, gen.decode_stream)
                 clock = queue.clock
                 timed = _Timed(run, clock)
@@ -250,6 +268,8 @@ class VideoStream:
                             yield chunk
                 finally:
                     queue.drop()
+                    if graphs is not None:
+                        graphs.close()
 
 
 @dataclass(frozen=True)
@@ -297,7 +317,9 @@ def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame). Without a window
     in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many.
     ``overlap_decode`` (None: True on CUDA, False elsewhere) decodes each chunk while the next one's DiT runs
-    (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way."""
+    (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way. ``cuda_graphs`` (CUDA, with a
+    window) replays a captured forward once the window is full (:mod:`fastwan.models.wan.causal_graph`); off by
+    default."""
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 

@@ -64,12 +64,13 @@ class KVCache:
         self.tokens -= drop
 
     @torch.compiler.disable  # bookkeeping on Python ints: a compiled block breaks its graph here, never recompiles
-    def attend_with(self, k: torch.Tensor, v: torch.Tensor, capacity: int | None, sink: int,
+    def attend_with(self, k: torch.Tensor, v: torch.Tensor, capacity: int | None,
                     write: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """This chunk's k, v [B, S, H, D] placed after the kept rows -> the keys and values the chunk attends to,
-        [B, kept + S, H, D] (views of the buffers); with ``write`` the chunk's rows stay kept."""
+        """This chunk's k, v [B, S, H, D] placed after the kept rows (evicted to fit before the forward:
+        :meth:`evict`) -> the keys and values the chunk attends to, [B, kept + S, H, D] (views of the buffers); with
+        ``write`` the chunk's rows stay kept. With ``capacity`` the buffers are allocated once, at that size: their
+        addresses stay for the run (a captured forward replays on them)."""
         new = k.shape[1]
-        self.evict(new, capacity, sink)
         self._reserve(k, self.tokens + new, capacity)
         end = self.tokens + new
         self.k[:, self.tokens:end] = k
@@ -92,7 +93,7 @@ class _CachedAttention:
     def self_attention(self, q, k, v, meta=None):
         """q, k, v [B, S, H, D] of this chunk -> [B, S, H, D] over the cached and this chunk's keys."""
         run = self._run
-        k_all, v_all = self._cache.attend_with(k, v, run.capacity, run.sink_tokens, run.writing)
+        k_all, v_all = self._cache.attend_with(k, v, run.capacity, run.writing)
         return self._dispatch.self_attention(q, k_all, v_all, meta)
 
 
@@ -104,11 +105,13 @@ class CausalRun(Hook):
     ``run.forward(latents [B, C, f, H, W], timestep [B], text [B, L, text_dim], write=False)`` is the DiT's
     prediction [B, C_out, f, H, W] for the chunk at frame ``run.frame`` under the block-causal rule; with
     ``write=True`` its keys and values join the cache and ``run.frame`` moves past it. Every chunk of a run has the
-    same latent height and width."""
+    same latent height and width. ``graphs`` (a :class:`~fastwan.models.wan.causal_graph.ChunkGraphs`): once the
+    window is full, forwards replay a captured one. Before each forward the caches evict what the chunk needs room
+    for, and the run makes the chunk's RoPE table (:attr:`rope`), which the ``embed`` point hands to the DiT."""
 
     name = "causal"
 
-    def __init__(self, model, window_frames: int | None = None, sink_frames: int = 0):
+    def __init__(self, model, window_frames: int | None = None, sink_frames: int = 0, graphs=None):
         if window_frames is not None and not (isinstance(window_frames, int) and window_frames >= 1):
             raise InvalidArgument(f"window_frames={window_frames!r} must be None (every earlier frame) or an int "
                                   ">= 1 (latent frames the self-attention reads, the current chunk's included).")
@@ -120,7 +123,8 @@ class CausalRun(Hook):
         self.frame = 0  # the first latent frame of the next chunk
         self.frame_tokens: int | None = None  # tokens per latent frame (set by the first chunk)
         self.writing = False
-        self._start = 0  # the current forward's first frame
+        self.rope: torch.Tensor | None = None  # the current forward's RoPE table (its chunk's frame positions)
+        self._graphs = graphs  # a fastwan.models.wan.causal_graph.ChunkGraphs, or None: every forward runs the DiT
         self._views: dict[int, _CachedAttention] = {}
 
     # -- the hook ---------------------------------------------------------------------------------------------
@@ -131,10 +135,7 @@ class CausalRun(Hook):
 
     def points(self, module) -> dict:
         def embed(model, inner, latents, timestep):
-            e = inner(latents, timestep)
-            table = rope_tables(e.grid, model.config.attention_head_dim, model.config.rope_max_seq_len, e.x.device,
-                                start=self._start)
-            return e._replace(rope=table)
+            return inner(latents, timestep)._replace(rope=self.rope)
 
         def block(i):
             def call(model, inner, r, ctx, temb, rope, attn, meta=None):
@@ -168,6 +169,11 @@ class CausalRun(Hook):
     def sink_tokens(self) -> int:
         return self.sink_frames * (self.frame_tokens or 0)
 
+    def full_after(self, new: int) -> bool:
+        """The window is full: the caches hold ``capacity - new`` tokens before a chunk of ``new`` (every forward
+        from then on has the same shapes and buffers)."""
+        return self.capacity is not None and self.caches[0].tokens == self.capacity - new
+
     def cached_frames(self) -> int:
         """Latent frames the caches hold now."""
         return self.caches[0].tokens // self.frame_tokens if self.frame_tokens else 0
@@ -194,9 +200,18 @@ class CausalRun(Hook):
         if self.window_frames is not None and frames + self.sink_frames > self.window_frames:
             raise InvalidArgument(f"a chunk of {frames} latent frames does not fit window_frames="
                                   f"{self.window_frames} with sink_frames={self.sink_frames}; use a larger window.")
-        self._start, self.writing = self.frame, write
+        new = frames * h * w
+        for cache in self.caches:  # room for the chunk, before the forward (none of it inside a captured one)
+            cache.evict(new, self.capacity, self.sink_tokens)
+        cfg = self.model.config
+        self.rope = rope_tables((frames, h, w), cfg.attention_head_dim, cfg.rope_max_seq_len, latents.device,
+                                start=self.frame)
+        self.writing = write
         try:
-            out = self.model(latents, timestep, text)
+            if self._graphs is not None and self.full_after(new):
+                out = self._graphs.forward(self, latents, timestep, text, new)
+            else:
+                out = self.model(latents, timestep, text)
         finally:
             self.writing = False
         if write:
