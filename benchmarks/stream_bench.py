@@ -18,7 +18,7 @@ Variants: "eager", "compiled" (enable_torch_compile), "+window" (window_frames=2
 over any length; without a window every earlier frame is kept) and "+serial" (overlap_decode=False: each chunk
 decoded after its DiT, before the next chunk starts; without it, overlap_decode=True: the decode runs on a side
 CUDA stream beside the next chunk's DiT, off CUDA the same order of calls); "+graphs" (after "+window", CUDA only:
-cuda_graphs=True, full-window chunk forwards replay a CUDA graph). "compiled+window" against
+cuda_graphs=True, chunk forwards replay CUDA graphs). "compiled+window" against
 "compiled+window+serial" in one run is the overlap's A/B. Overlapped, the per-chunk DiT / KV write / decode times
 are GPU times of each stream's work (they overlap); the sustained rate is the wall-clock figure.
 

@@ -120,7 +120,7 @@ class StreamSettings:
     recipe: CausalRecipe
     chunks: int | None  # chunks of the video (:func:`chunk_plan`); None: endless
     overlap_decode: bool  # a chunk's decode overlaps the next chunk's DiT (:mod:`fastwan.pipelines.stream_decode`)
-    cuda_graphs: bool = False  # full-window chunk forwards replay a CUDA graph (:mod:`fastwan.models.wan.causal_graph`)
+    cuda_graphs: bool = False  # chunk forwards replay CUDA graphs (:mod:`fastwan.models.wan.causal_graph`)
 
 
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
@@ -171,14 +171,14 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
 
 
 def check_cuda_graphs(cuda_graphs, device: torch.device, recipe: CausalRecipe) -> None:
-    """Rule: ``cuda_graphs`` is True or False; True needs a CUDA device and a rolling window (the window's shapes
-    are what a graph replays; without one every chunk attends to more frames)."""
+    """Rule: ``cuda_graphs`` is True or False; True needs a CUDA device and a rolling window (the caches keep one
+    set of buffers only at a window's size; without one they grow, and every chunk attends to more frames)."""
     if not isinstance(cuda_graphs, bool):
         raise InvalidArgumentType(f"cuda_graphs={cuda_graphs!r} must be True or False.")
     if cuda_graphs and recipe.window_frames is None:
-        raise InvalidArgument("cuda_graphs=True replays a full window's chunk forward, and this stream has no "
-                              "window (every earlier frame is kept); pass window_frames=N, or leave cuda_graphs "
-                              "False.")
+        raise InvalidArgument("cuda_graphs=True replays chunk forwards on caches of a window's size, and this "
+                              "stream has no window (every earlier frame is kept); pass window_frames=N, or leave "
+                              "cuda_graphs False.")
     if cuda_graphs and device.type != "cuda":
         raise InvalidArgument(f"cuda_graphs=True needs a CUDA device (this generator is on {device}); leave it "
                               "False.")
@@ -318,8 +318,7 @@ def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many.
     ``overlap_decode`` (None: True on CUDA, False elsewhere) decodes each chunk while the next one's DiT runs
     (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way. ``cuda_graphs`` (CUDA, with a
-    window) replays a captured forward once the window is full (:mod:`fastwan.models.wan.causal_graph`); off by
-    default."""
+    window) replays captured chunk forwards (:mod:`fastwan.models.wan.causal_graph`); off by default."""
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 

@@ -105,8 +105,8 @@ class CausalRun(Hook):
     ``run.forward(latents [B, C, f, H, W], timestep [B], text [B, L, text_dim], write=False)`` is the DiT's
     prediction [B, C_out, f, H, W] for the chunk at frame ``run.frame`` under the block-causal rule; with
     ``write=True`` its keys and values join the cache and ``run.frame`` moves past it. Every chunk of a run has the
-    same latent height and width. ``graphs`` (a :class:`~fastwan.models.wan.causal_graph.ChunkGraphs`): once the
-    window is full, forwards replay a captured one. Before each forward the caches evict what the chunk needs room
+    same latent height and width. ``graphs`` (a :class:`~fastwan.models.wan.causal_graph.ChunkGraphs`, with a
+    window): forwards replay captured ones. Before each forward the caches evict what the chunk needs room
     for, and the run makes the chunk's RoPE table (:attr:`rope`), which the ``embed`` point hands to the DiT."""
 
     name = "causal"
@@ -169,11 +169,6 @@ class CausalRun(Hook):
     def sink_tokens(self) -> int:
         return self.sink_frames * (self.frame_tokens or 0)
 
-    def full_after(self, new: int) -> bool:
-        """The window is full: the caches hold ``capacity - new`` tokens before a chunk of ``new`` (every forward
-        from then on has the same shapes and buffers)."""
-        return self.capacity is not None and self.caches[0].tokens == self.capacity - new
-
     def cached_frames(self) -> int:
         """Latent frames the caches hold now."""
         return self.caches[0].tokens // self.frame_tokens if self.frame_tokens else 0
@@ -208,7 +203,7 @@ class CausalRun(Hook):
                                 start=self.frame)
         self.writing = write
         try:
-            if self._graphs is not None and self.full_after(new):
+            if self._graphs is not None and self.capacity is not None:
                 out = self._graphs.forward(self, latents, timestep, text, new)
             else:
                 out = self.model(latents, timestep, text)

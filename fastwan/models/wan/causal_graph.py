@@ -2,16 +2,19 @@
 
 A causal chunk's forward is small (a few thousand query tokens), so its time goes to the host's kernel launches,
 not to the GPU (benchmarks/RESULTS.md, "Streaming causal Wan": the host takes longer to queue a forward than the GPU
-to run it). Once a :class:`~fastwan.models.wan.causal.CausalRun`'s window is full, every forward has the same shapes
-and reads and writes the same buffers (the caches are allocated once at the window's size and evicted before each
-forward, outside it), so one captured forward serves every later one: the denoising steps and the cache writes alike.
+to run it). A :class:`~fastwan.models.wan.causal.CausalRun` with a window keeps its buffers for the whole run, so a
+captured forward can be replayed for every later forward with the same key: a chunk's steps and its cache write,
+and, once the window is full, every chunk's.
 
 Rules:
 
-- A forward is replayed only when the run is full (:meth:`CausalRun.full_after`), with the text tensor, latents
-  shape and timestep shape the graph was captured with; the first full forward with a new text (a prompt switch) or
-  shape runs the DiT as usual (its warm-up: lazy state such as the text keys' host sync happens there), the next one
-  captures a new graph (the old one is freed) and replays it.
+- A run with a window allocates its caches once, at the window's size, and evicts before each forward (outside
+  it), so a forward's kernels depend only on its key: the text tensor (identity and version: the DiT's text keys
+  for it), the latents' and timestep's shapes and dtype, and the caches' kept tokens (the rows it writes and reads;
+  the same for every chunk once the window is full, the same for the 4 steps and the write of a chunk before).
+- The first forward with a new key runs the DiT as usual (its warm-up: compilation for new shapes, the text keys'
+  host sync); the next one with that key captures a graph (the previous graph is freed first) and replays it;
+  later ones replay it.
 - Before a replay the inputs are copied into the graph's own buffers: the latents, the timestep and the run's RoPE
   table (its chunk's frame positions change every chunk). The captured forward runs with ``writing`` off; a replayed
   cache write moves the caches' kept-token counts on the host afterwards, as the forward's own bookkeeping would.
@@ -39,17 +42,19 @@ def cuda_capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], to
 
 @dataclass
 class _Graph:
+    key: tuple  # :func:`_key` of the forwards it serves
     text: torch.Tensor  # the text tensor it was captured with (kept alive)
-    version: int  # its version then
     latents: torch.Tensor  # the input buffers the captured forward reads
     timestep: torch.Tensor
     rope: torch.Tensor
     replay: Callable[[], None]
     out: torch.Tensor  # the output buffer each replay writes
 
-    def fits(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> bool:
-        return (text is self.text and text._version == self.version and latents.shape == self.latents.shape
-                and latents.dtype == self.latents.dtype and timestep.shape == self.timestep.shape)
+
+def _key(run, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> tuple:
+    """What a captured forward depends on besides its inputs' values: the text tensor (its identity and version:
+    the DiT's text keys for it), the shapes, and the caches' kept tokens (the rows it writes and reads)."""
+    return (id(text), text._version, latents.shape, latents.dtype, timestep.shape, run.caches[0].tokens)
 
 
 class ChunkGraphs:
@@ -59,21 +64,21 @@ class ChunkGraphs:
     def __init__(self, capture: Callable = cuda_capture):
         self._capture = capture
         self._graph: _Graph | None = None
-        self._warm: tuple | None = None  # (text, version, latents shape) of the last full forward run as usual
+        self._warm: tuple | None = None  # (key, text) of the last forward run as usual
         self.captures = 0  # graphs captured so far
         self.replays = 0  # forwards replayed so far
 
     def forward(self, run, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                 new: int) -> torch.Tensor:
-        """``run``'s forward of a full window for a chunk of ``new`` tokens (the run evicted and set its RoPE table):
-        a replay when a graph fits, else the DiT as usual (a warm-up) or a capture and its replay."""
+        """``run``'s forward of a chunk of ``new`` tokens (the run evicted and set its RoPE table): a replay when the
+        graph serves its key, else the DiT as usual (the key's first forward) or a capture and its replay."""
+        key = _key(run, latents, timestep, text)
         g = self._graph
-        if g is None or not g.fits(latents, timestep, text):
-            warm = self._warm
-            if warm is None or not (warm[0] is text and warm[1:] == (text._version, latents.shape, timestep.shape)):
-                self._graph, self._warm = None, (text, text._version, latents.shape, timestep.shape)
+        if g is None or g.key != key or g.text is not text:
+            if self._warm is None or self._warm[0] != key or self._warm[1] is not text:
+                self._graph, self._warm = None, (key, text)
                 return run.model(latents, timestep, text)
-            g = self._graph = self._make(run, latents, timestep, text)
+            g = self._graph = self._make(run, key, latents, timestep, text)
         g.latents.copy_(latents)
         g.timestep.copy_(timestep)
         g.rope.copy_(run.rope)
@@ -84,7 +89,7 @@ class ChunkGraphs:
                 cache.tokens += new
         return g.out.clone()
 
-    def _make(self, run, latents, timestep, text) -> _Graph:
+    def _make(self, run, key: tuple, latents, timestep, text) -> _Graph:
         self._graph = None  # the old graph's memory goes before the new one is captured
         x, t, rope = latents.clone(), timestep.clone(), run.rope.clone()
 
@@ -98,7 +103,7 @@ class ChunkGraphs:
 
         replay, out = self._capture(forward)
         self.captures += 1
-        return _Graph(text, text._version, x, t, rope, replay, out)
+        return _Graph(key, text, x, t, rope, replay, out)
 
     def close(self) -> None:
         """Free the graph and its memory."""
