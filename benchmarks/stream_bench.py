@@ -9,7 +9,8 @@ Phases (each appends to the JSON given by --out):
   stream   for each --variants entry: one untimed stream of --warmup-chunks (compilation), then --repeats streams of
            --seconds of video at --size; each stream's first-chunk latency (from the call until its frames are
            decoded) and its sustained rate (frames of the chunks after the first / their time); the per-chunk
-           medians of the DiT steps, the KV-cache write and the decode; peak memory after 10 s of video and at the end
+           medians of the DiT steps, the KV-cache write and the decode; peak memory after 10 s of video and at the
+           end; the frames of every 10th chunk of its first stream against the first variant's (max difference, PSNR)
   launch   (GPU only) is the causal DiT bound by the host or the GPU? One denoising forward per chunk of a windowed
            stream (--launch-chunks chunks, compiled unless the first variant is eager) is queued while the GPU is
            held busy (torch.cuda._sleep), so the host's queueing time and the GPU's execution (CUDA events) are
@@ -36,12 +37,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.checkpoints import derive_causal, make_checkpoint
 from benchmarks.harness import (
     PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, gib, log, output, parse_args,
-    parse_phases, parse_video, peak_gib, release, reset_peak, versions)
+    parse_phases, parse_video, peak_gib, psnr, release, reset_peak, versions)
 
 PHASES = ("make", "stream", "launch")
 VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled")
@@ -69,13 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def one_stream(gen, frames: int, fps: int, h: int, w: int, options: dict, device: torch.device) -> dict:
-    """One stream of ``frames`` frames -> its first-chunk latency, sustained rate, per-chunk medians and peaks."""
+SAMPLE_EVERY = 10  # chunks 0, 10, 20, ... of each variant's first stream are compared with the first variant's
+
+
+def one_stream(gen, frames: int, fps: int, h: int, w: int, options: dict, device: torch.device,
+               sample: dict | None = None) -> dict:
+    """One stream of ``frames`` frames -> its first-chunk latency, sustained rate, per-chunk medians and peaks;
+    ``sample`` (if given) receives the frames of every SAMPLE_EVERY-th chunk by index."""
     reset_peak(device)
     chunks, peak_10s = [], None
     with gen.stream_video(PROMPT, height=h, width=w, seed=0, fps=fps, **options) as stream:
         for chunk in stream:
             chunks.append(chunk)
+            if sample is not None and chunk.index % SAMPLE_EVERY == 0:
+                sample[chunk.index] = chunk.frames
             made = chunk.first_frame + len(chunk.frames)
             if peak_10s is None and made >= 10 * fps:
                 peak_10s = peak_gib(device)
@@ -92,7 +101,8 @@ def one_stream(gen, frames: int, fps: int, h: int, w: int, options: dict, device
             "peak_gib_10s": peak_10s, "peak_gib_end": peak_gib(device)}
 
 
-def run_variant(name: str, args, device: torch.device) -> dict:
+def run_variant(name: str, args, device: torch.device, sample: dict) -> dict:
+    """One variant's streams (``sample``: see :func:`one_stream`, from its first timed stream)."""
     from fastwan import VideoGenerator
 
     compiled = name.startswith("compiled")
@@ -105,7 +115,8 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     fps = gen.preset.fps
     frames = int(args.seconds * fps)
     one_stream(gen, args.warmup_chunks * 12 - 3, fps, h, w, options, device)  # compilation, untimed
-    runs = [one_stream(gen, frames, fps, h, w, options, device) for _ in range(args.repeats)]
+    runs = [one_stream(gen, frames, fps, h, w, options, device, sample if i == 0 else None)
+            for i in range(args.repeats)]
     release(compiled, device)
     median = {k: statistics.median(r[k] for r in runs) for k in ("first_chunk_s", "sustained_fps", "dit_ms",
                                                                   "kv_write_ms", "decode_ms", "first_text_ms",
@@ -173,9 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(out.read_text()) if out.exists() else []
     out.write_text(json.dumps([*previous, record], indent=1, default=str))
     if "stream" in phases:
-        for name in variants:
+        reference: dict = {}
+        for i, name in enumerate(variants):
             log(f"stream: {name}")
-            record["results"].append(run_variant(name, args, device))
+            sample: dict = {}
+            result = run_variant(name, args, device, sample)
+            if i == 0:
+                reference = sample
+            result["frames_vs_first"] = compare(sample, reference)
+            record["results"].append(result)
             out.write_text(json.dumps([*previous, record], indent=1, default=str))  # each variant kept as it ends
     if "launch" in phases:
         record["launch"] = launch(args, variants[0])
@@ -186,15 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     if "stream" not in phases:
         return 0
     print("| variant | size | first chunk (s) | its text / DiT / decode (ms) | sustained fps | DiT/chunk (ms) | "
-          "KV write (ms) | decode (ms) | peak 10 s / end (GiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "KV write (ms) | decode (ms) | peak 10 s / end (GiB) | frames vs the first variant |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in record["results"]:
-        m = r["median"]
+        m, d = r["median"], r["frames_vs_first"]
         print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['first_text_ms']:.0f} / "
               f"{m['first_dit_ms']:.0f} / {m['first_decode_ms']:.0f} | {m['sustained_fps']:.1f} | "
               f"{m['dit_ms']:.1f} | {m['kv_write_ms']:.1f} | {m['decode_ms']:.1f} | "
-              f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} |")
+              f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} | max {d['max_diff']}, PSNR {d['psnr']:.2f} dB "
+              f"({d['chunks']} chunks) |")
     return 0
+
+
+def compare(sample: dict, reference: dict) -> dict:
+    """The sampled chunks both streams made: max abs difference and PSNR of their frames (inf: equal)."""
+    common = sorted(set(sample) & set(reference))
+    if not common:
+        return {"chunks": 0, "max_diff": None, "psnr": float("nan")}
+    a = np.concatenate([sample[i] for i in common])
+    b = np.concatenate([reference[i] for i in common])
+    return {"chunks": len(common), "max_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()),
+            "psnr": psnr(a, b)}
 
 
 if __name__ == "__main__":
