@@ -100,10 +100,19 @@ def test_the_option_is_checked_before_any_compute(gen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_graph_replays_give_the_streams_frames(tiny_causal):
+def test_on_cuda_graph_replays_give_the_streams_frames(tiny_causal, monkeypatch):
     cuda = VideoGenerator.from_pretrained(str(tiny_causal.fastvideo), device="cuda", dtype=torch.float32)
     kw = dict(num_frames=93, seed=3, window_frames=6, sink_frames=3)
     plain = list(cuda.stream_video(PROMPT, **kw))
-    stream = cuda.stream_video(PROMPT, cuda_graphs=True, **kw)
-    graphed = list(stream)
+    replays = []
+    forward = ChunkGraphs.forward
+
+    def counted(self, *args):
+        out = forward(self, *args)
+        replays.append(self.replays)
+        return out
+
+    monkeypatch.setattr(ChunkGraphs, "forward", counted)
+    graphed = list(cuda.stream_video(PROMPT, cuda_graphs=True, **kw))
+    assert len(graphed) == len(plain) == 8 and replays[-1] > 20  # 8 chunks of 5 forwards (the last has 4)
     assert all(np.abs(a.frames.astype(int) - b.frames.astype(int)).max() <= 1 for a, b in zip(plain, graphed))
