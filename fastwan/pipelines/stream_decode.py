@@ -17,7 +17,10 @@ in order, as uint8 frames on the host. Rules:
   Off CUDA the decode runs at ``put`` (the same order of calls, nothing overlaps).
 - Stream semantics: the latents a decode reads are marked as used by the side stream (``record_stream``) and
   kept referenced until the decode is done; nothing on the main stream writes them after ``put``. The decoder's
-  causal state is touched only by the side stream, chunk after chunk. :meth:`DecodeQueue.drop` (a stream closed
+  causal state is touched by one stream at a time, chunk after chunk: a decode on the side stream waits for the
+  main stream's work before it, one on the main stream waits for the side stream; state made by a decode on the
+  main stream is marked as used by the side stream (``record_stream``), so its memory is not reused while a later
+  side decode may still read it. :meth:`DecodeQueue.drop` (a stream closed
   early, or an error) waits for every queued kernel of the device, then forgets the chunks not handed out.
 - Timings come from a clock (:class:`HostClock`: the device synchronised, then the host's time; :class:`EventClock`:
   CUDA events, read once they are complete), so serial and overlapped chunks report the same quantities: with
@@ -113,7 +116,10 @@ class SideStreamDecode:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if at_once:  # nothing would run beside it: the main stream, after the side stream's earlier decodes
             torch.cuda.current_stream().wait_stream(self._side)
-            return self._decode(latents, start, end)
+            done = self._decode(latents, start, end)
+            for t in self._decoder.state_tensors():  # made on the main stream, read next on the side stream
+                t.record_stream(self._side)
+            return done
         ready = torch.cuda.Event()
         ready.record()  # the main stream: the latents are final once it gets here
         with torch.cuda.stream(self._side):

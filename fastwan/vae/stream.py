@@ -83,6 +83,24 @@ class StreamDecoder:
         self._frames += latents.shape[2]
         return tiny.uint8_tensor(video) if self._tiny else decode.uint8_tensor(video)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the stream keeps between pushes (the causal state, the latent statistics): what the next
+        push reads, on whichever CUDA stream it runs."""
+        found: list[torch.Tensor] = []
+
+        def walk(value) -> None:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    walk(v)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    walk(v)
+
+        walk([self._state, self._stats])
+        return found
+
     def close(self) -> None:
         """Drop the decoder state (idempotent); later pushes are refused."""
         self._closed, self._state, self._stats = True, None, None

@@ -162,3 +162,31 @@ def test_closed_or_failed_streams_refuse_pushes(wan_vaes, monkeypatch):
         stream.push(z[:, :, 1:2])
     stream.close()
     stream.close()  # idempotent
+
+
+def _tensors_in(value, found: dict) -> None:
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, found)
+
+
+def test_state_tensors_are_what_the_next_push_reads(wan_vaes, tiny_vaes):
+    """state_tensors (what a side CUDA stream marks as in use) lists every tensor the stream keeps between pushes,
+    and they are what the next push reads: zeroed, its frames change."""
+    for dec, channels in ((wan_vaes["wan2.1"], 16), (tiny_vaes["taew2_1"], 16)):
+        z = latents(channels, 5, seed=4)
+        with StreamDecoder(dec, 1) as ref, StreamDecoder(dec, 1) as hit:
+            ref.push(z[:, :, :2])
+            hit.push(z[:, :, :2])
+            listed = {id(t) for t in hit.state_tensors()}
+            kept: dict = {}
+            _tensors_in({k: v for k, v in vars(hit).items() if k != "_vae"}, kept)
+            assert listed and listed == set(kept)
+            for t in hit.state_tensors():
+                t.zero_()
+            assert not np.array_equal(hit.push(z[:, :, 2:]), ref.push(z[:, :, 2:]))
