@@ -82,6 +82,16 @@ def _without_rope_copy(graphs):
     return f
 
 
+def test_a_failed_capture_names_the_option():
+    def failing(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    m = model()
+    latents, text, t = inputs(2)
+    with pytest.raises(RuntimeError, match="cuda_graphs=True: capturing .* not permitted .*cuda_graphs=False"):
+        steps(m, latents, (text,), t, ChunkGraphs(capture=failing))
+
+
 @pytest.fixture(scope="module")
 def gen(tiny_causal):
     return VideoGenerator.from_pretrained(str(tiny_causal.fastvideo), device="cpu", dtype=torch.float32)

@@ -101,7 +101,12 @@ class ChunkGraphs:
             finally:
                 run.writing = writing
 
-        replay, out = self._capture(forward)
+        try:
+            replay, out = self._capture(forward)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cuda_graphs=True: capturing the chunk forward in a CUDA graph failed ({exc}); a "
+                               "kernel of this model's attention backend may not allow capture. Stream with "
+                               "cuda_graphs=False.") from exc
         self.captures += 1
         return _Graph(key, text, x, t, rope, replay, out)
 
