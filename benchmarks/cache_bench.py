@@ -8,8 +8,22 @@ same seed. One generator per setup (dense; VSA + gating); each variant gets an u
 cache's code paths compile on first use): 2 steps, or the fewest at which that cache can act, its schedule made for
 that step count; then --repeats timed runs (the median is reported).
 
+TaylorSeer decides by a fixed rule, not by the weights: "taylorseer" (fastwan's defaults: steps 0-2 compute, then
+one every 5 steps, order 1, bf16 factors) computes the same 13 of 50 steps per pass (0, 1, 2, 4, 9, ..., 49) with
+real weights, so its run is already the figure that carries over, its error excepted (how well a first-order
+extrapolation follows real features is not what random ones show). Its warm-up runs 4 steps (in 2 or 3 it predicts
+none). "taylorseer-half" (interval 2 after a 1-step warm-up) computes exactly the half schedule's steps (0, 2, ...,
+48): at the same cost as "residual-half", the two rows differ only in what stands in for a skipped step, an
+extrapolation from the last two computed outputs (step 1: step 0's output held) or the last residual added back.
+
   python -m benchmarks.cache_bench --ckpt /tmp/wan13b [--steps 50] [--variants ...]
   python -m benchmarks.cache_bench --smoke    # CI: a tiny checkpoint on the CPU, 4 steps, each method once
+
+TaylorSeer on the GPU (issue #43; residual-half the same-run peer of taylorseer-half):
+
+  python -m benchmarks.e2e --phase make --ckpt /tmp/wan13b      # the random 1.3B checkpoint
+  python -m benchmarks.cache_bench --ckpt /tmp/wan13b --repeats 3 \
+      --variants none,taylorseer,taylorseer-half,residual-half --out cache_bench_taylorseer.json
 """
 from __future__ import annotations
 
@@ -32,12 +46,13 @@ VSA = {"tile": "auto", "sparsity": 0.85}  # FA4's kernel on CUDA
 WARMUP_STEPS = 2
 # each cache method and setup once (TeaCache has published coefficients for the real Wan2.1 sizes only, not for a
 # tiny checkpoint)
-SMOKE_VARIANTS = "none,first_block@0.05,magcache-calibrate,magcache@0.12,residual-half,vsa+gate+residual-half"
+SMOKE_VARIANTS = ("none,first_block@0.05,magcache-calibrate,magcache@0.12,taylorseer,residual-half,taylorseer-half,"
+                  "vsa+gate+residual-half")
 
 
 def variants(steps: int) -> dict:
     """label -> (setup, cache config or a callable of the earlier results that makes one)."""
-    from fastwan.cache import FirstBlockCache, MagCache, SkipSteps, TeaCache
+    from fastwan.cache import FirstBlockCache, MagCache, SkipSteps, TaylorSeer, TeaCache
 
     half = tuple(range(1, steps, 2))
 
@@ -52,7 +67,10 @@ def variants(steps: int) -> dict:
         "teacache@0.08": ("dense", TeaCache(0.08)),
         "magcache-calibrate": ("dense", MagCache(calibrate=True)),
         "magcache@0.12": ("dense", calibrated),
+        "taylorseer": ("dense", TaylorSeer()),  # its defaults: interval 5 after a 3-step warm-up, order 1
         "residual-half": ("dense", SkipSteps(half)),  # TeaCache's and MagCache's mechanism on the half schedule
+        # the half schedule's steps (0, 2, 4, ... compute), the skipped ones extrapolated instead of reused
+        "taylorseer-half": ("dense", TaylorSeer(cache_interval=2, disable_cache_before_step=1)),
         "vsa+gate": ("vsa_gated", None),
         "vsa+gate+residual-half": ("vsa_gated", SkipSteps(half)),
     }
