@@ -18,7 +18,7 @@ from benchmarks.editing_inputs import CLASS_NAMES, peer_class, peer_kwargs
 from benchmarks.harness import TASKS, TEXT_DIM, log
 
 TINY_VARIANTS = MappingProxyType({"t2v": "wan2.1", "i2v": "wan2.1-i2v", "i2v-a14b": "wan2.2-i2v-a14b",
-                                  "vace": "wan2.1-vace", "animate": "wan2.2-animate"})
+                                  "vace": "wan2.1-vace", "animate": "wan2.2-animate", "ti2v": "wan2.2-ti2v"})
 EDIT_SHIFTS = MappingProxyType({"vace": 3.0, "animate": 5.0})  # the scheduler shift of Wan2.1-VACE (480p) and
 # Wan2.2-Animate (its animate_14B config); neither has a second expert
 PIPELINES = MappingProxyType({"t2v": "WanPipeline", "vace": "WanVACEPipeline", "animate": "WanAnimatePipeline"})
@@ -256,3 +256,35 @@ def write_lora(path: Path, dit: dict, rank: int = 64, seed: int = 0) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path))
     log(f"wrote random rank-{rank} LoRA ({kw['num_layers']} blocks) to {path}")
+
+
+def write_taehv(path: Path, latent_channels: int = 16, seed: int = 0) -> Path:
+    """``path`` holding a random TAEHV decoder in the layout of the published file for ``latent_channels`` (16:
+    taew2_1, 48: taew2_2), written there (whole or not at all) unless a file is there already: the ``decoder.``
+    keys and shapes ``vae="tiny"`` reads (:mod:`fastwan.vae.tiny_weights`), fp32 safetensors. The published files'
+    ``encoder.`` keys are left out: nothing reads them. Weights are normal with std 1 / sqrt(fan_in), biases zero."""
+    from safetensors.torch import save_file
+
+    from fastwan.vae.tiny import TinyDecoder
+    from fastwan.vae.tiny_weights import VARIANTS
+
+    path = Path(path)
+    if path.is_file():
+        return path
+    if latent_channels not in VARIANTS:
+        raise ValueError(f"latent_channels={latent_channels}: TAEHV's Wan decoders take {sorted(VARIANTS)}")
+    name, patch = VARIANTS[latent_channels]
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in TinyDecoder(latent_channels, patch).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.zeros(shape) if len(shape) == 1 else torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
+             for k, shape in shapes.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log(f"wrote a random {name} TAEHV decoder to {path}")
+    return path
