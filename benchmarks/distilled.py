@@ -4,10 +4,13 @@ Random weights at the real shapes (the FLOPs and kernels of the real models; qua
 
 Phases (each appends to the JSON given by --out):
   make            plain random checkpoints (1.3B at --ckpt13, 14B at --ckpt14, one shared UMT5-XXL), their
-                  FastWan-layout twins (model_index "WanDMDPipeline", DiT with VSA gates; --fastwan13 / --fastwan14)
-                  and a random rank-64 14B LoRA in lightx2v's layout (--lora)
+                  FastWan-layout twins (model_index "WanDMDPipeline", DiT with VSA gates; --fastwan13 / --fastwan14),
+                  a random rank-64 14B LoRA in lightx2v's layout (--lora) and a random TAEHV decoder in the published
+                  taew2_1 layout (--taehv)
   fastwan13b      FastWan 1.3B with its defaults (DMD 1000/757/522, VSA 0.8, no CFG), compiled: end to end at
                   480x832x81 and at FastWan's 448x832x61, with the text / denoise / decode split
+  fastwan13b_tiny fastwan13b with TAEHV's tiny decoder (vae="tiny", vae_path=--taehv) in place of the VAE's; its
+                  weights are random, so time only (its frames are no approximation of the full VAE's)
   fastwan14b      FastWan 14B at 720x1280x81 with its defaults (VSA 0.9), compiled: the DiT (denoising) time
   lora14b         Wan2.1 14B at 480x832x81 with the LoRA merged, Euler at 1000/750/500/250 (shift 5), guidance 1
   diffusers13b    diffusers' WanPipeline on the plain 1.3B, 3 steps, guidance 1 (dense: diffusers has no VSA),
@@ -18,7 +21,12 @@ Each job: one untimed warm-up (compilation), then --repeats timed runs; the medi
 
   python -m benchmarks.distilled --phase make
   python -m benchmarks.distilled --phase fastwan13b,fastwan14b,lora14b,diffusers13b,diffusers14b
-  python -m benchmarks.distilled --smoke    # CI: tiny checkpoints on the CPU (FastWan, LoRA, diffusers eager)
+  python -m benchmarks.distilled --smoke    # CI: tiny checkpoints on the CPU (FastWan with the VAE and with the
+                                            # tiny decoder, LoRA, diffusers eager)
+
+FastWan 1.3B with the tiny decoder against the full VAE, in one run (issue #43: 3 steps at 480p, e2e and decode):
+
+  python -m benchmarks.distilled --phase make,fastwan13b,fastwan13b_tiny --repeats 5 --out distilled_tiny.json
 """
 from __future__ import annotations
 
@@ -32,14 +40,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import derive_fastwan, make_checkpoint, transformer_config, write_lora
+from benchmarks.checkpoints import derive_fastwan, make_checkpoint, transformer_config, write_lora, write_taehv
 from benchmarks.harness import (
     PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, diffusers_pipeline, log, output,
     parse_args, parse_phases, parse_video, release, sync, versions)
 
-PHASES = ("make", "fastwan13b", "fastwan14b", "lora14b", "diffusers13b", "diffusers14b")
+PHASES = ("make", "fastwan13b", "fastwan13b_tiny", "fastwan14b", "lora14b", "diffusers13b", "diffusers14b")
 SIZES_13B = {"480x832x81": (480, 832, 81), "448x832x61": (448, 832, 61)}
 LORA_JOB = dict(sampler="euler", timesteps=[1000, 750, 500, 250], flow_shift=5.0, guidance_scale=1.0)
+LOAD_KEYS = ("lora", "quantization", "vae", "vae_path")  # job_fastwan keywords that go to from_pretrained
 
 
 def timed(fn, repeats: int, device: torch.device) -> tuple[list[float], object]:
@@ -55,14 +64,14 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[list[float], object]:
 
 
 def job_fastwan(root: Path, sizes: dict, repeats: int, run: dict, **gen_kw) -> dict:
-    """A fastwan generator from ``root`` (``run``: its device and whether compiled; its defaults unless ``gen_kw``)
-    over ``sizes``."""
+    """A fastwan generator from ``root`` (``run``: its device and whether compiled; :data:`LOAD_KEYS` in ``gen_kw``
+    go to its loading) over ``sizes``, with its defaults unless the rest of ``gen_kw`` sets them."""
     from fastwan import VideoGenerator
 
-    lora, quantization = gen_kw.pop("lora", None), gen_kw.pop("quantization", None)
+    load = {k: gen_kw.pop(k) for k in LOAD_KEYS if k in gen_kw}
     device = run["device"]
     gen = VideoGenerator.from_pretrained(root, device=device, dtype=bench_dtype(device),
-                                         enable_torch_compile=run["compile"], lora=lora, quantization=quantization)
+                                         enable_torch_compile=run["compile"], **load)
     out = {"attention": gen.attention.describe(device)}
     for label, (h, w, f) in sizes.items():
         kw = dict(height=h, width=w, num_frames=f, seed=0, save_video=False, return_frames=False, **gen_kw)
@@ -117,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fastwan13", default="/tmp/fastwan13b")
     p.add_argument("--fastwan14", default="/tmp/fastwan14b")
     p.add_argument("--lora", default="/tmp/lora14b/lightx2v_4step_rank64.safetensors")
+    p.add_argument("--taehv", default="/tmp/taehv/taew2_1.safetensors",
+                   help="fastwan13b_tiny: the tiny decoder's weight file (make writes a random one)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fastwan jobs: FP8 DiT weights (their results are stored as '<phase>_fp8')")
@@ -124,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--video", default=None, metavar="HxWxF", help="every job at this size instead of its own")
     add_device(p, compile_default=True)
     files = {"ckpt13": "wan2.1", "ckpt14": "wan2.1", "fastwan13": "fastwan", "fastwan14": "fastwan",
-             "lora": "lora.safetensors", "out": "distilled.json"}  # --smoke: one tiny checkpoint for both sizes
-    add_smoke(p, phase="make,fastwan13b,lora14b,diffusers14b", repeats=1, video="32x32x5",
+             "lora": "lora.safetensors", "taehv": "taew2_1.safetensors",
+             "out": "distilled.json"}  # --smoke: one tiny checkpoint for both sizes
+    add_smoke(p, phase="make,fastwan13b,fastwan13b_tiny,lora14b,diffusers14b", repeats=1, video="32x32x5",
               **{name: str(SMOKE_DIR / file) for name, file in files.items()})
     return p
 
@@ -160,8 +172,12 @@ def main(argv=None) -> int:
             derive_fastwan(c14, f14)
             if not Path(a.lora).exists():
                 write_lora(Path(a.lora), transformer_config(c14))
+            write_taehv(Path(a.taehv), 16)  # taew2_1: Wan2.1's latents
         elif phase == "fastwan13b":
             res[key(phase)] = job_fastwan(f13, sizes(SIZES_13B), a.repeats, run, quantization=a.quantization)
+        elif phase == "fastwan13b_tiny":
+            res[key(phase)] = job_fastwan(f13, sizes(SIZES_13B), a.repeats, run, quantization=a.quantization,
+                                          vae="tiny", vae_path=a.taehv)
         elif phase == "fastwan14b":
             res[key(phase)] = job_fastwan(f14, sizes({"720x1280x81": (720, 1280, 81)}), a.repeats, run,
                                           quantization=a.quantization)

@@ -20,8 +20,8 @@ BENCHMARKS = ROOT / "benchmarks"
 SMOKE = {
     "cache_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/cache.json"], "cache.json", "| residual-half |"),
     "distilled": (["--ckpt13", "{ckpt}", "--ckpt14", "{ckpt}", "--fastwan13", "{dir}/fastwan", "--fastwan14",
-                   "{dir}/fastwan", "--lora", "{dir}/lora.safetensors", "--out", "{dir}/distilled.json"],
-                  "distilled.json", "| lora14b | 32x32x5 |"),
+                   "{dir}/fastwan", "--lora", "{dir}/lora.safetensors", "--taehv", "{dir}/taehv/taew2_1.safetensors",
+                   "--out", "{dir}/distilled.json"], "distilled.json", "| fastwan13b_tiny | 32x32x5 |"),
     "e2e": (["--ckpt", "{dir}/made", "--out", "{dir}/e2e.json"], "e2e.json", "| fastwan_e2e[TORCH_SDPA,auto] |"),
     "forward_14b": (["--task", "i2v", "--out", "{dir}/forward.json"], "forward.json", "auto/fp8: TORCH_SDPA"),
     "forward_14b[vace]": (["--task", "vace", "--out", "{dir}/forward_vace.json"], "forward_vace.json",
