@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.errors import InvalidArgument, InvalidArgumentType, UserError
 
 REQUIRED = dataclasses.MISSING
 
@@ -72,10 +72,21 @@ def options(cls) -> list[tuple[dataclasses.Field, Option]]:
 
 def check_fields(obj) -> None:
     """Each field of ``obj`` (a frozen dataclass) replaced by its ``check``'s normal form; the first rule broken
-    raises."""
+    raises (:func:`checked`)."""
     for f, opt in options(type(obj)):
         if opt.check is not None:
-            object.__setattr__(obj, f.name, opt.check(getattr(obj, f.name)))
+            object.__setattr__(obj, f.name, checked(f.name, opt.check, getattr(obj, f.name)))
+
+
+def checked(name: str, check: Callable[[Any], Any], value):
+    """``check(value)``, the rule of the field ``name``; a user error it raises names that field (its ``field``,
+    unless the rule set one)."""
+    try:
+        return check(value)
+    except UserError as exc:
+        if exc.field is None:
+            exc.field = name
+        raise
 
 
 def to_json(obj) -> dict[str, Any]:

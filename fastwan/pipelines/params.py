@@ -25,7 +25,7 @@ import numpy as np
 from fastwan.cache import CACHES, check_cache
 from fastwan.cache.schema import cache_schema
 from fastwan.errors import InvalidArgument, InvalidArgumentType
-from fastwan.fields import REQUIRED, boolean, check_fields, integer_text, number_text, option, options
+from fastwan.fields import REQUIRED, boolean, check_fields, checked, integer_text, number_text, option, options
 from fastwan.parallel.chords import PARALLEL_SAMPLING, check_cores, check_init, check_parallel_sampling
 from fastwan.pipelines.animate import (MODES, OVERLAPS, check_animate_fields, check_mode, check_motion_batch_size,
                                       check_overlap, check_segment_frames)
@@ -414,4 +414,4 @@ def check_field(name: str, value):
     """``value`` checked by the rule of :class:`GenerationRequest`'s field ``name`` -> its normal form (raises the
     field's user error): the one rule of a field for a caller that takes it outside a request."""
     (rule,) = [opt.check for f, opt in options(GenerationRequest) if f.name == name]
-    return value if rule is None else rule(value)
+    return value if rule is None else checked(name, rule, value)

@@ -196,3 +196,45 @@ def test_parallel_workers_take_the_request(tiny):
         a = gen.generate(GenerationRequest(**kw, save_video=False)).frames
         b = gen.generate_video(**kw, save_video=False).frames
     assert a.shape == (5, 32, 48, 3) and np.array_equal(a, b)
+
+
+def test_a_fields_rule_error_names_that_field_whatever_its_message_says(monkeypatch):
+    """A user error from a field's own rule carries that field (``UserError.field``, which a server reports as the
+    error's param), through the request and through check_field; a rule that names another field keeps it."""
+    from fastwan import fields
+    from fastwan.pipelines.params import check_field
+
+    bad = {"height": -16, "guidance_scale": "high", "seed": -1, "num_inference_steps": 0, "fps": 0}
+    for name, value in bad.items():
+        with pytest.raises((InvalidArgument, InvalidArgumentType)) as caught:
+            GenerationRequest("a heron", **{name: value})
+        assert caught.value.field == name
+        with pytest.raises((InvalidArgument, InvalidArgumentType)) as caught:
+            check_field(name, value)
+        assert caught.value.field == name
+    rule = {f.name: opt.check for f, opt in options(GenerationRequest)}["seed"]
+
+    def worded(value):  # a message that starts with another field's name
+        if value == 5:
+            raise InvalidArgument("height=... a reworded rule")
+        return rule(value)
+
+    def elsewhere(value):
+        if value == 5:
+            raise InvalidArgument("a rule about the steps", field="num_inference_steps")
+        return rule(value)
+
+    for check, field in ((worded, "seed"), (elsewhere, "num_inference_steps")):
+        monkeypatch.setattr(fields, "options", _with_check(fields.options, "seed", check))
+        with pytest.raises(InvalidArgument) as caught:
+            GenerationRequest("a heron", seed=5)
+        assert caught.value.field == field
+
+
+def _with_check(options_fn, name, check):
+    """``options`` with the rule of field ``name`` replaced by ``check``."""
+    import dataclasses as dc
+
+    def patched(cls):
+        return [(f, dc.replace(opt, check=check) if f.name == name else opt) for f, opt in options_fn(cls)]
+    return patched
