@@ -332,17 +332,22 @@ def frames_path(out: Path, key: str) -> Path:
     return out.with_name(f"{out.stem}_{slug}_frames.npy")
 
 
+def frame_diff(frames: np.ndarray, ref: np.ndarray) -> dict:
+    """PSNR, SSIM and absolute differences of the uint8 video ``frames`` against ``ref`` (the same shape)."""
+    d = np.abs(ref.astype(int) - frames.astype(int))
+    return {"psnr_db": psnr(frames, ref), "ssim": ssim(frames, ref), "mean_abs": float(d.mean()),
+            "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+
+
 def compare(frames: np.ndarray, ref_path: str | os.PathLike) -> dict | None:
-    """PSNR, SSIM and absolute differences of ``frames`` against the video saved at ``ref_path`` (None when there
-    is none, or it has another shape)."""
+    """:func:`frame_diff` of ``frames`` against the video saved at ``ref_path`` (None when there is none, or it has
+    another shape)."""
     if not os.path.exists(ref_path):
         return None
     ref = np.load(ref_path)
     if ref.shape != frames.shape:
         return None
-    d = np.abs(ref.astype(int) - frames.astype(int))
-    return {"psnr_db": psnr(frames, ref), "ssim": ssim(frames, ref), "mean_abs": float(d.mean()),
-            "p99_abs": float(np.percentile(d, 99)), "max_abs": int(d.max())}
+    return frame_diff(frames, ref)
 
 
 # ---- kernel time (torch.profiler) --------------------------------------------------------------------------

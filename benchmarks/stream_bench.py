@@ -42,8 +42,8 @@ import torch
 
 from benchmarks.checkpoints import derive_causal, make_checkpoint
 from benchmarks.harness import (
-    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, gib, log, output, parse_args,
-    parse_phases, parse_video, peak_gib, psnr, release, reset_peak, versions)
+    PROMPT, SMOKE_DIR, add_device, add_smoke, bench_dtype, command, device_arg, frame_diff, gib, log, output,
+    parse_args, parse_phases, parse_video, peak_gib, release, reset_peak, versions)
 
 PHASES = ("make", "stream", "launch")
 VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled")
@@ -157,7 +157,7 @@ def launch(args, variant: str) -> list[dict]:
             b.record()
             torch.cuda.synchronize()
             rows.append({"chunk": c, "host_ms": 1000 * host, "gpu_ms": a.elapsed_time(b)})
-            log(f"launch: chunk {c}: host {1000 * host:.1f} ms, gpu {a.elapsed_time(b):.1f} ms")
+            log(f"launch: chunk {c}: host {rows[-1]['host_ms']:.1f} ms, gpu {rows[-1]['gpu_ms']:.1f} ms")
             run.forward(x, t, text, write=True)
     release(compiled)
     return rows
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_variant(name, args, device, sample)
             if i == 0:
                 reference = sample
-            result["frames_vs_first"] = compare(sample, reference)
+            result["frames_vs_first"] = compare_samples(sample, reference)
             record["results"].append(result)
             out.write_text(json.dumps([*previous, record], indent=1, default=str))  # each variant kept as it ends
     if "launch" in phases:
@@ -210,20 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['variant']} | {r['size']} | {m['first_chunk_s']:.3f} | {m['first_text_ms']:.0f} / "
               f"{m['first_dit_ms']:.0f} / {m['first_decode_ms']:.0f} | {m['sustained_fps']:.1f} | "
               f"{m['dit_ms']:.1f} | {m['kv_write_ms']:.1f} | {m['decode_ms']:.1f} | "
-              f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} | max {d['max_diff']}, PSNR {d['psnr']:.2f} dB "
+              f"{gib(r['peak_gib_10s'])} / {gib(r['peak_gib_end'])} | max {d['max_abs']}, PSNR {d['psnr_db']:.2f} dB "
               f"({d['chunks']} chunks) |")
     return 0
 
 
-def compare(sample: dict, reference: dict) -> dict:
-    """The sampled chunks both streams made: max abs difference and PSNR of their frames (inf: equal)."""
+def compare_samples(sample: dict, reference: dict) -> dict:
+    """The sampled chunks both streams made: their frames' :func:`~benchmarks.harness.frame_diff` (PSNR inf:
+    equal) and the number of chunks compared."""
     common = sorted(set(sample) & set(reference))
     if not common:
-        return {"chunks": 0, "max_diff": None, "psnr": float("nan")}
-    a = np.concatenate([sample[i] for i in common])
-    b = np.concatenate([reference[i] for i in common])
-    return {"chunks": len(common), "max_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()),
-            "psnr": psnr(a, b)}
+        return {"chunks": 0, "max_abs": None, "psnr_db": float("nan")}
+    return {"chunks": len(common), **frame_diff(np.concatenate([sample[i] for i in common]),
+                                                np.concatenate([reference[i] for i in common]))}
 
 
 if __name__ == "__main__":

@@ -72,10 +72,10 @@ class ChunkGraphs:
                 new: int) -> torch.Tensor:
         """``run``'s forward of a chunk of ``new`` tokens (the run evicted and set its RoPE table): a replay when the
         graph serves its key, else the DiT as usual (the key's first forward) or a capture and its replay."""
-        key = _key(run, latents, timestep, text)
+        key = _key(run, latents, timestep, text)  # the graph and the warm key hold their text: its id stays its own
         g = self._graph
-        if g is None or g.key != key or g.text is not text:
-            if self._warm is None or self._warm[0] != key or self._warm[1] is not text:
+        if g is None or g.key != key:
+            if self._warm is None or self._warm[0] != key:
                 self._graph, self._warm = None, (key, text)
                 return run.model(latents, timestep, text)
             g = self._graph = self._make(run, key, latents, timestep, text)
