@@ -18,13 +18,14 @@ Phases (each appends to the JSON given by --out):
 Variants: "eager", "compiled" (enable_torch_compile), "+window" (window_frames=21, sink_frames=3: memory flat
 over any length; without a window every earlier frame is kept) and "+serial" (overlap_decode=False: each chunk
 decoded after its DiT, before the next chunk starts; without it, overlap_decode=True: the decode runs on a side
-CUDA stream beside the next chunk's DiT, off CUDA the same order of calls); "+graphs" (after "+window", CUDA only:
-cuda_graphs=True, chunk forwards replay CUDA graphs). "compiled+window" against
-"compiled+window+serial" in one run is the overlap's A/B. Overlapped, the per-chunk DiT / KV write / decode times
+CUDA stream beside the next chunk's DiT, off CUDA the same order of calls); "+nographs" (cuda_graphs=False: every
+chunk forward launched from the host; without it the stream's default, CUDA graphs with a window on CUDA, kept by
+the generator from the warm-up stream on). "compiled+window" against "compiled+window+serial" in one run is the
+overlap's A/B, against "compiled+window+nographs" the graphs'. Overlapped, the per-chunk DiT / KV write / decode times
 are GPU times of each stream's work (they overlap); the sustained rate is the wall-clock figure.
 
   python -m benchmarks.stream_bench --phase make
-  python -m benchmarks.stream_bench --phase stream --variants compiled+window,compiled+window+serial --seconds 60
+  python -m benchmarks.stream_bench --phase stream --variants compiled+window,compiled+window+nographs --seconds 60
   python -m benchmarks.stream_bench --phase launch --launch-chunks 10
   python -m benchmarks.stream_bench --smoke    # CI: a tiny causal checkpoint on the CPU
 """
@@ -47,7 +48,7 @@ from benchmarks.harness import (
 
 PHASES = ("make", "stream", "launch")
 VARIANTS = tuple(f"{base}{window}{serial}" for base in ("eager", "compiled")
-                 for window in ("", "+window", "+window+graphs") for serial in ("", "+serial"))
+                 for window in ("", "+window", "+window+nographs") for serial in ("", "+serial"))
 WINDOW = dict(window_frames=21, sink_frames=3)
 
 
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="stream_bench.json", help="results JSON (appended)")
     add_device(p)
     add_smoke(p, plain=str(SMOKE_DIR / "wan2.1"), ckpt=str(SMOKE_DIR / "causal"), size="32x32", seconds=2.0,
-              variants="eager,eager+window,eager+window+serial", repeats=1, warmup_chunks=1, phase="make,stream")
+              variants="eager,eager+window,eager+window+serial,eager+window+nographs", repeats=1, warmup_chunks=1,
+              phase="make,stream")
     return p
 
 
@@ -106,8 +108,8 @@ def run_variant(name: str, args, device: torch.device, sample: dict) -> dict:
     from fastwan import VideoGenerator
 
     compiled = name.startswith("compiled")
-    options = {**(WINDOW if "+window" in name else {}), "overlap_decode": not name.endswith("+serial"),
-               "cuda_graphs": "+graphs" in name}
+    options = {**(WINDOW if "+window" in name else {}), "overlap_decode": "+serial" not in name,
+               "cuda_graphs": False if "+nographs" in name else None}
     h, w = parse_video(f"{args.size}x1")[:2]  # the size's rule (multiples of 16)
     gen = VideoGenerator.from_pretrained(args.ckpt, device=str(device), dtype=bench_dtype(device),
                                          enable_torch_compile=compiled)
@@ -173,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants {','.join(unknown)}: not a variant; use {', '.join(VARIANTS)}")
-    gpu_only = (["--phase launch"] if "launch" in phases else []) + [f"--variants {v}" for v in variants
-                                                                      if "+graphs" in v]
+    gpu_only = ["--phase launch"] if "launch" in phases else []
     device = device_arg(parser, args.device, *gpu_only)
     out = output(args.out)
     record = {"command": command("benchmarks.stream_bench", argv), "versions": versions(), "results": []}

@@ -30,6 +30,7 @@ from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.kernels.fp8 import Fp8Linear
 from fastwan.lora import LoraState, apply_lora, check_loras
 from fastwan.models import load_transformer
+from fastwan.models.wan.causal_graph import ChunkGraphs
 from fastwan.offload import plan_offload
 from fastwan.options import DiTOptions
 from fastwan.parallel.launch import join, mode as parallel_mode, ring_of, spawn
@@ -93,9 +94,10 @@ class VideoGenerator:
         # generate_video holds this from text encoding to decode: the modules keep per-call caches (the VAE's
         # decode feature cache, the DiT's text K/V cache), so one generator makes one video at a time
         self._lock = threading.Lock()
-        # the side stream of stream_video's overlapped decodes: one per generator, so the memory its decodes cached
-        # serves the next stream (the allocator reuses a block only on the stream that freed it)
+        # stream_video's state, kept from stream to stream: its decodes' side stream (the allocator reuses a block
+        # only on the stream that freed it) and its CUDA graphs with the caches they read (close() frees them)
         self.decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream_graphs = ChunkGraphs() if device.type == "cuda" else None
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod

@@ -35,7 +35,7 @@ import torch
 from fastwan.checkpoint.causal import CausalRecipe
 from fastwan.errors import InvalidArgument, InvalidArgumentType
 from fastwan.models.wan.causal import CausalRun
-from fastwan.models.wan.causal_graph import ChunkGraphs
+from fastwan.hooks import HookRegistry
 from fastwan.pipelines.inputs import check_frame_size, random_seed
 from fastwan.pipelines.params import check_field
 from fastwan.pipelines.setup import on_device
@@ -125,7 +125,7 @@ class StreamSettings:
 
 def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None, fps=None,
                     window_frames: int | None | str = "recipe", sink_frames: int | str = "recipe",
-                    overlap_decode: bool | None = None, cuda_graphs: bool = False) -> StreamSettings:
+                    overlap_decode: bool | None = None, cuda_graphs: bool | None = None) -> StreamSettings:
     """Check a stream's arguments for ``gen`` before any compute (every rule named with its fix): height, width,
     seed and fps by the request fields' own rules (:func:`~fastwan.pipelines.params.check_field`), the frame size
     by the checkpoint's (:func:`~fastwan.pipelines.inputs.check_frame_size`), num_frames by the chunks'."""
@@ -165,23 +165,28 @@ def stream_settings(gen, *, height=None, width=None, num_frames=None, seed=None,
         overlap_decode = gen.device.type == "cuda"
     elif not isinstance(overlap_decode, bool):
         raise InvalidArgumentType(f"overlap_decode={overlap_decode!r} must be True, False or None (True on CUDA).")
-    check_cuda_graphs(cuda_graphs, gen.device, recipe)
+    cuda_graphs = check_cuda_graphs(cuda_graphs, gen, recipe)
     seed = random_seed() if seed is None else seed
     return StreamSettings(height, width, num_frames, seed, fps, recipe, chunks, overlap_decode, cuda_graphs)
 
 
-def check_cuda_graphs(cuda_graphs, device: torch.device, recipe: CausalRecipe) -> None:
-    """Rule: ``cuda_graphs`` is True or False; True needs a CUDA device and a rolling window (the caches keep one
-    set of buffers only at a window's size; without one they grow, and every chunk attends to more frames)."""
-    if not isinstance(cuda_graphs, bool):
-        raise InvalidArgumentType(f"cuda_graphs={cuda_graphs!r} must be True or False.")
-    if cuda_graphs and recipe.window_frames is None:
-        raise InvalidArgument("cuda_graphs=True replays chunk forwards on caches of a window's size, and this "
-                              "stream has no window (every earlier frame is kept); pass window_frames=N, or leave "
-                              "cuda_graphs False.")
-    if cuda_graphs and device.type != "cuda":
-        raise InvalidArgument(f"cuda_graphs=True needs a CUDA device (this generator is on {device}); leave it "
-                              "False.")
+def check_cuda_graphs(cuda_graphs, gen, recipe: CausalRecipe) -> bool:
+    """Rule: ``cuda_graphs`` is True, False or None (True where it can run); True needs a CUDA device, a rolling
+    window (the caches keep one set of buffers only at a window's size; without one they grow, and every chunk
+    attends to more frames) and no other hook on the DiT (block streaming moves weights in Python between blocks).
+    -> whether the stream replays graphs."""
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise InvalidArgumentType(f"cuda_graphs={cuda_graphs!r} must be True, False or None (True where it can run).")
+    model = gen.transformers[0]
+    hooks = [name for name in HookRegistry.of(model).names() if name != CausalRun.name]
+    why = ("this stream has no window (every earlier frame is kept); pass window_frames=N"
+           if recipe.window_frames is None else
+           f"this generator is on {gen.device}" if gen.device.type != "cuda" else
+           f"the DiT carries hooks {hooks} (e.g. block streaming under a memory budget)" if hooks else None)
+    if cuda_graphs and why is not None:
+        raise InvalidArgument(f"cuda_graphs=True replays chunk forwards captured on a CUDA device, on caches of a "
+                              f"window's size, through the DiT alone, and {why}; or leave cuda_graphs unset.")
+    return why is None if cuda_graphs is None else cuda_graphs
 
 
 class VideoStream:
@@ -232,7 +237,7 @@ class VideoStream:
         with lock, on_device(dev), torch.no_grad():
             generator = torch.Generator(device=dev).manual_seed(self.seed)
             texts: dict[str, torch.Tensor] = {}
-            graphs = ChunkGraphs() if s.cuda_graphs else None
+            graphs = gen.stream_graphs if s.cuda_graphs else None
             with CausalRun(model, recipe.window_frames, recipe.sink_frames, graphs) as run, decoder:
                 queue = DecodeQueue(decoder, dev, s.overlap_decode, gen.decode_stream)
                 clock = queue.clock
@@ -268,8 +273,6 @@ class VideoStream:
                             yield chunk
                 finally:
                     queue.drop()
-                    if graphs is not None:
-                        graphs.close()
 
 
 @dataclass(frozen=True)
@@ -317,8 +320,10 @@ def stream_video(gen, prompt: str, **kwargs) -> VideoStream:
     ``window_frames`` / ``sink_frames`` override the checkpoint's recipe (None: every earlier frame). Without a window
     in the recipe or the call, a stream longer than the recipe's ``context_frames`` rolls a window of that many.
     ``overlap_decode`` (None: True on CUDA, False elsewhere) decodes each chunk while the next one's DiT runs
-    (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way. ``cuda_graphs`` (CUDA, with a
-    window) replays captured chunk forwards (:mod:`fastwan.models.wan.causal_graph`); off by default."""
+    (:mod:`fastwan.pipelines.stream_decode`); the frames are the same either way. ``cuda_graphs`` (None: True on
+    CUDA with a window, the fast DiT and no block streaming) replays captured chunk forwards, kept by the generator
+    for later streams (:mod:`fastwan.models.wan.causal_graph`; ``gen.stream_graphs.close()`` frees them and the
+    caches they read); the frames are the same."""
     return VideoStream(gen, prompt, stream_settings(gen, **kwargs))
 
 

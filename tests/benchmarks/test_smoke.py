@@ -140,7 +140,6 @@ def test_budget_suite_refuses_an_unknown_suite(tmp_path):
     (["vae_bench", "--profile"], "--profile: only a GPU runs this"),
     (["vae_bench", "--variants", "bf16+tiny+fast-convs"], "+fast-convs changes the full VAE, not the tiny decoder"),
     (["stream_bench", "--phase", "launch"], "--phase launch: only a GPU runs this"),
-    (["stream_bench", "--variants", "eager+window+graphs"], "--variants eager+window+graphs: only a GPU runs this"),
     (["cache_bench", "--variants", "magcache@0.12"], "list magcache-calibrate before it"),
     (["cache_bench", "--steps", "1"], "--steps 1: must be at least 2"),
     (["cache_bench", "--variants", "teacache@0.08"], "cannot skip any step of a request of 4 step(s)"),

@@ -106,8 +106,9 @@ class CausalRun(Hook):
     prediction [B, C_out, f, H, W] for the chunk at frame ``run.frame`` under the block-causal rule; with
     ``write=True`` its keys and values join the cache and ``run.frame`` moves past it. Every chunk of a run has the
     same latent height and width. ``graphs`` (a :class:`~fastwan.models.wan.causal_graph.ChunkGraphs`, with a
-    window): forwards replay captured ones. Before each forward the caches evict what the chunk needs room
-    for, and the run makes the chunk's RoPE table (:attr:`rope`), which the ``embed`` point hands to the DiT."""
+    window): the caches are the graphs' and forwards replay captured ones. Before each forward the caches evict
+    what the chunk needs room for, and the run makes the chunk's RoPE table (:attr:`rope`), which the ``embed``
+    point hands to the DiT; the blocks read :attr:`contexts` when set (a capture's text buffers), else the DiT's."""
 
     name = "causal"
 
@@ -119,11 +120,12 @@ class CausalRun(Hook):
             raise InvalidArgument(f"sink_frames={sink_frames!r} must be an int >= 0, and 0 without a window.")
         self.model = model
         self.window_frames, self.sink_frames = window_frames, sink_frames
-        self.caches = [KVCache() for _ in model.blocks]
+        self.caches = [KVCache() for _ in model.blocks] if graphs is None else graphs.caches(len(model.blocks))
         self.frame = 0  # the first latent frame of the next chunk
         self.frame_tokens: int | None = None  # tokens per latent frame (set by the first chunk)
         self.writing = False
         self.rope: torch.Tensor | None = None  # the current forward's RoPE table (its chunk's frame positions)
+        self.contexts: list | None = None  # the blocks' cross-attention inputs in place of the DiT's (a capture's)
         self._graphs = graphs  # a fastwan.models.wan.causal_graph.ChunkGraphs, or None: every forward runs the DiT
         self._views: dict[int, _CachedAttention] = {}
 
@@ -139,6 +141,7 @@ class CausalRun(Hook):
 
         def block(i):
             def call(model, inner, r, ctx, temb, rope, attn, meta=None):
+                ctx = ctx if self.contexts is None else self.contexts[i]
                 return inner(r, ctx, temb, rope, self._cached(i, attn), meta)
             return call
 
