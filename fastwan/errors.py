@@ -6,6 +6,10 @@ message names the value, the rule and the fix. The CLI prints a user error as on
 exception is a bug and keeps its traceback. Each concrete class also derives from the builtin a Python caller
 would catch (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working. A check that
 knows which request field it refuses says so (``field=``); callers read the field from it, never from the message.
+Every check a request goes through before any compute (its fields' rules and the checkpoint's, at ``resolve``) sets
+it; an error about a combination of fields names the field its message names first (the value it refuses), except
+that a rule about a field the caller did not give (``image= / last_image=`` with only a last image) names the one
+given.
 """
 from __future__ import annotations
 

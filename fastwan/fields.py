@@ -131,15 +131,16 @@ def from_json(cls, data: str | bytes | Mapping[str, Any]):
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise InvalidArgument(f"{key!r} is not a field of {name}; {hint}the fields are: {', '.join(fields)}.")
+            raise InvalidArgument(f"{key!r} is not a field of {name}; {hint}the fields are: {', '.join(fields)}.",
+                                  field=str(key))
     kwargs = {}
     for key, value in data.items():
         decode = fields[key].decode
-        kwargs[key] = value if value is None or decode is None else decode(value)
+        kwargs[key] = value if value is None or decode is None else checked(key, decode, value)
     missing = [f.name for f, _ in options(cls) if f.default is REQUIRED and f.default_factory is REQUIRED
                and f.name not in kwargs]
     if missing:
-        raise InvalidArgument(f"a {name} needs {missing[0]!r}; e.g. {example(cls)}.")
+        raise InvalidArgument(f"a {name} needs {missing[0]!r}; e.g. {example(cls)}.", field=missing[0])
     return cls(**kwargs)
 
 

@@ -182,7 +182,8 @@ def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
         if beyond:
             raise InvalidArgument(f"SkipSteps(steps={list(cache.steps)}): step(s) {beyond[:8]} do not exist in this "
                                   f"request of {num_steps} step(s) (indices 0..{num_steps - 1}; step 0 always "
-                                  "computes); list steps below the step count, or raise num_inference_steps.")
+                                  "computes); list steps below the step count, or raise num_inference_steps.",
+                                  field="cache")
         return
     if cache is None or isinstance(cache, MagCache) and cache.calibrate:
         return
@@ -203,7 +204,7 @@ def check_steps(cache: CacheConfig | None, num_steps: int) -> None:
             rule += f", and those from disable_cache_after_step={cache.disable_cache_after_step} on"
     if first > last:
         raise InvalidArgument(f"cache={cache!r} cannot skip any step of a request of {num_steps} step(s): {rule}. "
-                              "Run more steps, or pass cache=None (or 'none').")
+                              "Run more steps, or pass cache=None (or 'none').", field="cache")
 
 
 def _parse_value(name: str, field: str, text: str):
@@ -311,7 +312,7 @@ def resolve_coefficients(cache: CacheConfig | None, variant: str, dim: int, heig
     if model is None:
         raise InvalidArgument(f"TeaCache has no published coefficients for this checkpoint ({variant}, width {dim}); "
                               f"they exist for {', '.join(TEACACHE_COEFFICIENTS)}. Pass TeaCache(coefficients=...) "
-                              "fitted for this model, or use FirstBlockCache / MagCache.")
+                              "fitted for this model, or use FirstBlockCache / MagCache.", field="cache")
     return TEACACHE_COEFFICIENTS[model]["e0" if cache.use_ret_steps else "e"]
 
 

@@ -103,21 +103,24 @@ def check_chords(cores, steps: int, init=None, sampler: str = "euler") -> tuple[
     if sampler not in CHORDS_SAMPLERS:
         raise InvalidArgument(
             f"chords_cores={cores} (CHORDS) needs an Euler-type sampler (one velocity per step, an Euler jump "
-            f"between any two steps); sampler={sampler!r} cannot run with it: pass sampler='euler'.")
+            f"between any two steps); sampler={sampler!r} cannot run with it: pass sampler='euler'.",
+            field="chords_cores")
     if cores > steps:
         raise InvalidArgument(f"chords_cores={cores} exceeds the {steps} steps: each core starts at its own step; "
-                              f"pass chords_cores <= {steps} or more steps.")
+                              f"pass chords_cores <= {steps} or more steps.", field="chords_cores")
     if init is None:
         init = default_init(cores, steps)
         if init[-1] >= steps:
             raise InvalidArgument(f"chords_cores={cores} cores cannot start at distinct steps of the published "
-                                  f"schedule over {steps} steps ({list(init)}); pass fewer cores or more steps.")
+                                  f"schedule over {steps} steps ({list(init)}); pass fewer cores or more steps.",
+                                  field="chords_cores")
         return init
     init = tuple(init)
     if (len(init) != cores or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in init)
             or init[0] != 0 or any(b <= a for a, b in zip(init, init[1:])) or init[-1] >= steps):
         raise InvalidArgument(f"chords_init={list(init)!r} must be {cores} strictly increasing steps from 0 "
-                              f"(one per core), the last below {steps}, e.g. {list(default_init(cores, steps))}.")
+                              f"(one per core), the last below {steps}, e.g. {list(default_init(cores, steps))}.",
+                              field="chords_init")
     return tuple(int(s) for s in init)
 
 

@@ -72,12 +72,14 @@ def plan_segments(frames: int, segment_frames: int = 77, overlap: int = 1) -> Se
     """The segments of ``frames`` driving frames (see the module docstring); bad values refused naming the rule."""
     if segment_frames is None or overlap is None:
         raise InvalidArgument(f"segment_frames={segment_frames!r} and overlap={overlap!r} must be numbers; pass "
-                              "e.g. 77 and 1.")
+                              "e.g. 77 and 1.",
+                              field="segment_frames" if segment_frames is None else "overlap")
     check_segment_frames(segment_frames)
     check_overlap(overlap)
     if 2 * overlap >= segment_frames:
         raise InvalidArgument(f"segment_frames={segment_frames} must be more than twice overlap={overlap} (a segment "
-                              "makes more new frames than it takes from the one before); pass longer segments.")
+                              "makes more new frames than it takes from the one before); pass longer segments.",
+                              field="segment_frames")
     if not (_is_int(frames) and frames > overlap):
         raise InvalidArgument(f"the driving videos have {frames!r} frames; they need more than overlap={overlap} "
                               "(pass longer pose and face videos).", field="pose_video")
@@ -126,14 +128,14 @@ def check_mode(value) -> str | None:
         return value
     raise InvalidArgument(f"mode={value!r} must be 'animate' (the character image moves as the pose and face "
                           "videos) or 'replace' (it replaces the character of background_video where mask_video is "
-                          "white).")
+                          "white).", field="mode")
 
 
 def check_segment_frames(value) -> int | None:
     """None (77) or 4 n + 1, n >= 1."""
     if value is not None and not (_is_int(value) and value > 1 and value % TEMPORAL == 1):
         raise InvalidArgument(f"segment_frames={value!r} must be 4 n + 1 frames, n >= 1 (whole latent frames of the "
-                              "Wan VAE), e.g. 77; pass such a number.")
+                              "Wan VAE), e.g. 77; pass such a number.", field="segment_frames")
     return value
 
 
@@ -141,7 +143,7 @@ def check_overlap(value) -> int | None:
     """None (1) or one of :data:`OVERLAPS`."""
     if value is not None and (value not in OVERLAPS or not _is_int(value)):
         raise InvalidArgument(f"overlap={value!r} must be 1 or 5 (the frames of a segment that condition the next, "
-                              "as Wan2.2-Animate was trained); pass 1 or 5.")
+                              "as Wan2.2-Animate was trained); pass 1 or 5.", field="overlap")
     return value
 
 
@@ -149,7 +151,8 @@ def check_motion_batch_size(value) -> int | None:
     """None (the DiT's own) or a whole number >= 1."""
     if value is not None and not (_is_int(value) and value >= 1):
         raise InvalidArgument(f"motion_batch_size={value!r} must be a whole number >= 1 (face frames the motion "
-                              "encoder reads at once), e.g. 8; or leave it out (the checkpoint's).")
+                              "encoder reads at once), e.g. 8; or leave it out (the checkpoint's).",
+                              field="motion_batch_size")
     return value
 
 
@@ -181,7 +184,8 @@ def check_animate_fields(r) -> None:
     overlap = 1 if r.overlap is None else r.overlap
     if 2 * overlap >= segment:
         raise InvalidArgument(f"segment_frames={segment} must be more than twice overlap={overlap} (a segment makes "
-                              "more new frames than it takes from the one before); pass longer segments.")
+                              "more new frames than it takes from the one before); pass longer segments.",
+                              field="segment_frames")
 
 
 def read_animate_videos(r, default_segment: int = 77) -> dict[str, list]:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from fastwan.errors import InvalidArgument, InvalidArgumentType
+from fastwan.fields import checked
 from fastwan.values import python_number
 from fastwan.vae.decode import vae_scale_factors
 
@@ -44,8 +45,13 @@ MAX_STREAM_BYTES = 256 * 2**20  # a piped image file's size limit
 INT_MODE_MAX = 65535  # an "I" (32-bit integer) image is read as 16-bit data: values 0..65535
 
 
-def read_image(image: Any, name: str = "image"):
-    """``image`` (PIL image, np.uint8 array H x W [x 1, 3 or 4], or a file path) -> RGB ``PIL.Image.Image``."""
+def read_image(image: Any, name: str = "image", field: str | None = None):
+    """``image`` (PIL image, np.uint8 array H x W [x 1, 3 or 4], or a file path) -> RGB ``PIL.Image.Image``;
+    ``name``: the image as messages name it, ``field``: the request field a refusal is about (None: ``name``)."""
+    return checked(name if field is None else field, lambda value: _read_image(value, name), image)
+
+
+def _read_image(image: Any, name: str):
     from PIL import Image
 
     label = name
@@ -213,7 +219,7 @@ def default_size(image, area: int, multiple: int, height=None, width=None, max_s
         if max_side is not None and out > max_side:
             raise InvalidArgument(f"the image is {image.width} x {image.height} pixels: its aspect ratio gives a "
                                   f"video side of {out} pixels, more than this model's {max_side}; pass height= and "
-                                  "width= (the image is resized to them), or crop the image.")
+                                  "width= (the image is resized to them), or crop the image.", field="image")
         return out
 
     def usable(x) -> bool:
@@ -290,7 +296,7 @@ def check_frames(req: ImageRequest | None, num_frames) -> None:
     ``num_frames`` of 1 raises (other values are the size checks' to judge)."""
     if req is not None and req.last is not None and num_frames == 1 and not isinstance(num_frames, bool):
         raise InvalidArgument("num_frames=1 leaves no frame for last_image=: a first-last-frame video needs "
-                              "num_frames >= 5 (4k + 1, e.g. 81), or drop last_image=.")
+                              "num_frames >= 5 (4k + 1, e.g. 81), or drop last_image=.", field="num_frames")
 
 
 def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
@@ -301,29 +307,31 @@ def check_image_request(checkpoint, image, last_image) -> ImageRequest | None:
     if image is None:
         if checkpoint.needs_image:
             raise InvalidArgument(f"this checkpoint ({variant}) makes a video from an image: pass image= (a PIL "
-                                  "image, an np.uint8 H x W x 3 array or a file path; CLI --image PATH).")
+                                  "image, an np.uint8 H x W x 3 array or a file path; CLI --image PATH).",
+                                  field="image")
         if last_image is not None:
-            raise InvalidArgument("last_image is given without image; the first frame comes first (image=).")
+            raise InvalidArgument("last_image is given without image; the first frame comes first (image=).",
+                                  field="last_image")
         return None
     if checkpoint.distilled and not checkpoint.needs_image:
         raise InvalidArgument(
             f"image= was given, but this checkpoint ({variant}) is DMD-distilled text-to-video (model_index.json "
             "\"WanDMDPipeline\", FastWan): FastVideo's WanDMDPipeline has no image stage, and FastWan2.2-TI2V-5B was "
             "distilled on text-to-video only (its video does not follow an image). Drop image=, or use "
-            "Wan-AI/Wan2.2-TI2V-5B-Diffusers for image-to-video.")
+            "Wan-AI/Wan2.2-TI2V-5B-Diffusers for image-to-video.", field="image")
     if not (checkpoint.needs_image or checkpoint.expand_timesteps):
         raise InvalidArgument(f"image= was given, but this checkpoint ({variant}) is text-to-video; use an "
                               "image-to-video checkpoint (Wan2.1-I2V, Wan2.1-FLF2V, Wan2.2-I2V-A14B, "
-                              "Wan2.2-TI2V-5B) or drop image=.")
+                              "Wan2.2-TI2V-5B) or drop image=.", field="image")
     if last_image is not None and checkpoint.expand_timesteps:
         raise InvalidArgument("last_image= is not taken by Wan2.2-TI2V-5B: its image mode fixes the first frame "
-                              "only. Drop last_image=.")
+                              "only. Drop last_image=.", field="last_image")
     if last_image is None and variant == "wan2.1-flf2v":
         raise InvalidArgument("this first-last-frame checkpoint (Wan2.1-FLF2V) needs last_image= as well "
                               "(CLI --last-image PATH).", field="last_image")
     if last_image is not None and variant == "wan2.1-i2v":
         raise InvalidArgument("last_image= needs a first-last-frame checkpoint (Wan2.1-FLF2V or Wan2.2-I2V-A14B); "
-                              "Wan2.1-I2V conditions on the first frame only.")
+                              "Wan2.1-I2V conditions on the first frame only.", field="last_image")
     first = read_image(image, "image")
     last = None if last_image is None else read_image(last_image, "last_image")
     h = hashlib.sha256()

@@ -31,7 +31,8 @@ def check_inputs(s, *, vae_factors: tuple[int, int], patch: tuple[int, int, int]
     if s.guidance_scale_2 is not None and experts == 1:
         raise InvalidArgument(
             f"guidance_scale_2={s.guidance_scale_2!r} sets the low-noise expert's guidance of a two-expert "
-            "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.")
+            "(Wan2.2 A14B) checkpoint, but this checkpoint has one DiT; use guidance_scale alone.",
+            field="guidance_scale_2")
     if scheduler is not None:  # the default sampler: the checkpoint's scheduler, with the call's flow shift
         _check_num_steps(scheduler, int(s.num_inference_steps))
     return grid
@@ -54,11 +55,11 @@ def check_frame_size(height, width, *, spatial: int, patch: tuple[int, int, int]
         step = spatial * p
         if not is_int(v) or v <= 0:  # a type error for a non-int, a value error for an int out of range
             raise (InvalidArgument if is_int(v) else InvalidArgumentType)(
-                f"{name}={v!r} must be a positive int (a multiple of {step}).")
+                f"{name}={v!r} must be a positive int (a multiple of {step}).", field=name)
         if v % step:
             lo = max(step, v // step * step)
             raise InvalidArgument(f"{name}={v} is not a multiple of {step} (VAE factor {spatial} x patch {p}); use "
-                                  f"{lo} or {lo + step}.")
+                                  f"{lo} or {lo + step}.", field=name)
 
 
 def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int], patch: tuple[int, int, int],
@@ -72,21 +73,24 @@ def check_video_size(height, width, num_frames, *, vae_factors: tuple[int, int],
     check_frame_size(height, width, spatial=vs, patch=patch)
     if not is_int(num_frames) or num_frames < 1:
         raise (InvalidArgument if is_int(num_frames) else InvalidArgumentType)(
-            f"num_frames={num_frames!r} must be a positive int of the form {vt}k+1 (e.g. {vt * 20 + 1}).")
+            f"num_frames={num_frames!r} must be a positive int of the form {vt}k+1 (e.g. {vt * 20 + 1}).",
+            field="num_frames")
     if (num_frames - 1) % vt:
         lo = (num_frames - 1) // vt * vt + 1
         raise InvalidArgument(
-            f"num_frames={num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}.")
+            f"num_frames={num_frames} is not {vt}k+1 (the VAE compresses time by {vt}); use {lo} or {lo + vt}.",
+            field="num_frames")
     frames = (num_frames - 1) // vt + 1
     if frames % patch[0]:
         raise InvalidArgument(f"num_frames={num_frames} gives {frames} latent frames, not a multiple of the DiT's "
-                              f"time patch {patch[0]}; use a num_frames of the form {vt * patch[0]}k+1.")
+                              f"time patch {patch[0]}; use a num_frames of the form {vt * patch[0]}k+1.",
+                              field="num_frames")
     grid = (frames // patch[0], height // (vs * patch[1]), width // (vs * patch[2]))
     for name, v, n in zip(("num_frames", "height", "width"), (num_frames, height, width), grid):
         if max_grid is not None and n > max_grid:
             raise InvalidArgument(
                 f"{name}={v} gives {n} DiT tokens along that axis, more than this checkpoint's "
-                f"rope_max_seq_len={max_grid}; make the video smaller along it.")
+                f"rope_max_seq_len={max_grid}; make the video smaller along it.", field=name)
     return grid
 
 
@@ -126,7 +130,7 @@ def _check_num_steps(scheduler, n: int) -> None:
     if limit is not None and n > limit:
         most = _largest_distinct_steps(probe, limit)
         raise InvalidArgument(f"num_inference_steps={n} exceeds the {name}'s {limit} training timesteps; "
-                              f"use at most {most}{' (e.g. 50)' if most >= 50 else ''}.")
+                              f"use at most {most}{' (e.g. 50)' if most >= 50 else ''}.", field="num_inference_steps")
     if not _distinct_timesteps(probe, n):
         shift = next((getattr(scheduler.config, k) for k in SHIFT_KEYS
                       if getattr(scheduler.config, k, None) is not None), None)
@@ -135,8 +139,8 @@ def _check_num_steps(scheduler, n: int) -> None:
         raise InvalidArgument(
             f"num_inference_steps={n} is more than the {name} can resolve{at}: its timesteps (whole numbers) "
             f"repeat at that count, and it cannot step through a repeated timestep; use at most {most} steps"
-            f"{' (e.g. 50)' if most >= 50 else ''}{', or a smaller flow_shift' if at else ''}."
-        )
+            f"{' (e.g. 50)' if most >= 50 else ''}{', or a smaller flow_shift' if at else ''}.",
+            field="num_inference_steps")
 
 
 def _distinct_timesteps(probe, n: int) -> bool:

@@ -76,17 +76,18 @@ class OutputTarget:
 def check_output_path(output_path, overwrite) -> OutputTarget:
     """Apply the file-versus-folder rule to ``output_path`` (no file system writes)."""
     if not isinstance(overwrite, bool):
-        raise InvalidArgumentType(f"overwrite={overwrite!r} must be True or False.")
+        raise InvalidArgumentType(f"overwrite={overwrite!r} must be True or False.", field="overwrite")
     text = os.fspath(output_path) if isinstance(output_path, (str, os.PathLike)) else None
     if not isinstance(text, str):
         raise InvalidArgumentType(
-            f"output_path={output_path!r} must be a str or a path: a folder, or a file ending in .mp4."
-        )
+            f"output_path={output_path!r} must be a str or a path: a folder, or a file ending in .mp4.",
+            field="output_path")
     if not text.strip():
-        raise InvalidArgument(f"output_path={output_path!r} is empty; pass a folder (e.g. 'outputs/') or a .mp4 file.")
+        raise InvalidArgument(f"output_path={output_path!r} is empty; pass a folder (e.g. 'outputs/') or a .mp4 file.",
+                              field="output_path")
     if "\0" in text:
         raise InvalidArgument(f"output_path={text!r} contains a NUL character, which no file name may hold; "
-                              "remove it.")
+                              "remove it.", field="output_path")
     path = _expand_home(text)
     names_folder = text.endswith(("/", os.sep)) or (os.altsep is not None and text.endswith(os.altsep))
     if not names_folder:
@@ -97,8 +98,8 @@ def check_output_path(output_path, overwrite) -> OutputTarget:
     if suffix in REFUSED_SUFFIXES and not names_folder:
         raise InvalidArgument(
             f"output_path={text!r} names a {suffix} file, but only mp4 videos are written; "
-            f"use '{path.with_suffix(VIDEO_SUFFIX)}', or end the path with '/' to make it a folder."
-        )
+            f"use '{path.with_suffix(VIDEO_SUFFIX)}', or end the path with '/' to make it a folder.",
+            field="output_path")
     return OutputTarget(path, None, overwrite)
 
 
@@ -111,14 +112,13 @@ def _check_file_name(text: str, path: Path) -> None:
     if name.lower() in known:
         raise InvalidArgument(
             f"output_path={text!r} ends in {name!r}, a file name with nothing before its suffix; name the video, "
-            f"e.g. '{path.with_name('video' + VIDEO_SUFFIX)}', or end the path with '/' to make it a folder."
-        )
+            f"e.g. '{path.with_name('video' + VIDEO_SUFFIX)}', or end the path with '/' to make it a folder.",
+            field="output_path")
     stripped = name.rstrip()
     if stripped != name and (stripped.lower() in known or Path(stripped).suffix.lower() in known):
         raise InvalidArgument(
             f"output_path={text!r} ends in blank space after {Path(stripped).suffix or stripped!r}; remove it, "
-            f"e.g. '{path.with_name(stripped)}'."
-        )
+            f"e.g. '{path.with_name(stripped)}'.", field="output_path")
 
 
 def _expand_home(text: str) -> Path:
@@ -126,7 +126,8 @@ def _expand_home(text: str) -> Path:
     try:
         return Path(text).expanduser()
     except RuntimeError as exc:  # no home folder known for '~' or '~user'
-        raise InvalidArgument(f"output_path={text!r}: '~' cannot be expanded ({exc}); pass the full path.") from None
+        raise InvalidArgument(f"output_path={text!r}: '~' cannot be expanded ({exc}); pass the full path.",
+                              field="output_path") from None
 
 
 def prepare_output(target: OutputTarget) -> None:

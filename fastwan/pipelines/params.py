@@ -401,7 +401,8 @@ class GenerationRequest:
         if self.chords_cores is not None and self.parallel_sampling is None:  # --chords K alone asks for CHORDS
             object.__setattr__(self, "parallel_sampling", "chords")
         if self.parallel_sampling == "chords" and self.chords_cores is None:
-            raise InvalidArgument("parallel_sampling='chords' needs chords_cores=K (the number of cores, e.g. 4).")
+            raise InvalidArgument("parallel_sampling='chords' needs chords_cores=K (the number of cores, e.g. 4).",
+                                  field="parallel_sampling")
         check_animate_fields(self)
         check_output_path(self.output_path, self.overwrite)
 

@@ -126,7 +126,7 @@ def resolve_request(ckpt: Checkpoint, scheduler, vae_factors: tuple[int, int], r
     cache = default_cache if r.cache is None else None if r.cache == "none" else r.cache
     if animate is not None and cache is not None:
         raise InvalidArgument(f"step cache {cache.name!r} with Wan2.2-Animate: its segments are not cached yet; pass "
-                              "cache='none' (or load the generator without a default cache).")
+                              "cache='none' (or load the generator without a default cache).", field="cache")
     if vace is not None:
         check_vace_grid(vace, grid, cfg.patch_size, cfg.rope_max_seq_len)
         check_vace_composes(vace, cache, r.parallel_sampling)

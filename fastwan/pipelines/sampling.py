@@ -61,15 +61,17 @@ def check_sampling(preset, sampler=None, timesteps=None, flow_shift=None, num_in
     integral = isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
     if not integral or steps < 1:  # a type error for a non-int, a value error for an int out of range
         raise (InvalidArgument if integral else InvalidArgumentType)(
-            f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled models).")
+            f"num_inference_steps={steps!r} must be an int >= 1 (e.g. 50; 3 or 4 for distilled models).",
+            field="num_inference_steps")
     if timesteps is not None:
         ts = _check_timesteps(timesteps)
         if name == "default":
             raise InvalidArgument(f"timesteps={list(ts)!r} need sampler='euler' or 'dmd'; the default "
-                                  "sampler takes its timesteps from the checkpoint's scheduler (num_inference_steps).")
+                                  "sampler takes its timesteps from the checkpoint's scheduler (num_inference_steps).",
+                                  field="timesteps")
         if num_inference_steps is not None and num_inference_steps != len(ts):
             raise InvalidArgument(f"num_inference_steps={num_inference_steps!r} disagrees with the {len(ts)} "
-                                  f"timesteps {list(ts)}; pass one of the two.")
+                                  f"timesteps {list(ts)}; pass one of the two.", field="num_inference_steps")
         steps = len(ts)
     elif name == "default" or sampler is not None and sampler != preset.sampler:
         ts = None  # the sampler's own schedule
@@ -84,7 +86,7 @@ def check_sampler(name) -> str:
     if not isinstance(name, str) or name not in SAMPLERS:
         raise (InvalidArgument if isinstance(name, str) else InvalidArgumentType)(
             f"sampler={name!r} is not one of {SAMPLERS}: 'default' (the checkpoint's scheduler), "
-            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).")
+            "'euler' (step-distilled models), 'dmd' (FastWan / DMD-distilled models).", field="sampler")
     return name
 
 
@@ -97,7 +99,8 @@ def check_flow_shift(value) -> float | None:
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not number or (finite_float(value) or 0) <= 0:
         raise (InvalidArgument if number else InvalidArgumentType)(
-            f"flow_shift={value!r} must be > 0 (a finite number, e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).")
+            f"flow_shift={value!r} must be > 0 (a finite number, e.g. 3.0 at 480p, 5.0 at 720p, 8.0 for FastWan).",
+            field="flow_shift")
     return float(value)
 
 
@@ -107,36 +110,40 @@ def _check_timesteps(timesteps) -> tuple[float, ...]:
     ndim = getattr(timesteps, "ndim", None)  # numpy arrays and scalars, torch tensors
     if ndim is not None and ndim != 1:
         raise InvalidArgumentType(f"timesteps={timesteps!r} is {ndim}-dimensional; it must be one list of numbers, "
-                                  "e.g. [1000, 757, 522].")
+                                  "e.g. [1000, 757, 522].", field="timesteps")
     if isinstance(timesteps, (str, bytes, Set, Mapping)) or not hasattr(timesteps, "__iter__"):
         raise InvalidArgumentType(f"timesteps={timesteps!r} must be a list of numbers in order (from noise to "
-                                  "clean), e.g. [1000, 757, 522].")
+                                  "clean), e.g. [1000, 757, 522].", field="timesteps")
     if isinstance(timesteps, torch.Tensor):
         if timesteps.is_meta:
             raise InvalidArgumentType(f"timesteps={timesteps!r} is a meta tensor, which holds no values; pass the "
-                                      "timesteps themselves, e.g. [1000, 757, 522].")
+                                      "timesteps themselves, e.g. [1000, 757, 522].",
+                                      field="timesteps")
         timesteps = timesteps.tolist()
     ts = tuple(python_number(t) for t in timesteps)
     if not ts or any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in ts):
-        raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].")
+        raise InvalidArgumentType(f"timesteps={list(ts)!r} must be a non-empty list of numbers, e.g. [1000, 757, 522].",
+                                  field="timesteps")
     ts = tuple(as_float(t) for t in ts)
     if all(0 <= t <= 1 for t in ts) and ts[0] > 0:  # sigmas, as diffusers' schedulers and ComfyUI take them
         grid = [float(f"{t * TRAIN_TIMESTEPS:.6g}") for t in ts if t > 0]
         raise InvalidArgument(
             f"timesteps={list(ts)!r} look like sigmas (all within [0, 1]); timesteps are points of the "
             f"{TRAIN_TIMESTEPS}-step training grid (sigma x {TRAIN_TIMESTEPS}; the final 0 is implied): pass "
-            f"{grid!r}.")
+            f"{grid!r}.", field="timesteps")
     bad = [t for t in ts if not (math.isfinite(t) and 0 < t <= TRAIN_TIMESTEPS)]
     head = ts[:-1]
     if bad == [0.0] and ts[-1] == 0 and head and all(b < a for a, b in zip(head, head[1:])):  # the end point 0
         raise InvalidArgument(f"timesteps={list(ts)!r}: 0.0 is outside (0, {TRAIN_TIMESTEPS}]; it is not a step, "
-                              f"every sampler ends at 0 by itself: drop the final 0 and pass {list(head)!r}.")
+                              f"every sampler ends at 0 by itself: drop the final 0 and pass {list(head)!r}.",
+                              field="timesteps")
     if bad:
         raise InvalidArgument(f"timesteps={list(ts)!r}: {bad[0]} is outside (0, {TRAIN_TIMESTEPS}]; timesteps are "
-                              f"points of the {TRAIN_TIMESTEPS}-step training grid, e.g. [1000, 757, 522].")
+                              f"points of the {TRAIN_TIMESTEPS}-step training grid, e.g. [1000, 757, 522].",
+                              field="timesteps")
     if any(b >= a for a, b in zip(ts, ts[1:])):
         raise InvalidArgument(f"timesteps={list(ts)!r} must be strictly decreasing (from noise to clean), "
-                              "e.g. [1000, 757, 522].")
+                              "e.g. [1000, 757, 522].", field="timesteps")
     return ts
 
 
@@ -166,7 +173,7 @@ def check_training_grid(s, scheduler) -> None:
     raise InvalidArgument(
         f"sampler={s.sampler!r} samples on the {TRAIN_TIMESTEPS}-step training grid (timesteps in (0, "
         f"{TRAIN_TIMESTEPS}]), but the checkpoint's {type(scheduler).__name__} has num_train_timesteps={n!r}, so its "
-        "DiT reads timesteps on another scale; use sampler='default' (the checkpoint's scheduler).")
+        "DiT reads timesteps on another scale; use sampler='default' (the checkpoint's scheduler).", field="sampler")
 
 
 def sampler_shift(s, scheduler) -> float:
@@ -182,7 +189,7 @@ def sampler_shift(s, scheduler) -> float:
         if cfg.get(key) is not None:
             return float(cfg[key])
     raise InvalidArgument(f"sampler={s.sampler!r} needs a flow_shift: the checkpoint's {type(scheduler).__name__} "
-                          "has none; pass flow_shift (e.g. 5.0).")
+                          "has none; pass flow_shift (e.g. 5.0).", field="sampler")
 
 
 def fresh_scheduler(scheduler, flow_shift: float | None = None):
@@ -193,7 +200,8 @@ def fresh_scheduler(scheduler, flow_shift: float | None = None):
         key = next((k for k in SHIFT_KEYS if k in scheduler.config), None)
         if key is None:
             raise InvalidArgument(f"flow_shift={flow_shift} cannot be set on the checkpoint's "
-                                  f"{type(scheduler).__name__}, which has no flow shift; use sampler='euler'.")
+                                  f"{type(scheduler).__name__}, which has no flow shift; use sampler='euler'.",
+                                  field="flow_shift")
         kw[key] = flow_shift
     return type(scheduler).from_config(scheduler.config, **kw)
 

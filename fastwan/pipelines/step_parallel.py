@@ -34,7 +34,7 @@ def check_chords_request(r, s, cache, image, video, experts: int) -> tuple[int, 
            "a checkpoint with two experts (Wan2.2 A14B: the cores' steps fall on both)" if experts > 1 else None)
     if why is not None:
         raise InvalidArgument(f"chords_cores={r.chords_cores} (CHORDS) cannot run with {why}: its cores sample "
-                              "at different steps at once; drop one of the two.")
+                              "at different steps at once; drop one of the two.", field="chords_cores")
     return init
 
 

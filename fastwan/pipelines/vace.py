@@ -69,14 +69,14 @@ def _label(value) -> str:
 
 
 def _refuse_elsewhere(checkpoint, mask, reference_images, conditioning_scale) -> None:
-    given = [f"{name}={_label(value)}" for name, value in
-             (("mask", mask), ("reference_images", reference_images), ("conditioning_scale", conditioning_scale))
-             if value is not None]
+    values = {"mask": mask, "reference_images": reference_images, "conditioning_scale": conditioning_scale}
+    given = [name for name, value in values.items() if value is not None]
     if given:
+        listed = ", ".join(f"{name}={_label(values[name])}" for name in given)
         raise InvalidArgument(
-            f"{', '.join(given)} given, but this checkpoint ({checkpoint.variant}) is not a VACE checkpoint; they are "
+            f"{listed} given, but this checkpoint ({checkpoint.variant}) is not a VACE checkpoint; they are "
             "inputs of VACE (model_index.json \"_class_name\": \"WanVACEPipeline\", e.g. "
-            "Wan-AI/Wan2.1-VACE-1.3B-diffusers): use a VACE checkpoint, or leave them out.")
+            "Wan-AI/Wan2.1-VACE-1.3B-diffusers): use a VACE checkpoint, or leave them out.", field=given[0])
 
 
 def check_vace_request(checkpoint, r, multiple: int) -> VaceRequest | None:
@@ -89,13 +89,15 @@ def check_vace_request(checkpoint, r, multiple: int) -> VaceRequest | None:
     cfg = checkpoint.transformer_config
     if r.strength is not None:
         raise InvalidArgument(f"strength={r.strength} is video-to-video's; on a VACE checkpoint video= is the control "
-                              "video and every step runs from noise: leave strength out.")
+                              "video and every step runs from noise: leave strength out.", field="strength")
     if r.image is not None or r.last_image is not None:
         raise InvalidArgument("image= / last_image= are image-to-video inputs; a VACE checkpoint takes reference "
-                              "images instead: pass reference_images=[...] (CLI --reference-image PATH).")
+                              "images instead: pass reference_images=[...] (CLI --reference-image PATH).",
+                              field="image" if r.image is not None else "last_image")
     if r.mask is not None and r.video is None:
         raise InvalidArgument("mask= is given without video=; the mask marks which pixels of the video are "
-                              "generated: pass video= too (or leave the mask out: all of it is generated).")
+                              "generated: pass video= too (or leave the mask out: all of it is generated).",
+                              field="mask")
     scales = control_scales(1.0 if r.conditioning_scale is None else r.conditioning_scale, len(cfg.vace_layers))
     video = None if r.video is None else tuple(read_video(r.video, "video"))
     mask = None if r.mask is None else tuple(read_video(r.mask, "mask"))
@@ -108,7 +110,7 @@ def check_vace_request(checkpoint, r, multiple: int) -> VaceRequest | None:
                                   f"{video[0].size[0]}x{video[0].size[1]} (width x height); give a mask of the "
                                   "video's size.", field="mask")
     refs = r.reference_images or ()
-    refs = tuple(read_image(img, f"reference_images[{i}]") for i, img in enumerate(refs))
+    refs = tuple(read_image(img, f"reference_images[{i}]", "reference_images") for i, img in enumerate(refs))
     if video is not None:
         given = {"num_frames": (r.num_frames, len(video)), "height": (r.height, video[0].size[1]),
                  "width": (r.width, video[0].size[0])}
@@ -116,12 +118,12 @@ def check_vace_request(checkpoint, r, multiple: int) -> VaceRequest | None:
             if value is not None and value != own:
                 raise InvalidArgument(f"{name}={value} differs from the control video's {own}; VACE makes a video "
                                       f"of the control video's frames and size: leave {name} out, or resize / cut "
-                                      "the video.")
+                                      "the video.", field=name)
         if video[0].size[0] % multiple or video[0].size[1] % multiple:
             raise InvalidArgument(f"the control video is {video[0].size[0]}x{video[0].size[1]} (width x height); both "
                                   f"must be multiples of {multiple} (VAE factor x patch): resize it, e.g. to "
                                   f"{video[0].size[0] // multiple * multiple or multiple}x"
-                                  f"{video[0].size[1] // multiple * multiple or multiple}.")
+                                  f"{video[0].size[1] // multiple * multiple or multiple}.", field="video")
     digest = hashlib.sha256(repr(scales).encode())
     for frame in (*(video or ()), b"mask", *(mask or ()), b"refs", *refs):
         digest.update(frame if isinstance(frame, bytes) else repr(frame.size).encode() + frame.tobytes())
@@ -135,7 +137,7 @@ def check_vace_grid(vace: VaceRequest, grid: tuple[int, int, int], patch: tuple[
     if frames > max_grid:
         raise InvalidArgument(f"{len(vace.references)} reference images add {len(vace.references)} latent frames to "
                               f"{grid[0]}: {frames} exceeds this DiT's rope_max_seq_len={max_grid}; give fewer "
-                              "reference images or frames.")
+                              "reference images or frames.", field="reference_images")
 
 
 def check_vace_composes(vace: VaceRequest | None, cache, chords) -> None:
@@ -145,9 +147,10 @@ def check_vace_composes(vace: VaceRequest | None, cache, chords) -> None:
         return
     if cache is not None:
         raise InvalidArgument(f"the step cache {cache.name} does not run with VACE: its cached residual would skip "
-                              "the control hints; pass cache='none' (CLI --cache none).")
+                              "the control hints; pass cache='none' (CLI --cache none).", field="cache")
     if chords is not None:
-        raise InvalidArgument("parallel_sampling='chords' (CLI --chords) does not run with VACE yet; leave it out.")
+        raise InvalidArgument("parallel_sampling='chords' (CLI --chords) does not run with VACE yet; leave it out.",
+                              field="parallel_sampling")
 
 
 def check_vace_generator(checkpoint, budget) -> None:

@@ -53,7 +53,7 @@ def read_video(video: Any, name: str = "video") -> list:
         if isinstance(video, np.ndarray) and (video.dtype != np.uint8 or video.ndim not in (3, 4)):
             raise InvalidArgument(f"{name}: an array must be np.uint8 of shape T x H x W x 3 (or x 4, x 1, or "
                                   f"T x H x W), got {video.dtype} {video.shape}.", field=name)
-        frames = [read_image(frame, f"{name}[{i}]") for i, frame in enumerate(video[:MAX_VIDEO_FRAMES + 1])]
+        frames = [read_image(frame, f"{name}[{i}]", name) for i, frame in enumerate(video[:MAX_VIDEO_FRAMES + 1])]
     else:
         raise InvalidArgumentType(f"{name}={video!r} must be a video file path, a list of images, or an np.uint8 "
                                   "array T x H x W x 3.", field=name)
@@ -105,10 +105,11 @@ def check_strength(value) -> float | None:
         return None
     value = python_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentType(f"strength={value!r} must be a number in (0, 1] (e.g. {DEFAULT_STRENGTH}).")
+        raise InvalidArgumentType(f"strength={value!r} must be a number in (0, 1] (e.g. {DEFAULT_STRENGTH}).",
+                                  field="strength")
     if not 0 < value <= 1:
         raise InvalidArgument(f"strength={value!r} must be in (0, 1]: 1 regenerates from pure noise, smaller keeps "
-                              f"more of the video (e.g. {DEFAULT_STRENGTH}).")
+                              f"more of the video (e.g. {DEFAULT_STRENGTH}).", field="strength")
     return float(value)
 
 
@@ -122,19 +123,20 @@ def check_video_request(checkpoint, video, strength, image, num_frames) -> Video
     if video is None:
         if strength is not None:
             raise InvalidArgument(f"strength={strength} is given without video=; strength says how much of an input "
-                                  "video is regenerated: pass video= too, or leave the strength out.")
+                                  "video is regenerated: pass video= too, or leave the strength out.", field="strength")
         return None
     if checkpoint.needs_image or checkpoint.expand_timesteps:
         raise InvalidArgument(f"video= (video-to-video) needs a text-to-video checkpoint; this one "
                               f"({checkpoint.variant}) conditions on an image or on per-token timesteps. Use a Wan2.1 "
-                              "or Wan2.2 A14B text-to-video checkpoint, or leave the video out.")
+                              "or Wan2.2 A14B text-to-video checkpoint, or leave the video out.", field="video")
     if image is not None:
         raise InvalidArgument("video= and image= are both given; video-to-video starts from the whole video, "
-                              "image-to-video from one frame: give one.")
+                              "image-to-video from one frame: give one.", field="video")
     frames = read_video(video)
     if num_frames is not None and num_frames != len(frames):
         raise InvalidArgument(f"num_frames={num_frames} differs from the video's {len(frames)} frames; "
-                              "video-to-video makes as many frames as it is given: leave num_frames out.")
+                              "video-to-video makes as many frames as it is given: leave num_frames out.",
+                              field="num_frames")
     digest = hashlib.sha256()
     for frame in frames:
         digest.update(repr(frame.size).encode())
@@ -148,12 +150,12 @@ def check_steps(video: VideoRequest, num_inference_steps: int, cache) -> int:
     if cache is not None:
         raise InvalidArgument(f"the step cache {cache.name} does not run with video= yet: a step cache counts the "
                               "whole schedule, video-to-video runs its last steps only; pass cache='none' (CLI "
-                              "--cache none).")
+                              "--cache none).", field="cache")
     run = steps_run(num_inference_steps, video.strength)
     if run < 1:
         raise InvalidArgument(f"strength={video.strength:g} of {num_inference_steps} steps runs no step "
                               f"(int({num_inference_steps} x {video.strength:g}) = 0); raise strength to at least "
-                              f"{1 / num_inference_steps:.3g} or the step count.")
+                              f"{1 / num_inference_steps:.3g} or the step count.", field="strength")
     return run
 
 

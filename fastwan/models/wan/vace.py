@@ -71,7 +71,7 @@ def control_scales(scale, layers: int) -> tuple[float, ...]:
     if not (isinstance(scale, Sequence) and len(scale) == layers):
         given = f"a list of {len(scale)} numbers" if isinstance(scale, Sequence) and len(scale) > 8 else repr(scale)
         raise InvalidArgument(f"conditioning_scale={given} must be a number or a list of {layers} numbers (one per "
-                              "VACE layer of this DiT).")
+                              "VACE layer of this DiT).", field="conditioning_scale")
     return tuple(float(s) for s in scale)
 
 
