@@ -28,15 +28,10 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def from_user_error(exc: UserError, fields: tuple[str, ...] = (), param: str | None = None) -> ApiError:
+def from_user_error(exc: UserError, param: str | None = None) -> ApiError:
     """A fastwan user error raised while checking a request as a 400; ``param``: the field it is about, else the
-    error's own ``field`` (set by the check that raised it), else the first of ``fields`` its message names as
-    ``name=`` (fastwan's messages start with the value they refuse)."""
+    error's own ``field`` (set by the check that raised it; None, as OpenAI's API answers, when no one field is
+    at fault). The message is never read for a field name."""
     message = re.sub(CLI_REMARK, "", one_line(exc))
-    if param is None:
-        param = getattr(exc, "field", None)
-    if param is None:
-        named = re.match(r"\W*(\w+)=", message)
-        param = named.group(1) if named and named.group(1) in fields else None
     code = "invalid_type" if isinstance(exc, InvalidArgumentType) else "invalid_value"
-    return ApiError(400, message, code=code, param=param)
+    return ApiError(400, message, code=code, param=exc.field if param is None else param)

@@ -292,7 +292,7 @@ def accept(body: dict, image, gen, model: str, output: Path, last_image=None, lo
         request = build(fields, output, image, last_image, references)
         resolved = gen.resolve(request)
     except UserError as exc:
-        error = from_user_error(exc, tuple(REQUEST_FIELDS))
+        error = from_user_error(exc)
         if error.param == "image":  # the upload's field
             error.param = "input_reference"
         if error.param in ("width", "height") and "size" in body:  # the field the client sent
