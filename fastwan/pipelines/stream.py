@@ -96,7 +96,7 @@ def chunk_plan(num_frames: int | None, recipe: CausalRecipe, temporal: int) -> i
         return None
     f = recipe.frames_per_chunk
     if isinstance(num_frames, bool) or not isinstance(num_frames, int):
-        raise InvalidArgumentType(f"num_frames={num_frames!r} must be an int or None (endless).")
+        raise InvalidArgumentType(f"num_frames={num_frames!r} must be an int or None (endless).", field="num_frames")
     latent, rest = divmod(num_frames - 1, temporal)
     if num_frames < 1 or rest or (latent + 1) % f:
         step = temporal * f  # video frames per chunk after the first chunk's
@@ -105,7 +105,7 @@ def chunk_plan(num_frames: int | None, recipe: CausalRecipe, temporal: int) -> i
         raise InvalidArgument(
             f"num_frames={num_frames}: a causal stream makes {f} latent frames per chunk, so num_frames must be "
             f"{step} x chunks - {temporal - 1} ({step - temporal + 1}, {2 * step - temporal + 1}, ...); use "
-            f"{' or '.join(map(str, options))}, or None to stream without end.")
+            f"{' or '.join(map(str, options))}, or None to stream without end.", field="num_frames")
     return (latent + 1) // f
 
 
@@ -342,10 +342,10 @@ def check_causal_request(request, recipe: CausalRecipe, temporal: int) -> None:
             raise InvalidArgument(
                 f"{name}={value!r} does not apply to a causal checkpoint: it makes text-to-video chunk by chunk with "
                 f"its own recipe ({len(recipe.timesteps)} steps per chunk of {recipe.frames_per_chunk} latent "
-                "frames, no guidance); leave it unset.")
+                "frames, no guidance); leave it unset.", field=name)
     if request.cache not in (None, "none"):
         raise InvalidArgument(f"cache={request.cache!r} does not apply to a causal checkpoint's few steps per chunk; "
-                              "leave it unset.")
+                              "leave it unset.", field="cache")
     if request.num_frames is not None:
         chunk_plan(request.num_frames, recipe, temporal)
 

@@ -80,3 +80,21 @@ def test_animate_rules_name_their_field(animate_server):
     for fields, param, words in cases:
         answer = refused(lambda: create_animate(client, fields, **videos))  # noqa: B023 -- called at once
         assert answer["status"] == 400 and answer["param"] == param and words in answer["message"], answer
+
+
+# the tiny causal checkpoint: 3 latent frames per chunk (9, then 12 video frames a chunk), its own steps, no guidance
+CAUSAL_RULES = [
+    ({"guidance_scale": 3.0}, "guidance_scale", "does not apply to a causal checkpoint"),
+    ({"num_inference_steps": 4}, "num_inference_steps", "does not apply to a causal checkpoint"),
+    ({"cache": {"type": "skip_steps", "steps": [1]}}, "cache", "does not apply to a causal checkpoint"),
+    ({"num_frames": 13}, "num_frames", "latent frames per chunk"),
+]
+
+
+@pytest.mark.parametrize("body, param, words", CAUSAL_RULES)
+def test_a_causal_checkpoints_rules_name_their_field(causal_server, body, param, words):
+    fields_pass_their_own_rules(body)
+    status, answer = call("POST", f"{causal_server.url}/v1/videos", {"prompt": "a cat", "size": "32x32", **body})
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param and words in error["message"], error
