@@ -6,7 +6,7 @@ The tiny decoder against the full VAE's (issue #43: TAEHV at 480p 81 frames), ea
 16-channel latents (taew2_1), then Wan2.2 TI2V's 48-channel ones (taew2_2):
 
     FULL=bf16+channels-last+fused-norms+fast-convs+chunkauto
-    V=$FULL,bf16+tiny,bf16+tiny+cudnn-bench,bf16+tiny+channels-last,bf16+tiny+chunk21
+    V=$FULL,bf16+tiny,bf16+tiny+nchw,bf16+tiny+frames,bf16+tiny+nchw+frames,bf16+tiny+chunk21
     python -m benchmarks.vae_bench --ckpt random --sizes 480x832 --variants $V --out vae_tiny_wan21.json
     python -m benchmarks.vae_bench --ckpt random-wan2.2 --sizes 480x832 --variants $V --out vae_tiny_wan22.json
 
@@ -33,8 +33,11 @@ f = 8) with each variant:
                              VAE's, from a random weight file in the published layout (taew2_1 for 16 latent
                              channels, taew2_2 for 48) that the run writes under ``--taehv-dir``
                              (``benchmarks.checkpoints.write_taehv``) and reads as ``vae="tiny"`` does; it takes
-                             ``+cudnn-bench``, ``+channels-last`` (its conv2d weights), ``+tf32`` / ``+ieee`` and
-                             ``+chunkN`` (default: ``auto``, as the generator decodes), not the full VAE's module swaps;
+                             ``+cudnn-bench``, ``+channels-last`` / ``+nchw`` (its activations and weights in
+                             channels-last memory or not; default: as the generator loads it, channels-last on CUDA),
+                             ``+frames`` (the generator's whole decode: uint8 frames in host memory), ``+tf32`` /
+                             ``+ieee`` and ``+chunkN`` (default: ``auto``, as the generator decodes), not the full
+                             VAE's module swaps;
 * any of them ``+chunkN``    decoded by ``fastwan.vae.decode.decode_latents`` with N latent frames per
                              decoder call after the first (``+chunkauto``: its size rule), instead of one.
 
@@ -73,7 +76,9 @@ from fastwan.vae.tiny_weights import VARIANTS as TAEHV_FILES
 VARIANTS = ("fp32", "bf16", "bf16+cudnn-bench", "bf16+channels-last", "bf16+channels-last+fused-norms",
             "bf16+channels-last+fused-norms+fast-convs", "bf16+channels-last+fused-norms+fast-convs+cudnn-bench",
             "bf16+tiling", "bf16+tiny")
-PARTS = ("cudnn-bench", "channels-last", "fused-norms", "fast-convs", "tiling", "tf32", "ieee", "tiny")
+PARTS = ("cudnn-bench", "channels-last", "fused-norms", "fast-convs", "tiling", "tf32", "ieee", "tiny", "nchw",
+         "frames")
+TINY_ONLY = ("nchw", "frames")  # the tiny decoder's memory format and its whole decode to host frames
 NOT_TINY = ("fused-norms", "fast-convs", "tiling")  # the full VAE's module swaps and tiling
 TAEHV_CHANNELS = tuple(TAEHV_FILES)  # the latent channels of TAEHV's Wan decoders
 # the Wan2.2-TI2V-5B VAE's config (its published vae/config.json), for --ckpt random-wan2.2
@@ -109,15 +114,16 @@ def latent_params(ckpt: str) -> tuple[int, int]:
     return cfg.get("z_dim", 16), cfg.get("scale_factor_spatial") or 8
 
 
-def load_tiny(ckpt: str, folder: Path, dtype, device: torch.device):
+def load_tiny(ckpt: str, folder: Path, dtype, device: torch.device, channels_last: bool | None = None):
     """TAEHV's tiny decoder for the latents of ``ckpt``'s VAE, read as ``vae="tiny"`` reads it from a random file in
-    the published layout (written in ``folder`` when missing: ``taew2_1.safetensors`` or ``taew2_2.safetensors``)."""
+    the published layout (written in ``folder`` when missing: ``taew2_1.safetensors`` or ``taew2_2.safetensors``);
+    ``channels_last``: None as the generator loads it."""
     from fastwan.vae.tiny_weights import read_tiny
 
     cfg = vae_config(ckpt)
     channels = cfg.get("z_dim") or 16
     path = write_taehv(Path(folder) / f"{TAEHV_FILES[channels][0]}.safetensors", channels)
-    return read_tiny(path, cfg, model=ckpt).load(dtype, device)
+    return read_tiny(path, cfg, model=ckpt).load(dtype, device, channels_last)
 
 
 def kernel_group(name: str) -> str:
@@ -152,15 +158,16 @@ def profile_decode(run, label: str, top: int) -> dict:
             "top": [(k[:110], round(ms, 2), int(n)) for k, (ms, n) in rows]}
 
 
-def decode_fn(vae, z, chunk=None):
+def decode_fn(vae, z, chunk=None, frames=False):
     """One decode: diffusers' ``vae.decode`` (frame by frame), or fastwan's ``decode_latents`` with ``chunk``; a tiny
-    decoder's ``decode`` with ``chunk`` (None: "auto")."""
+    decoder's ``decode`` with ``chunk`` (None: "auto"), or with ``frames`` its ``frames`` (uint8 frames on the
+    host, as the generator's decode returns them)."""
     from fastwan.vae.decode import decode_latents
     from fastwan.vae.tiny import TinyDecoder
 
     def run():
         if isinstance(vae, TinyDecoder):
-            return vae.decode(z, "auto" if chunk is None else chunk)
+            return (vae.frames if frames else vae.decode)(z, "auto" if chunk is None else chunk)
         if chunk is None:
             return vae.decode(z, return_dict=False)[0]
         return decode_latents(vae, z, chunk)
@@ -186,6 +193,11 @@ def check_variant(variant: str) -> None:
     if dtype not in ("fp32", "bf16") or unknown:
         raise ValueError(f"VAE variant {variant!r}: fp32 or bf16, then +parts from {', '.join(PARTS)}, +chunkN, "
                          "+chunkauto")
+    if "tiny" not in parts and any(x in TINY_ONLY for x in parts):
+        raise ValueError(f"VAE variant {variant!r}: +{' +'.join(x for x in parts if x in TINY_ONLY)} applies to the "
+                         "tiny decoder only; add +tiny, or leave it out")
+    if "nchw" in parts and "channels-last" in parts:
+        raise ValueError(f"VAE variant {variant!r}: +nchw and +channels-last contradict each other; keep one")
     swaps = [x for x in parts if x in NOT_TINY]
     if "tiny" in parts and swaps:
         raise ValueError(f"VAE variant {variant!r}: +{swaps[0]} changes the full VAE, not the tiny decoder; leave it "
@@ -253,13 +265,10 @@ def main(argv=None) -> int:
 
                 set_fp32_precision(device, mode)
             tiny = "tiny" in parts
-            vae = load_tiny(a.ckpt, a.taehv_dir, dtype, device) if tiny else load_vae(a.ckpt, dtype, device)
+            layout = True if "channels-last" in parts else False if "nchw" in parts else None
+            vae = load_tiny(a.ckpt, a.taehv_dir, dtype, device, layout) if tiny else load_vae(a.ckpt, dtype, device)
             z = z32.to(dtype)
-            if "channels-last" in parts and tiny:
-                for mod in vae.modules():  # its conv2d weights; it lays out the latents itself
-                    if isinstance(mod, torch.nn.Conv2d):
-                        mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last)
-            elif "channels-last" in parts:
+            if "channels-last" in parts and not tiny:
                 for mod in vae.modules():  # the 5-D conv weights (to() would also touch 1-D/2-D tensors)
                     if isinstance(mod, torch.nn.Conv3d):
                         mod.weight.data = mod.weight.data.contiguous(memory_format=torch.channels_last_3d)
@@ -274,7 +283,7 @@ def main(argv=None) -> int:
                 print(f"{variant}: fast_decoder_convs swapped {vae_convs.fast_decoder_convs(vae)} modules", flush=True)
             if "tiling" in parts:
                 vae.enable_tiling()
-            run = decode_fn(vae, z, chunk_of(variant))
+            run = decode_fn(vae, z, chunk_of(variant), "frames" in parts)
             sync(device)
             base = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
             reset_peak(device)

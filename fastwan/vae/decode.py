@@ -23,6 +23,7 @@ stream's consumer takes them chunk by chunk).
 """
 from __future__ import annotations
 
+import mmap
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
@@ -144,8 +145,21 @@ def decode_pixels(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: b
 
 def uint8_frames(video: torch.Tensor) -> np.ndarray:
     """A decoded video [1, 3, T, H, W] in [-1, 1] -> uint8 frames [T, H, W, 3] (diffusers' postprocess, x 255
-    rounded)."""
-    return uint8_tensor(video).cpu().numpy()
+    rounded), in host memory (:func:`host_frames`)."""
+    return host_frames(uint8_tensor(video))
+
+
+def host_frames(frames: torch.Tensor) -> np.ndarray:
+    """uint8 frames [T, H, W, 3] -> a C-contiguous numpy array in host memory. From a GPU the work that makes them
+    is queued first: the host touches the new array's pages (its page faults) while the GPU runs, and the copy then
+    only moves bytes (a fresh array's faults during the copy cost more than the copy itself)."""
+    if frames.device.type == "cpu":
+        return np.ascontiguousarray(frames.numpy())
+    frames = frames.contiguous()
+    out = np.empty(frames.shape, np.uint8)
+    out.reshape(-1)[::mmap.PAGESIZE] = 0
+    torch.from_numpy(out).copy_(frames)
+    return out
 
 
 def iter_decode_frames(vae, latents: torch.Tensor, chunk: int | str = "auto", bars: bool = True):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastwan.vae.decode import auto_chunk_frames, check_chunk
+from fastwan.vae.decode import auto_chunk_frames, check_chunk, host_frames
 
 WIDTHS = (256, 128, 64, 64)  # stage widths; the last is the width before the output conv
 TIME_GROWTH = (1, 2, 2)  # frames per frame made by each stage's time-growth conv
@@ -73,7 +73,16 @@ class TimeGrowth(nn.Module):
         self.conv = nn.Conv2d(width, width * frames, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x).reshape(-1, x.shape[1], *x.shape[2:])  # frame-major: [N*T*frames, width, H, W]
+        """[N, width, H, W] -> [N * frames, width, H, W], frame-major, in x's memory format."""
+        y = self.conv(x)
+        if self.frames == 1:
+            return y
+        n, _, h, w = y.shape
+        if y.is_contiguous():  # frame j's channels are one block: a view
+            return y.reshape(n * self.frames, -1, h, w)
+        # channels-last, [N, H, W, frames, width] in memory: one copy to [N, frames, H, W, width]
+        y = y.permute(0, 2, 3, 1).reshape(n, h, w, self.frames, -1).permute(0, 3, 1, 2, 4)
+        return y.reshape(n * self.frames, h, w, -1).permute(0, 3, 1, 2)
 
 
 def _conv3(n_in: int, n_out: int, bias: bool = True) -> nn.Conv2d:
@@ -94,36 +103,37 @@ class TinyDecoder(nn.Module):
     """The TAEHV decoder for ``latent_channels`` (16: taew2_1, patch 1; 48: taew2_2, patch 2). ``digest``: the
     sha256 of the weight file it was loaded from (part of a video's identity), or None."""
 
-    def __init__(self, latent_channels: int, patch: int, digest: str | None = None):
+    def __init__(self, latent_channels: int, patch: int, digest: str | None = None, channels_last: bool = False):
         super().__init__()
         self.latent_channels, self.patch, self.digest = latent_channels, patch, digest
+        self.channels_last = channels_last  # activations in channels-last memory (cuDNN's layout: no conversions)
         self.decoder = nn.Sequential(*_layers(latent_channels, patch))
 
     @classmethod
     def from_state(cls, state: Mapping[str, torch.Tensor], patch: int, *, dtype: torch.dtype,
-                   device: torch.device | str, digest: str | None = None) -> TinyDecoder:
-        """A decoder holding ``state`` (checked ``decoder.`` weights: :func:`fastwan.vae.tiny_weights.read_tiny`)."""
-        out = cls(state["decoder.1.weight"].shape[1], patch, digest)
+                   device: torch.device | str, digest: str | None = None,
+                   channels_last: bool | None = None) -> TinyDecoder:
+        """A decoder holding ``state`` (checked ``decoder.`` weights: :func:`fastwan.vae.tiny_weights.read_tiny`);
+        ``channels_last`` (None: on CUDA) runs it in channels-last memory, weights and activations."""
+        if channels_last is None:
+            channels_last = torch.device(device).type == "cuda"
+        out = cls(state["decoder.1.weight"].shape[1], patch, digest, channels_last)
         out.load_state_dict({k: v for k, v in state.items() if k.startswith("decoder.")}, strict=True)
-        return out.to(device=device, dtype=dtype).eval()
+        out = out.to(device=device, dtype=dtype).eval()
+        return out.to(memory_format=torch.channels_last) if channels_last else out
 
     @property
     def dtype(self) -> torch.dtype:
         return self.decoder[1].weight.dtype
 
     def _pass(self, x: torch.Tensor, batch: int, carry: dict[int, torch.Tensor]) -> torch.Tensor:
-        """One pass over ``x`` [batch * T, C, h, w] (batch-major) -> [batch * 4T, 3 p^2, 8h, 8w]; ``carry``: memory
-        block index -> its input's last frame of the previous pass [batch, 1, w, H, W], updated."""
+        """One pass over ``x`` [batch * T, C, h, w] (batch-major) -> [batch * 4T, 3 p^2, 8h, 8w] (channels-last
+        memory under :attr:`channels_last`); ``carry``: memory block index -> its input's last frames of the previous
+        pass [batch, w, H, W], updated."""
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         for i, layer in enumerate(self.decoder):
-            if isinstance(layer, MemoryBlock):
-                frames = x.view(batch, -1, *x.shape[1:])
-                first = carry.get(i)
-                first = torch.zeros_like(frames[:, :1]) if first is None else first
-                past = torch.cat([first, frames[:, :-1]], 1).view_as(x)
-                carry[i] = frames[:, -1:].clone()  # not a view: the pass's input is freed
-                x = layer(x, past)
-            else:
-                x = layer(x)
+            x = layer(x, _past(x, batch, carry, i)) if isinstance(layer, MemoryBlock) else layer(x)
         return x
 
     @torch.no_grad()
@@ -150,9 +160,12 @@ class TinyDecoder(nn.Module):
         for start in range(0, num_frames, chunk):
             part = x[:, start:start + chunk]
             y = self._pass(part.reshape(-1, channels, h, w), batch, carry)
-            y = F.pixel_shuffle(y, self.patch) if self.patch > 1 else y
-            outs.append(y.view(batch, -1, *y.shape[1:]))
-        video = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+            outs.append(F.pixel_shuffle(y, self.patch) if self.patch > 1 else y)
+        if batch == 1:  # the passes in a row, each frame's memory format kept (channels-last: [T, H, W, 3] frames)
+            y = outs[0] if len(outs) == 1 else torch.cat(outs)
+            video = y.view(1, *y.shape)
+        else:
+            video = torch.cat([y.view(batch, -1, *y.shape[1:]) for y in outs], 1)
         return video.clamp(0, 1).permute(0, 2, 1, 3, 4)
 
     def frames(self, latents: torch.Tensor, chunk: int | str = "auto") -> np.ndarray:
@@ -160,9 +173,22 @@ class TinyDecoder(nn.Module):
         return uint8_frames(self.decode(latents, chunk))
 
 
+def _past(x: torch.Tensor, batch: int, carry: dict[int, torch.Tensor], i: int) -> torch.Tensor:
+    """What memory block ``i`` reads beside ``x`` [batch * T, w, H, W] (batch-major): each frame's previous frame,
+    the carried last frame of the previous pass (zeros at a video's start) for a pass's first, in x's memory format;
+    ``carry[i]`` becomes this pass's last frames [batch, w, H, W] (a copy: the pass's input is freed)."""
+    samples = x.split(x.shape[0] // batch)
+    first = carry.get(i)
+    first = torch.zeros_like(x[:batch]) if first is None else first
+    parts = [p for b, s in enumerate(samples) for p in (first[b:b + 1], s[:-1]) if len(p)]
+    carry[i] = torch.cat([s[-1:] for s in samples])
+    return torch.cat(parts)
+
+
 def uint8_frames(video: torch.Tensor) -> np.ndarray:
-    """[1, 3, T, H, W] in [0, 1] -> uint8 [T, H, W, 3] (x 255 rounded)."""
-    return uint8_tensor(video).cpu().numpy()
+    """[1, 3, T, H, W] in [0, 1] -> uint8 [T, H, W, 3] (x 255 rounded), in host memory
+    (:func:`fastwan.vae.decode.host_frames`)."""
+    return host_frames(uint8_tensor(video))
 
 
 def uint8_tensor(video: torch.Tensor) -> torch.Tensor:

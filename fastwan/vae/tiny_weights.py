@@ -160,9 +160,10 @@ class TinyWeights:
     patch: int
     digest: str
 
-    def load(self, dtype: torch.dtype, device) -> TinyDecoder:
-        """The decoder holding these weights, on ``device`` in ``dtype``."""
-        return TinyDecoder.from_state(self.state, self.patch, dtype=dtype, device=device, digest=self.digest)
+    def load(self, dtype: torch.dtype, device, channels_last: bool | None = None) -> TinyDecoder:
+        """The decoder holding these weights, on ``device`` in ``dtype`` (``channels_last``: None, on CUDA)."""
+        return TinyDecoder.from_state(self.state, self.patch, dtype=dtype, device=device, digest=self.digest,
+                                      channels_last=channels_last)
 
 
 def read_tiny_for(vae_path, vae_folder: Path, allow_pickle: bool = False, model: str = "the model") -> TinyWeights:

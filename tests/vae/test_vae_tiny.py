@@ -26,15 +26,16 @@ def files(tmp_path_factory):
     return out
 
 
-def decoder(files, name, dtype=torch.float64):
-    return read_tiny(files[name][1], VAE_CONFIGS[name]).load(dtype, "cpu")
+def decoder(files, name, dtype=torch.float64, channels_last=False):
+    return read_tiny(files[name][1], VAE_CONFIGS[name]).load(dtype, "cpu", channels_last)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("name", list(CHANNELS_PATCH))
-def test_decode_equals_the_float64_reference(files, name):
+def test_decode_equals_the_float64_reference(files, name, channels_last):
     state, _ = files[name]
     channels, patch = CHANNELS_PATCH[name]
-    dec = decoder(files, name)
+    dec = decoder(files, name, channels_last=channels_last)
     g = torch.Generator().manual_seed(1)
     for batch, frames, h, w, chunks in [(1, 1, 3, 2, ("auto",)), (2, 3, 2, 3, (1, 2, "auto"))]:
         z = torch.randn(batch, channels, frames, h, w, generator=g, dtype=torch.float64)
@@ -84,3 +85,29 @@ def test_frame_count_and_size_equal_the_full_vae(tiny_ckpts, files, variant, nam
             want = full.decode(z).sample.shape
         assert want[2] == 1 + 4 * (frames - 1)
         assert dec.decode(z).shape == want, frames
+
+
+def test_channels_last_decodes_in_the_frames_host_layout(files):
+    """Channels-last (the CUDA default) keeps each frame [H, W, 3] in memory to the end: the uint8 frames of a
+    video are [T, H, W, 3] with no copy, and equal the default layout's."""
+    from fastwan.vae.tiny import uint8_tensor
+
+    z = torch.randn(1, 16, 3, 4, 5, generator=torch.Generator().manual_seed(4))
+    plain, last = (decoder(files, "taew2_1", torch.float32, cl) for cl in (False, True))
+    assert last.decoder[1].weight.is_contiguous(memory_format=torch.channels_last)
+    for chunk in (1, 2, "auto"):
+        video = last.decode(z, chunk)
+        assert uint8_tensor(video).is_contiguous(), chunk
+        torch.testing.assert_close(video, plain.decode(z, chunk), rtol=0, atol=1e-4)  # fp32 summation order
+    frames = last.frames(z)
+    assert frames.flags.c_contiguous and abs(frames.astype(int) - plain.frames(z).astype(int)).max() <= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device path needs a GPU")
+def test_on_cuda_host_frames_equal_the_device_frames():
+    from fastwan.vae.decode import host_frames
+
+    frames = torch.randint(0, 256, (5, 33, 17, 3), dtype=torch.uint8, device="cuda")
+    for view in (frames, frames.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)):
+        out = host_frames(view)
+        assert out.flags.c_contiguous and (out == frames.cpu().numpy()).all()
