@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 # script, or "script[case]" for another run of one script -> (arguments beyond --smoke, with {ckpt}: a tiny
-# text-to-video checkpoint and {dir}: the test's folder; the results file it writes; a line of the table it prints)
+# text-to-video checkpoint and {dir}: the test's folder; the results file it writes, None for a probe that
+# only prints; a line of the table it prints)
 SMOKE = {
     "cache_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/cache.json"], "cache.json", "| residual-half |"),
     "distilled": (["--ckpt13", "{ckpt}", "--ckpt14", "{ckpt}", "--fastwan13", "{dir}/fastwan", "--fastwan14",
@@ -44,6 +45,7 @@ SMOKE = {
                            "--out", "{dir}/vae_wan22.json"], "vae_wan22.json", "bf16+tiny+nchw+frames"),
     "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
     "ring_bench": (["--out", "{dir}/ring.json"], "ring.json", "| tiny-ring4 | ring | "),
+    "probes/tiny_decode": ([], None, "| TinyDecoder.frames (the generator's decode) |"),
     "stream_bench": (["--plain", "{dir}/stream-plain", "--ckpt", "{dir}/stream-causal", "--out", "{dir}/stream.json"],
                      "stream.json", "| eager+window | 32x32 |"),
 }
@@ -85,9 +87,11 @@ def folder(tmp_path_factory):
 def test_smoke(name, folder, capsys):
     args, results, line = SMOKE[name]
     argv = [a.format(ckpt=folder / "wan2.1", dir=folder) for a in args]
-    module = importlib.import_module(f"benchmarks.{name.partition('[')[0]}")
+    module = importlib.import_module(f"benchmarks.{name.partition('[')[0].replace('/', '.')}")
     assert module.main(["--smoke", *argv]) == 0
     assert line in capsys.readouterr().out
+    if results is None:  # a probe: its table only
+        return
     text = (folder / results).read_text()
     data = [json.loads(x) for x in text.splitlines()] if results.endswith(".jsonl") else json.loads(text)
     assert data
@@ -175,7 +179,7 @@ def test_every_script_results_cites_runs_here():
 def test_every_script_beside_results_runs_here():
     """A script in benchmarks/ runs here (or is a helper of those that do); one-off probes go to probes/."""
     scripts = {p.stem for p in [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("*.sh")]} - set(HELPERS)
-    assert scripts == set(SCRIPTS)
+    assert scripts == {name for name in SCRIPTS if not name.startswith("probes/")}
 
 
 def test_history_cites_scripts_that_exist():
