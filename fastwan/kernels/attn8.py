@@ -3,24 +3,28 @@ recipe, fastwan's own kernel).
 
 The quantization rule (:func:`quantize`, plain PyTorch, shared by both routes):
 
-* K is smoothed: ``k - mean_s(k)`` per (sample, head, channel), the mean over the key tokens. Every score of one
-  query row moves by the same amount (``q · mean``), so the softmax is unchanged, and a large per-channel offset
-  of K no longer sets its quantization step;
-* Q per block of ``BLOCK_M`` = 128 query rows and K per block of ``BLOCK_N`` = 64 key rows (per sample and head,
-  over all channels) become INT8: ``scale = max(amax(|x|), 1e-30) / 127``, ``x8 = round_half_even(x / scale)``;
-  the softmax scale (and log2(e): the scores are in log2 units) is folded into Q's block scales;
+* K is smoothed: ``k - mean_s(k)`` per (sample, head, channel), the mean over the key tokens (summed in float64,
+  divided by the token count, rounded to fp32). Every score of one query row moves by the same amount
+  (``q · mean``), so the softmax is unchanged, and a large per-channel offset of K no longer sets its step;
+* Q per block of ``block_m`` (default ``BLOCK_M`` = 128) query rows and K per block of ``block_n`` (default
+  ``BLOCK_N`` = 64) key rows (per sample and head, over all channels) become INT8: ``scale = max(amax(|x|),
+  1e-30) / 127``, ``x8 = round_half_even(x / scale)``, both divisions correctly rounded; the softmax scale (and
+  log2(e): the scores are in log2 units) is folded into Q's block scales;
 * V per (sample, head, channel) over the key tokens becomes e4m3: ``scale = max(amax(|v|), 1e-30) / 448``,
   ``v8 = e4m3(v / scale)`` rounded to nearest, ties to even.
 
+:mod:`fastwan.kernels.attn8_quant_triton` computes the same values (bit for bit) in three Triton passes.
+
 The attention (:func:`attention_reference` in PyTorch, the Triton kernel in :mod:`fastwan.kernels.attn8_triton`):
-an online softmax over key blocks of ``BLOCK_N`` rows; block j's scores ``s = (q8 · k8^T) * (qs * ks)`` (exact
+an online softmax over key blocks of ``block_n`` rows; block j's scores ``s = (q8 · k8^T) * (qs * ks)`` (exact
 integers times one fp32 factor), ``m = max(m, rowmax(s))``, ``p = exp2(s - m)`` in [0, 1]; the row sum ``l`` adds
 the fp32 ``p``; P·V takes ``e4m3(448 * p)`` (a fixed scale: p <= 1) times ``v8`` with fp32 accumulation;
 finally ``out = acc / l * (vs / 448)``. Keys past the sequence end score -inf.
 
 ``fastwan::attn8(q, k, v, scale, smooth_k)``: q [B, Sq, H, D], k/v [B, Skv, H, D] (D in ``HEAD_DIMS``) ->
-[B, Sq, H, D] in q's dtype; the Triton kernel where :func:`fastwan.kernels.triton_runs` allows (CUDA, fp16 /
-bf16), else :func:`attention_reference`.
+[B, Sq, H, D] in q's dtype; the Triton route (fused quantization, then the kernel, with the configuration of
+:func:`fastwan.kernels.attn8_configs.config_for`) where :func:`fastwan.kernels.triton_runs` allows (CUDA, fp16 /
+bf16), else :func:`quantize` and :func:`attention_reference` at that configuration's blocks.
 """
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from fastwan.kernels import HALF, triton_runs
+from fastwan.kernels.attn8_configs import DEFAULT, Attn8Config, check_config, config_for
 
-BLOCK_M = 128  # query rows per INT8 scale (and per kernel program)
-BLOCK_N = 64  # key rows per INT8 scale (and per kernel step)
+BLOCK_M = DEFAULT.block_m  # query rows per INT8 scale (and per kernel program) unless a configuration says
+BLOCK_N = DEFAULT.block_n  # key rows per INT8 scale (and per kernel step) unless a configuration says
 HEAD_DIMS = (64, 128)  # the kernel's head dims (tl.arange needs a power of two)
 INT8_MAX = 127.0
 E4M3 = torch.float8_e4m3fn
@@ -46,16 +51,19 @@ TINY = 1e-30  # an all-zero block's amax, so that its scale divides
 class Quantized(NamedTuple):
     """The 8-bit inputs of one attention call (:func:`quantize`).
 
-    q8 int8 [B, Sq, H, D]; qs fp32 [B, ceil(Sq / BLOCK_M), H]: Q's block scales times softmax scale times log2(e);
-    k8 int8 [B, Skv, H, D] (smoothed K); ks fp32 [B, ceil(Skv / BLOCK_N), H]; v8 e4m3 [B, Skv, H, D], its
-    memory laid out token-fastest ([B, H, D, Skv]: the layout FP8 tensor cores read P·V's right operand in);
-    vs fp32 [B, H, D]: V's channel scales divided by ``P_SCALE``."""
+    q8 int8 [B, Sq, H, D]; qs fp32 [B, ceil(Sq / block_m), H]: Q's block scales times softmax scale times
+    log2(e); k8 int8 [B, Skv, H, D] (smoothed K); ks fp32 [B, ceil(Skv / block_n), H]; v8 e4m3 [B, Skv, H, D],
+    its memory laid out token-fastest ([B, H, D, Skv]: the layout FP8 tensor cores read P·V's right operand in);
+    vs fp32 [B, H, D]: V's channel scales divided by ``P_SCALE``; ``block_m`` / ``block_n`` the rows per scale.
+    The fused quantizer's q8 / k8 / v8 are views of head-major buffers padded with zeros to whole blocks."""
     q8: torch.Tensor
     qs: torch.Tensor
     k8: torch.Tensor
     ks: torch.Tensor
     v8: torch.Tensor
     vs: torch.Tensor
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
 
 
 def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,23 +71,42 @@ def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     B, S, H, D = x.shape
     nb = -(-S // block)
     amax = F.pad(x, (0, 0, 0, 0, 0, nb * block - S)).view(B, nb, block, H, D).abs().amax(dim=(2, 4))
-    scale = amax.clamp_min(TINY) / INT8_MAX
+    scale = exact_div(amax.clamp_min(TINY), INT8_MAX)
     full = scale.repeat_interleave(block, dim=1)[:, :S, :, None]
     return torch.round(x / full).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool = True) -> Quantized:
-    """The rule in the module docstring; q [B, Sq, H, D], k/v [B, Skv, H, D], ``scale`` the softmax scale."""
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded (CUDA's division by a Python scalar multiplies by its reciprocal)."""
+    return x / torch.full_like(x, divisor)
+
+
+def smooth_mean(ksum: torch.Tensor, tokens: int) -> torch.Tensor:
+    """K's token mean fp32 [B, H, D] from its float64 token sum [B, H, D] (the quantizer's and the reference's)."""
+    return (ksum / tokens).float()
+
+
+def v_scales(vmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V's channel amax fp32 [B, H, D] -> (its e4m3 scale, that scale divided by ``P_SCALE``: ``Quantized.vs``)."""
+    vscale = exact_div(vmax.clamp_min(TINY), E4M3_MAX)
+    return vscale, exact_div(vscale, P_SCALE)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool = True,
+             block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> Quantized:
+    """The rule in the module docstring; q [B, Sq, H, D], k/v [B, Skv, H, D], ``scale`` the softmax scale, Q's and
+    K's blocks of ``block_m`` / ``block_n`` rows."""
     kf = k.float()
     if smooth_k:
-        kf = kf - kf.mean(dim=1, keepdim=True)
-    q8, qs = _int8_blocks(q.float(), BLOCK_M)
-    k8, ks = _int8_blocks(kf, BLOCK_N)
+        mean = smooth_mean(kf.sum(dim=1, dtype=torch.float64), k.shape[1])
+        kf = kf - mean[:, None]
+    q8, qs = _int8_blocks(q.float(), block_m)
+    k8, ks = _int8_blocks(kf, block_n)
     vf = v.float()
-    vscale = vf.abs().amax(dim=1).clamp_min(TINY) / E4M3_MAX  # [B, H, D]
+    vscale, vs = v_scales(vf.abs().amax(dim=1))  # [B, H, D]
     v8 = (vf / vscale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # token-fastest memory, same shape
-    return Quantized(q8, qs * (scale * math.log2(math.e)), k8, ks, v8, vscale / P_SCALE)
+    return Quantized(q8, qs * (scale * math.log2(math.e)), k8, ks, v8, vs, block_m, block_n)
 
 
 def attention_reference(t: Quantized) -> torch.Tensor:
@@ -88,12 +115,12 @@ def attention_reference(t: Quantized) -> torch.Tensor:
     B, Sq, H, D = t.q8.shape
     Skv = t.k8.shape[1]
     q = t.q8.float().permute(0, 2, 1, 3)  # [B, H, Sq, D]
-    qs = t.qs.repeat_interleave(BLOCK_M, dim=1)[:, :Sq].permute(0, 2, 1)[..., None]  # [B, H, Sq, 1]
+    qs = t.qs.repeat_interleave(t.block_m, dim=1)[:, :Sq].permute(0, 2, 1)[..., None]  # [B, H, Sq, 1]
     m = torch.full((B, H, Sq, 1), -math.inf, device=q.device)
     l_sum = torch.zeros(B, H, Sq, 1, device=q.device)
     acc = torch.zeros(B, H, Sq, D, device=q.device)
-    for j, start in enumerate(range(0, Skv, BLOCK_N)):
-        stop = min(start + BLOCK_N, Skv)
+    for j, start in enumerate(range(0, Skv, t.block_n)):
+        stop = min(start + t.block_n, Skv)
         k = t.k8[:, start:stop].float().permute(0, 2, 3, 1)  # [B, H, D, n]
         v = t.v8[:, start:stop].float().permute(0, 2, 1, 3)  # [B, H, n, D]
         s = (q @ k) * (qs * t.ks[:, j, :, None, None])  # integer products: exact in fp32 (|sum| < 2^24)
@@ -129,18 +156,60 @@ def _kernels():
     return attn8_triton
 
 
+@functools.cache
+def _quantizer():
+    from fastwan.kernels import attn8_quant_triton  # imports Triton
+
+    return attn8_quant_triton
+
+
+def capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (the configuration table's key); None elsewhere."""
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def quantize_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool,
+                   block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> Quantized:
+    """:func:`quantize`'s values from the Triton quantizer (where :func:`kernel_runs`): q8 / k8 / v8 are views of
+    head-major buffers padded with zeros to whole blocks, the layout kernel version 2 reads."""
+    return _quantizer().quantize(q, k, v, scale, smooth_k, block_m, block_n)
+
+
+def attend(t: Quantized, cfg: Attn8Config, dtype: torch.dtype) -> torch.Tensor:
+    """The Triton kernel of ``cfg.version`` on ``t`` (quantized with ``cfg``'s blocks) -> [B, Sq, H, D] ``dtype``."""
+    if (t.block_m, t.block_n) != (cfg.block_m, cfg.block_n):
+        raise ValueError(f"attn8: inputs quantized in blocks of {t.block_m} / {t.block_n} rows, configuration "
+                         f"{cfg.label} tiles {cfg.block_m} / {cfg.block_n}: quantize with the configuration's blocks")
+    out = torch.empty(t.q8.shape, device=t.q8.device, dtype=dtype)
+    if out.numel():
+        if cfg.version == 1:
+            _kernels().launch(t, out, cfg.block_m, cfg.block_n, P_SCALE, cfg.num_warps, cfg.num_stages)
+        else:
+            _kernels().launch_v2(t, out, cfg, P_SCALE)
+    return out
+
+
+def attn8_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool,
+                 cfg: Attn8Config) -> torch.Tensor:
+    """The op's work at configuration ``cfg`` (the op takes the table's): the fused quantizer and the kernel where
+    :func:`kernel_runs`, else :func:`quantize` and :func:`attention_reference` at ``cfg``'s blocks."""
+    check_inputs(q, k, v)
+    check_config(cfg)
+    if not kernel_runs(q, k, v):
+        t = quantize(q, k, v, scale, smooth_k, cfg.block_m, cfg.block_n)
+        return attention_reference(t).to(q.dtype).contiguous()
+    if q.shape[1] == 0:
+        return torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    return attend(quantize_fused(q, k, v, scale, smooth_k, cfg.block_m, cfg.block_n), cfg, q.dtype)
+
+
 @torch.library.custom_op("fastwan::attn8", mutates_args=())
 def attn8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool) -> torch.Tensor:
     """8-bit attention (the module docstring's rule): q [B, Sq, H, D], k/v [B, Skv, H, D], ``scale`` the softmax
-    scale, ``smooth_k`` K minus its token mean -> [B, Sq, H, D] in q's dtype."""
-    check_inputs(q, k, v)
-    t = quantize(q, k, v, scale, smooth_k)
-    if not kernel_runs(q, k, v):
-        return attention_reference(t).to(q.dtype).contiguous()
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if out.numel():
-        _kernels().launch(t, out, BLOCK_M, BLOCK_N, P_SCALE)
-    return out
+    scale, ``smooth_k`` K minus its token mean -> [B, Sq, H, D] in q's dtype, at the configuration
+    :func:`fastwan.kernels.attn8_configs.config_for` gives for the head dim and q's GPU."""
+    return attn8_config(q, k, v, scale, smooth_k, config_for(q.shape[-1], capability(q.device)))
 
 
 @attn8.register_fake
