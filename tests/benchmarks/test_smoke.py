@@ -45,6 +45,7 @@ SMOKE = {
                            "--out", "{dir}/vae_wan22.json"], "vae_wan22.json", "bf16+tiny+nchw+frames"),
     "serve_bench": (["--ckpt", "{ckpt}", "--out", "{dir}/serve.json"], "serve.json", "| fastwan serve (cpu) |"),
     "ring_bench": (["--out", "{dir}/ring.json"], "ring.json", "| tiny-ring4 | ring | "),
+    "attn8_bench": (["--out", "{dir}/attn8.json"], "attn8.json", "| tiny | v1-torchquant | "),
     "probes/tiny_decode": ([], None, "| TinyDecoder.frames (the generator's decode) |"),
     "stream_bench": (["--plain", "{dir}/stream-plain", "--ckpt", "{dir}/stream-causal", "--out", "{dir}/stream.json"],
                      "stream.json", "| eager+window | 32x32 |"),

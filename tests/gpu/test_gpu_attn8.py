@@ -10,6 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastwan.attention.synthetic import wan_like_qkv
 from fastwan.kernels import attn8 as A
+from fastwan.kernels.attn8_configs import config_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="needs CUDA sm90+")
@@ -51,14 +52,15 @@ def test_kernel_matches_its_reference_and_exact_attention(k_offset):
     q, k, v = _inputs(k_offset)
     scale = D ** -0.5
     out = torch.ops.fastwan.attn8(q, k, v, scale, True)
-    ref = A.attention_reference(A.quantize(q, k, v, scale))
+    cfg = config_for(D, A.capability("cuda"))  # the op's configuration: its quantization blocks
+    ref = A.attention_reference(A.quantize(q, k, v, scale, True, cfg.block_m, cfg.block_n))
     exact = _exact(q, k, v)
     bf16 = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     to_ref, to_exact, bf16_err = _rel(out, ref), _rel(out, exact), _rel(bf16, exact)
     t8 = _ms(lambda: torch.ops.fastwan.attn8(q, k, v, scale, True))
-    tq = _ms(lambda: A.quantize(q, k, v, scale))
+    tq = _ms(lambda: A.quantize_fused(q, k, v, scale, True, cfg.block_m, cfg.block_n))
     tsdpa = _ms(lambda: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))))
-    print(f"\nattn8 k_offset={k_offset}: rel. L2 to its reference {to_ref:.2e}, to exact {to_exact:.2e} "
+    print(f"\nattn8 {cfg.label} k_offset={k_offset}: rel. L2 to its reference {to_ref:.2e}, to exact {to_exact:.2e} "
           f"(bf16 SDPA {bf16_err:.2e}); {t8:.2f} ms ({tq:.2f} ms of it quantizing), bf16 SDPA {tsdpa:.2f} ms")
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and bool(torch.isfinite(out).all())
     assert to_ref <= 5e-3  # the output's bf16 rounding and the tensor cores' accumulation order

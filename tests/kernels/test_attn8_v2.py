@@ -194,6 +194,28 @@ def test_attend_refuses_blocks_other_than_its_config():
         A.attend(t, Attn8Config(block_m=64, block_n=16), q.dtype)
 
 
+BENCH = r"""
+import json, sys, tempfile
+from pathlib import Path
+from benchmarks import attn8_bench
+
+out = Path(tempfile.mkdtemp()) / "attn8.json"
+assert attn8_bench.main(["--smoke", "--interpret", "--out", str(out)]) == 0
+rows = json.loads(out.read_text())["results"]
+configs = [r for r in rows if r["variant"].startswith(("v1-m", "v2-m"))]
+assert len(configs) >= 6 and all("ms" in r and r["route"] == "triton" for r in configs), rows
+assert any(r["variant"].endswith("fold-ffma") for r in configs)  # the options were applied to the fastest
+print(f"WORST {max(r['rel_l2'] for r in configs):.3e}")
+"""
+
+
+@needs_triton
+def test_benchmark_sweeps_the_kernels_under_the_interpreter():
+    """benchmarks/attn8_bench.py --smoke --interpret: the sweep's rows run the fused quantizer and the kernels (not
+    the references), each within the error bound against exact attention."""
+    assert worst_error(BENCH) <= 3e-2
+
+
 def _sm90(fn, signature: dict, consts: dict, warps: int, stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
