@@ -192,8 +192,9 @@ def attend(t: Quantized, cfg: Attn8Config, dtype: torch.dtype) -> torch.Tensor:
 
 def attn8_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, smooth_k: bool,
                  cfg: Attn8Config) -> torch.Tensor:
-    """The op's work at configuration ``cfg`` (the op takes the table's): the fused quantizer and the kernel where
-    :func:`kernel_runs`, else :func:`quantize` and :func:`attention_reference` at ``cfg``'s blocks."""
+    """The op's work at configuration ``cfg`` (the op takes the table's): where :func:`kernel_runs`, the kernel of
+    ``cfg.version`` on its quantizer's output (version 2: the fused quantizer; 1: :func:`quantize`), else
+    :func:`quantize` and :func:`attention_reference` at ``cfg``'s blocks."""
     check_inputs(q, k, v)
     check_config(cfg)
     if not kernel_runs(q, k, v):
@@ -201,7 +202,8 @@ def attn8_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return attention_reference(t).to(q.dtype).contiguous()
     if q.shape[1] == 0:
         return torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    return attend(quantize_fused(q, k, v, scale, smooth_k, cfg.block_m, cfg.block_n), cfg, q.dtype)
+    quantized = quantize_fused if cfg.version == 2 else quantize  # version 1: the route measured on a GPU
+    return attend(quantized(q, k, v, scale, smooth_k, cfg.block_m, cfg.block_n), cfg, q.dtype)
 
 
 @torch.library.custom_op("fastwan::attn8", mutates_args=())

@@ -53,7 +53,9 @@ class Attn8Config(NamedTuple):
         return f"v{self.version}-m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}{extra}"
 
 
-DEFAULT = Attn8Config()
+# the build measured on a GPU (RESULTS.md): version 1 on the PyTorch quantizer; version 2 and the fused quantizer
+# take over from benchmarks.attn8_bench's table entry once a GPU run has checked and timed them
+DEFAULT = Attn8Config(version=1)
 BLOCKS = (16, 32, 64, 128, 256)  # tile sizes (tl.arange needs a power of two; the tensor cores 16 or more)
 POLY_DEGREES = (3, 4, 5)
 # (head dim, (major, minor) or None for any GPU) -> configuration; the benchmark's best entry goes here
