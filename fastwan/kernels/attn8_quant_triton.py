@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastwan.kernels import attn8 as A
+from fastwan.kernels import attn8_rule as A
 from fastwan.kernels.attn8_triton import _e4m3_round
 
 STATS_ROWS = 64  # tokens a step in kv_stats
