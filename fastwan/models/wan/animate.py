@@ -57,15 +57,24 @@ class ScaledConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(cout)) if bias and not act else None
         self.act_fn = LeakyBias(cout) if act else None
         self.blur_padding = None
+        self._blur: dict = {}  # (device, dtype) -> the blur kernel, made at first use there
         if blur:
             p = len(BLUR) - stride + kernel - 1
             self.blur_padding = ((p + 1) // 2, p // 2)
 
+    def blur_kernel(self, like: torch.Tensor) -> torch.Tensor:
+        """The depthwise blur kernel [cin, 1, 4, 4] on ``like``'s device and dtype, made once there (not a buffer: a
+        module built on the meta device has no values; made per call, its host-to-device copy would sync the stream
+        every call)."""
+        key = (like.device, like.dtype)
+        if key not in self._blur:
+            k = torch.tensor(BLUR, dtype=like.dtype, device=like.device)
+            self._blur[key] = (torch.outer(k, k) / k.sum() ** 2)[None, None].expand(self.cin, 1, -1, -1)
+        return self._blur[key]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blur_padding is not None:  # made here, not held: a module built on the meta device has no values
-            k = torch.tensor(BLUR, dtype=x.dtype, device=x.device)
-            k = (torch.outer(k, k) / k.sum() ** 2)[None, None].expand(self.cin, 1, -1, -1)
-            x = F.conv2d(x, k, padding=self.blur_padding, groups=self.cin)
+        if self.blur_padding is not None:
+            x = F.conv2d(x, self.blur_kernel(x), padding=self.blur_padding, groups=self.cin)
         x = F.conv2d(x.to(self.weight.dtype), self.weight * self.scale, self.bias, self.stride, self.padding)
         return x if self.act_fn is None else self.act_fn(x, 1)
 
@@ -128,15 +137,21 @@ class MotionEncoder(nn.Module):
                                             + [ScaledLinear(style, cfg.motion_dim)])
         self.motion_synthesis_weight = nn.Parameter(torch.empty(cfg.motion_encoder_dim, cfg.motion_dim))
 
-    def forward(self, faces: torch.Tensor) -> torch.Tensor:
+    def directions(self) -> torch.Tensor:
+        """The motion directions: an orthonormal basis of the synthesis weight's columns (QR in fp32)
+        [motion_encoder_dim, motion_dim]."""
+        return torch.linalg.qr((self.motion_synthesis_weight + 1e-8).float())[0]
+
+    def forward(self, faces: torch.Tensor, directions: torch.Tensor | None = None) -> torch.Tensor:
+        """``directions``: :meth:`directions` made once by a caller that runs several batches of frames (None:
+        made here)."""
         x = self.conv_in(faces)
         for blk in self.res_blocks:
             x = blk(x)
         alpha = self.conv_out(x).flatten(1)  # [N, style] (4x4 -> 1x1)
         for lin in self.motion_network:
             alpha = lin(alpha)
-        # the motion directions: an orthonormal basis of the synthesis weight's columns (QR in fp32)
-        q = torch.linalg.qr((self.motion_synthesis_weight + 1e-8).float())[0]
+        q = self.directions() if directions is None else directions
         return (alpha.float() @ q.T).to(alpha.dtype)
 
 
@@ -233,7 +248,8 @@ def face_tokens(model, face: torch.Tensor, batch_size: int | None = None) -> tor
     B, _, S = face.shape[:3]
     frames = face.to(model.dtype).transpose(1, 2).flatten(0, 1)  # [B * S, 3, size, size]
     step = batch_size or model.config.motion_encoder_batch_size
-    motion = torch.cat([model.motion_encoder(f) for f in frames.split(step)]).unflatten(0, (B, S))
+    q = model.motion_encoder.directions()  # once for every batch of frames
+    motion = torch.cat([model.motion_encoder(f, q) for f in frames.split(step)]).unflatten(0, (B, S))
     tokens = model.face_encoder(motion)
     return torch.cat([torch.zeros_like(tokens[:, :1]), tokens], dim=1)
 
