@@ -117,8 +117,7 @@ def control_hints(model, e, control: torch.Tensor, contexts: list, scales: Seque
             c = blk.proj_in(c) + e.x
         meta = model.attention_meta(e, layer, step_index, num_steps)
         c = settle(blk(Residual(c), contexts[first + k], e.mod, e.rope, model.attention, meta))
-        hint = blk.proj_out(c)
-        hints.append(hint if scales[k] == 1.0 else hint * scales[k])  # x * 1.0 == x: no pass over the hint
+        hints.append(blk.proj_out(c) * scales[k])
     return hints
 
 
