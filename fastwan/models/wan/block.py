@@ -39,13 +39,12 @@ class Residual(NamedTuple):
 def settle(r: Residual) -> torch.Tensor:
     """The stream as one tensor in x's dtype."""
     x = r.x
-    if r.offset is None and r.y is None:
-        return x
-    y = r.offset if r.y is None else r.y if r.gate is None else r.y.float() * r.gate
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)):
-        return (x.float() + y.float()).to(x.dtype)  # Inductor fuses the casts; autograd takes no out=
-    # eager: one kernel, the sum in fp32 (the operands' common type, or the opmath of two 16-bit ones) rounded once
-    return torch.add(x, y, out=torch.empty_like(x))
+    if r.offset is not None:
+        return (x.float() + r.offset).to(x.dtype)
+    if r.y is not None:
+        y = r.y.float() if r.gate is None else r.y.float() * r.gate
+        return (x.float() + y).to(x.dtype)
+    return x
 
 
 class WanBlock(nn.Module):
