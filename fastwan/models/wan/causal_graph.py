@@ -171,7 +171,8 @@ class ChunkGraphs:
         g.timestep.copy_(timestep)
         g.rope.copy_(run.rope)
 
-    def _reset(self, geometry: tuple) -> None:
+    def _reset(self, geometry: tuple | None) -> None:
+        """Drop the graphs, the warm keys, the text buffers and the caches' buffers; then serve ``geometry``."""
         self._graphs.clear()
         self._warm.clear()
         self._slots.clear()
@@ -210,13 +211,10 @@ class ChunkGraphs:
 
     def close(self) -> None:
         """Free the graphs, their memory pool, the text buffers and the caches' buffers."""
-        self._graphs.clear()
-        self._warm.clear()
-        self._slots.clear()
+        self._reset(None)
         for cache in self._caches:
-            cache.k = cache.v = None
             cache.tokens = 0
-        self._geometry = self._pool = self._run = None
+        self._pool = self._run = None
 
     def __len__(self) -> int:
         """Graphs held."""
